@@ -1,0 +1,399 @@
+"""The packed batch: one THD layout carries a step from rollout to loss.
+
+A step's samples (prompt + response token ids) are concatenated into one flat token axis. The
+:class:`PackedLayout` is computed once and shared by everything per-token: input ids, labels,
+the loss mask, behaviour log-probs, advantages and routed experts. ``pack``, ``unpack`` and
+``roll`` live here and nowhere else.
+
+Alignment conventions (see :mod:`rlcore.types`):
+
+* ``input_ids[t]`` is the token at position ``t``; ``labels()[t]`` is the token it predicts,
+  ``input_ids[t + 1]`` of the same sequence.
+* *target fields* (log-probs, advantages) and ``loss_mask`` are label-aligned: the value at
+  ``t`` is about the token ``t + 1``. :meth:`PackedBatch.pack` takes them indexed by the token
+  they describe and shifts them once.
+* *input fields* (routed experts) are indexed by the position whose forward produced them.
+* Sequences are padded to a multiple of ``align`` (tensor/context-parallel engines need it);
+  padding positions have ``pad_id``, mask False, and the fill value in every field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from rlcore.errors import BatchShapeError
+
+
+def _as_1d_long(x: Any, what: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dim() != 1:
+        raise BatchShapeError(f"{what} must be 1-D token ids, got shape {tuple(t.shape)}")
+    return t.to(torch.long)
+
+
+def _default_fill(dtype: torch.dtype) -> int | float | bool:
+    if dtype == torch.bool:
+        return False
+    if dtype.is_floating_point:
+        return 0.0
+    return -1
+
+
+@dataclass
+class PackedLayout:
+    """Where each sequence lives on the packed token axis.
+
+    ``cu_seqlens`` are the cumulative raw lengths ``[B + 1]`` (int32, as flash-attention and
+    Megatron's ``PackedSeqParams`` take them); ``cu_seqlens_padded`` the cumulative lengths
+    after each sequence was padded to a multiple of ``align`` (the last one may carry extra
+    padding so the total is a multiple of ``align_total``). Positions are addressed through the
+    padded offsets.
+    """
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    align: int = 1
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens.shape != self.cu_seqlens_padded.shape:
+            raise BatchShapeError(
+                f"cu_seqlens {tuple(self.cu_seqlens.shape)} and cu_seqlens_padded "
+                f"{tuple(self.cu_seqlens_padded.shape)} must both be [num_seqs + 1]"
+            )
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], align: int = 1, align_total: int = 1) -> PackedLayout:
+        if align < 1 or align_total < 1:
+            raise ValueError("align and align_total must be >= 1")
+        lens = torch.as_tensor(list(lengths), dtype=torch.int64)
+        if lens.numel() and int(lens.min()) < 1:
+            raise BatchShapeError("every packed sequence needs at least one token")
+        padded = (lens + align - 1) // align * align
+        if padded.numel() and align_total > 1:
+            total = int(padded.sum())
+            extra = (-total) % align_total
+            padded[-1] += extra
+        zero = torch.zeros(1, dtype=torch.int64)
+        cu = torch.cat([zero, lens.cumsum(0)]).to(torch.int32)
+        cu_p = torch.cat([zero, padded.cumsum(0)]).to(torch.int32)
+        return cls(cu, cu_p, align)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int64)
+
+    @property
+    def padded_lens(self) -> torch.Tensor:
+        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).to(torch.int64)
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """Padded start offset of each sequence on the token axis."""
+        return self.cu_seqlens_padded[:-1].to(torch.int64)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.cu_seqlens_padded[-1]) if self.num_seqs else 0
+
+    @property
+    def max_seqlen(self) -> int:
+        return int(self.seq_lens.max()) if self.num_seqs else 0
+
+    def seq_index(self) -> torch.Tensor:
+        """``[T]`` int64: the sequence each position belongs to (its padding included)."""
+        return torch.repeat_interleave(torch.arange(self.num_seqs), self.padded_lens)
+
+    def offsets(self) -> torch.Tensor:
+        """``[T]`` int64: each position's offset within its sequence (restarts at 0)."""
+        seq = self.seq_index()
+        return torch.arange(self.total_tokens) - self.starts[seq]
+
+    def valid(self) -> torch.Tensor:
+        """``[T]`` bool: True on real tokens, False on alignment padding."""
+        seq = self.seq_index()
+        return self.offsets() < self.seq_lens[seq]
+
+    def position_ids(self) -> torch.Tensor:
+        """``[T]`` int64 positions restarting at 0 for every sequence (padding continues)."""
+        return self.offsets()
+
+    def padded_positions(self, seq: int) -> slice:
+        return slice(int(self.cu_seqlens_padded[seq]), int(self.cu_seqlens_padded[seq + 1]))
+
+
+@dataclass
+class PackedBatch:
+    """A step (or micro-batch) of packed sequences with every per-token field aligned to it.
+
+    ``fields`` hold per-token tensors ``[T, ...]`` (``old_logprobs``, ``advantages``,
+    ``ref_logprobs``, ``routes`` ...), ``seq_fields`` per-sequence tensors ``[B, ...]``
+    (``reward``, ``group``, ``sample_index`` ...). ``token_offset``/``seq_offset`` locate a
+    micro-batch inside the step batch it was split from.
+    """
+
+    layout: PackedLayout
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    pad_id: int = 0
+    token_offset: int = 0
+    seq_offset: int = 0
+
+    def __post_init__(self) -> None:
+        T = self.layout.total_tokens
+        if self.input_ids.shape != (T,):
+            raise BatchShapeError(f"input_ids must be [T={T}], got {tuple(self.input_ids.shape)}")
+        if self.loss_mask.shape != (T,):
+            raise BatchShapeError(f"loss_mask must be [T={T}], got {tuple(self.loss_mask.shape)}")
+        for k, v in self.fields.items():
+            if v.dim() == 0 or v.shape[0] != T:
+                raise BatchShapeError(
+                    f"per-token field {k!r} must have T={T} rows, got shape {tuple(v.shape)}"
+                )
+        B = self.layout.num_seqs
+        for k, v in self.seq_fields.items():
+            if v.dim() == 0 or v.shape[0] != B:
+                raise BatchShapeError(
+                    f"per-sequence field {k!r} must have B={B} rows, got shape {tuple(v.shape)}"
+                )
+
+    # ------------------------------------------------------------------ construction -----
+
+    @classmethod
+    def pack(
+        cls,
+        sequences: Sequence[Any],
+        response_starts: Sequence[int],
+        *,
+        target_fields: Mapping[str, Sequence[Any]] | None = None,
+        input_fields: Mapping[str, Sequence[Any]] | None = None,
+        seq_fields: Mapping[str, Any] | None = None,
+        align: int = 1,
+        align_total: int = 1,
+        pad_id: int = 0,
+    ) -> PackedBatch:
+        """Pack variable-length sequences.
+
+        :param sequences: token ids per sequence (prompt followed by response).
+        :param response_starts: index of each sequence's first response token; the loss mask
+            covers the positions predicting tokens ``response_start .. len - 1``.
+        :param target_fields: per sequence, a tensor about each token, either over the whole
+            sequence (length ``L``) or over its response only (length ``L - response_start``);
+            stored label-aligned (the value for token ``i`` lands at position ``i - 1``).
+        :param input_fields: per sequence, a tensor ``[L, ...]`` or ``[L - 1, ...]`` indexed by
+            input position (routes: the rollout engine reports every token but the last; the
+            missing rows are filled with -1).
+        :param seq_fields: per-sequence values, ``[B, ...]``.
+        :param align: pad every sequence to a multiple of this (TP × CP × 2 for Megatron).
+        :param align_total: pad the last sequence so the total is a multiple of this.
+        """
+        seqs = [_as_1d_long(s, f"sequences[{i}]") for i, s in enumerate(sequences)]
+        if len(response_starts) != len(seqs):
+            raise BatchShapeError(
+                f"response_starts has {len(response_starts)} entries, expected one per sequence ({len(seqs)})"
+            )
+        lens = [s.numel() for s in seqs]
+        for i, (rs, n) in enumerate(zip(response_starts, lens)):
+            if not 0 < rs <= n:
+                raise BatchShapeError(
+                    f"response_starts[{i}]={rs} must be in [1, {n}] for a sequence of {n} tokens"
+                )
+        layout = PackedLayout.from_lengths(lens, align=align, align_total=align_total)
+        T = layout.total_tokens
+        starts = layout.starts.tolist()
+
+        input_ids = torch.full((T,), pad_id, dtype=torch.long)
+        response = torch.zeros(T, dtype=torch.bool)
+        for s, st, rs, n in zip(seqs, starts, response_starts, lens):
+            input_ids[st : st + n] = s
+            response[st + rs : st + n] = True
+        probe = cls(layout, input_ids, response)  # token-aligned mask, rolled below
+        loss_mask = probe.roll(response, -1, fill=False)
+
+        fields: dict[str, torch.Tensor] = {}
+        for name, per_seq in (target_fields or {}).items():
+            token_aligned = cls._scatter_per_seq(
+                name, per_seq, layout, lens, response_starts, kind="target"
+            )
+            fields[name] = probe.roll(token_aligned, -1)
+        for name, per_seq in (input_fields or {}).items():
+            fields[name] = cls._scatter_per_seq(name, per_seq, layout, lens, response_starts, kind="input")
+
+        sf: dict[str, torch.Tensor] = {}
+        for name, vals in (seq_fields or {}).items():
+            sf[name] = torch.as_tensor(vals)
+        return cls(layout, input_ids, loss_mask, fields, sf, pad_id=pad_id)
+
+    @staticmethod
+    def _scatter_per_seq(name, per_seq, layout, lens, response_starts, kind) -> torch.Tensor:
+        if len(per_seq) != len(lens):
+            raise BatchShapeError(
+                f"field {name!r} has {len(per_seq)} entries, expected one per sequence ({len(lens)})"
+            )
+        first = torch.as_tensor(per_seq[0]) if per_seq else torch.zeros(0)
+        trailing = tuple(first.shape[1:])
+        out = torch.full((layout.total_tokens, *trailing), _default_fill(first.dtype), dtype=first.dtype)
+        for i, (vals, st, n, rs) in enumerate(zip(per_seq, layout.starts.tolist(), lens, response_starts)):
+            v = torch.as_tensor(vals)
+            if tuple(v.shape[1:]) != trailing:
+                raise BatchShapeError(
+                    f"field {name!r}[{i}] has trailing shape {tuple(v.shape[1:])}, expected {trailing}"
+                )
+            if kind == "target":
+                if v.shape[0] == n:
+                    out[st : st + n] = v
+                elif v.shape[0] == n - rs:
+                    out[st + rs : st + n] = v
+                else:
+                    raise BatchShapeError(
+                        f"target field {name!r}[{i}] has {v.shape[0]} rows; expected {n} (whole "
+                        f"sequence) or {n - rs} (response tokens)"
+                    )
+            else:
+                if v.shape[0] == n:
+                    out[st : st + n] = v
+                elif v.shape[0] == n - 1:
+                    out[st : st + n - 1] = v
+                else:
+                    raise BatchShapeError(
+                        f"input field {name!r}[{i}] has {v.shape[0]} rows; expected {n} or {n - 1} "
+                        f"(one per input position of a {n}-token sequence)"
+                    )
+        return out
+
+    # --------------------------------------------------------------------- queries -------
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.total_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.layout.num_seqs
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def position_ids(self) -> torch.Tensor:
+        return self.layout.position_ids().to(self.device)
+
+    def labels(self) -> torch.Tensor:
+        """``[T]`` the token each position predicts (``pad_id`` where there is none)."""
+        return self.roll(self.input_ids, -1, fill=self.pad_id)
+
+    def seq_index(self) -> torch.Tensor:
+        return self.layout.seq_index().to(self.device)
+
+    # ----------------------------------------------------------------- transforms --------
+
+    def roll(self, x: torch.Tensor, shifts: int = -1, fill: Any = None) -> torch.Tensor:
+        """Shift ``x`` along the token axis within each sequence, never across a boundary.
+
+        ``roll(x, -1)[t] == x[t + 1]`` when ``t + 1`` is in the same sequence, else ``fill``
+        (the dtype's default: 0, False, or -1 for integers). Padding positions get ``fill``.
+        """
+        T = self.num_tokens
+        if x.shape[0] != T:
+            raise BatchShapeError(f"roll expects a tensor with T={T} rows, got {tuple(x.shape)}")
+        if fill is None:
+            fill = _default_fill(x.dtype)
+        lay = self.layout
+        seq = lay.seq_index()
+        off = torch.arange(T) - lay.starts[seq]
+        src_off = off - shifts
+        ok = (off < lay.seq_lens[seq]) & (src_off >= 0) & (src_off < lay.seq_lens[seq])
+        src = (lay.starts[seq] + src_off).clamp(0, max(T - 1, 0))
+        ok = ok.to(x.device)
+        src = src.to(x.device)
+        out = x.index_select(0, src)
+        mask = ok.view(-1, *([1] * (x.dim() - 1)))
+        return torch.where(mask, out, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+
+    def unpack(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Split a per-token tensor ``[T, ...]`` into one tensor per sequence (raw lengths)."""
+        if x.shape[0] != self.num_tokens:
+            raise BatchShapeError(f"unpack expects T={self.num_tokens} rows, got {tuple(x.shape)}")
+        pieces = torch.split(x, self.layout.padded_lens.tolist(), dim=0)
+        return [p[:n] for p, n in zip(pieces, self.layout.seq_lens.tolist())]
+
+    def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sum of a per-token tensor ``[T]`` → ``[B]`` (vectorised)."""
+        out = torch.zeros(self.num_seqs, dtype=x.dtype, device=x.device)
+        return out.index_add_(0, self.seq_index(), x)
+
+    def with_fields(self, **fields: torch.Tensor) -> PackedBatch:
+        new = dict(self.fields)
+        new.update(fields)
+        return replace(self, fields=new)
+
+    def to(self, device: Any) -> PackedBatch:
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            loss_mask=self.loss_mask.to(device),
+            fields={k: v.to(device) for k, v in self.fields.items()},
+            seq_fields={k: v.to(device) for k, v in self.seq_fields.items()},
+        )
+
+    def select_seqs(self, start: int, stop: int) -> PackedBatch:
+        """The contiguous sequences ``[start, stop)`` as a batch of their own (views)."""
+        lay = self.layout
+        t0, t1 = int(lay.cu_seqlens_padded[start]), int(lay.cu_seqlens_padded[stop])
+        r0 = int(lay.cu_seqlens[start])
+        sub = PackedLayout(lay.cu_seqlens[start : stop + 1] - r0, lay.cu_seqlens_padded[start : stop + 1] - t0, lay.align)
+        return PackedBatch(
+            sub,
+            self.input_ids[t0:t1],
+            self.loss_mask[t0:t1],
+            {k: v[t0:t1] for k, v in self.fields.items()},
+            {k: v[start:stop] for k, v in self.seq_fields.items()},
+            pad_id=self.pad_id,
+            token_offset=self.token_offset + t0,
+            seq_offset=self.seq_offset + start,
+        )
+
+    def micro_batches(self, max_tokens: int) -> list[PackedBatch]:
+        """Split into micro-batches of whole sequences, each at most ``max_tokens`` (padded)
+        tokens; a sequence longer than the budget gets a micro-batch of its own."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        out: list[PackedBatch] = []
+        lens = self.layout.padded_lens.tolist()
+        start, used = 0, 0
+        for i, n in enumerate(lens):
+            if used and used + n > max_tokens:
+                out.append(self.select_seqs(start, i))
+                start, used = i, 0
+            used += n
+        if start < len(lens):
+            out.append(self.select_seqs(start, len(lens)))
+        return out
+
+    def write_back(self, micro: PackedBatch, key: str, value: torch.Tensor) -> None:
+        """Store a micro-batch's per-token ``value`` into this (step) batch's field ``key``."""
+        t0 = micro.token_offset - self.token_offset
+        t1 = t0 + micro.num_tokens
+        if value.shape[0] != micro.num_tokens:
+            raise BatchShapeError(
+                f"batch update {key!r} must have the micro-batch's {micro.num_tokens} rows, got {tuple(value.shape)}"
+            )
+        cur = self.fields.get(key)
+        if cur is None or tuple(cur.shape[1:]) != tuple(value.shape[1:]) or cur.dtype != value.dtype:
+            cur = torch.full(
+                (self.num_tokens, *value.shape[1:]), _default_fill(value.dtype), dtype=value.dtype, device=value.device
+            )
+            self.fields[key] = cur
+        cur[t0:t1] = value.to(cur.device)

@@ -1,0 +1,135 @@
+"""The ``rlcore`` command line: ``plugins``, ``check``, ``train``, ``--version``.
+
+``rlcore plugins`` imports plugin modules only (never their engines, which load in factories)
+and not torch; it runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from rlcore import __version__
+from rlcore.errors import RLCoreError
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from rlcore.manager import PluginManager
+
+    pm = PluginManager()
+    selected: list[str] = []
+    if args.config:
+        from rlcore.config import raw_plugins, read_raw
+
+        selected = PluginManager.requested_plugins(raw_plugins(read_raw(args.config)))
+    else:
+        selected = PluginManager.requested_plugins(None)
+    records = pm.describe(selected)
+    if args.hook:
+        records = [r for r in records if args.hook in r.hooks]
+    if args.json:
+        print(json.dumps([r.to_json() for r in records], indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"rlcore {__version__} plugins")
+    for col in ("name", "distribution", "version", "status", "hooks", "provides"):
+        table.add_column(col)
+    for r in records:
+        provides = "; ".join(f"{k}: {', '.join(v)}" for k, v in r.provides.items() if v)
+        status = r.status + (f" ({r.error})" if r.error else "")
+        table.add_row(r.name, r.distribution, r.version, status, ", ".join(r.hooks), provides)
+    _console().print(table)
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rlcore.stack import config_yaml, load_stack
+
+    stack = load_stack(args.config, args.overrides)
+    desc = stack.describe()
+    if args.json:
+        print(json.dumps(desc, indent=2))
+        return 0
+    con = _console()
+    con.print(f"[bold]rlcore {__version__}[/] stack for {args.config}")
+    con.print("plugins: " + ", ".join(f"{p['name']} ({p['distribution']})" for p in desc["plugins"]))
+    for role in ("engine", "forward_fn", "rollout_backend", "weight_sync"):
+        s = desc[role]
+        con.print(f"  {role:16s} {s['name']:14s} from {s['distribution']}  [{', '.join(s['capabilities'])}]")
+    for hook, names in desc["chains"].items():
+        con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
+    for note in desc["notes"]:
+        con.print(f"  [yellow]note:[/] {note}")
+    if args.show_config:
+        con.print(config_yaml(stack))
+    con.print("[green]config OK[/]")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rlcore.stack import load_stack
+    from rlcore.trainer import Trainer
+
+    overrides = list(args.overrides)
+    if args.output:
+        overrides.append(f"output.dir={args.output}")
+    stack = load_stack(args.config, overrides)
+    trainer = Trainer(stack, resume=args.resume)
+    summary = trainer.run()
+    return 0 if summary.get("completed", False) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlcore", description="RL post-training with pluggable engines and kernels")
+    p.add_argument("--version", action="version", version=f"rlcore {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pl = sub.add_parser("plugins", help="list installed plugins, their status, hooks and provided names")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument("--hook", help="only plugins implementing this hook")
+    pl.add_argument("--config", help="mark the plugins this config selects as active")
+    pl.set_defaults(func=_cmd_plugins)
+
+    ck = sub.add_parser("check", help="validate a config and print the resolved stack")
+    ck.add_argument("config")
+    ck.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. rollout.n=8")
+    ck.add_argument("--json", action="store_true")
+    ck.add_argument("--show-config", action="store_true", help="also print the resolved config")
+    ck.set_defaults(func=_cmd_check)
+
+    tr = sub.add_parser("train", help="run RL training")
+    tr.add_argument("config")
+    tr.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. training.steps=10")
+    tr.add_argument("--output", "-o", help="output directory (metrics, plot, checkpoints)")
+    tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in the output directory")
+    tr.set_defaults(func=_cmd_train)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # dotlist overrides may come after options (train CONFIG --output DIR rollout.n=8)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        bad = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        args.overrides = list(args.overrides) + extra
+    try:
+        return int(args.func(args) or 0)
+    except RLCoreError as exc:
+        print(f"rlcore: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

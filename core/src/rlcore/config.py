@@ -1,0 +1,282 @@
+"""The run config: an omegaconf structured schema, extended by each active plugin's section.
+
+Loading is two-staged because plugins contribute schema: the YAML (plus command-line dotlist
+overrides such as ``rollout.n=8``) is read once untyped to learn ``plugins:``, those plugins are
+activated, and then the whole document is validated against :class:`RunConfig` extended with a
+field per plugin section. Unknown keys and values of the wrong type are :class:`ConfigError`\\ s
+that name the full key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import errors as oc_errors
+
+from rlcore.errors import ConfigError
+
+
+@dataclass
+class TinyModelConfig:
+    """A small model created locally from a config (no model hub). ``arch``: ``qwen2`` (dense),
+    ``qwen2_moe`` (shared expert) or ``qwen3_moe``. ``vocab_size`` 0 = the tokenizer's size."""
+
+    arch: str = "qwen2"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 64
+    intermediate_size: int = 256
+    num_experts: int = 8
+    topk: int = 2
+    moe_intermediate_size: int = 64
+    mtp_layers: int = 0
+    vocab_size: int = 0
+    init_std: float = 0.08
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """``path``: an HF model directory; when empty a tiny model is created from ``tiny`` (and a
+    tokenizer is built locally for the task)."""
+
+    path: Optional[str] = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: str = "float32"
+
+
+@dataclass
+class EngineConfig:
+    name: str = "hf"
+    device: str = "cpu"
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+
+@dataclass
+class ForwardConfig:
+    """The head (forward_fn) and how the policy's log-probs are computed."""
+
+    name: str = "reference"
+    chunk_tokens: int = 2048
+
+
+@dataclass
+class RolloutConfig:
+    """``release_kv_cache``: ``auto`` releases the KV cache around every weight push when the
+    backend can and reports when it cannot; ``always`` makes a backend without the capability
+    an error; ``never`` keeps it resident."""
+
+    backend: str = "local"
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 4
+    release_kv_cache: str = "auto"
+    return_routed_experts: bool = False
+    seed: Optional[int] = None
+
+
+@dataclass
+class SyncConfig:
+    name: str = "inproc"
+    bucket_mb: float = 64.0
+    verify: bool = True
+
+
+@dataclass
+class AlgorithmConfig:
+    """GRPO: group-normalised advantages, PPO-clip loss against the behaviour log-probs.
+
+    ``loss_agg``: ``token-mean`` (every response token weighs the same), ``seq-mean-token-mean``
+    (every sequence weighs the same), ``seq-mean-token-sum``. ``kl_coef`` > 0 adds a KL penalty
+    (``kl_estimator`` k1/k2/k3) to a frozen copy of the initial policy.
+    """
+
+    name: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    normalize_std: bool = True
+    updates_per_step: int = 1
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 150
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 4096
+    seed: int = 0
+    max_wall_seconds: float = 0.0  #: stop early after this many seconds (0 = no limit)
+
+
+@dataclass
+class DataConfig:
+    """``task`` and ``reward`` are ``module:function`` paths. The task builds the tokenizer
+    vocabulary and prompts; the reward scores a sample (see docs/tasks.md)."""
+
+    task: str = "rlcore.tasks:successor"
+    reward: str = "rlcore.tasks:successor_reward"
+    prompts_per_step: int = 16
+    prompt_len: int = 3
+
+
+@dataclass
+class OutputConfig:
+    dir: Optional[str] = None
+    checkpoint_every: int = 10
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    """The whole run. Each active plugin adds a top-level section of its own."""
+
+    plugins: list[str] = field(default_factory=list)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+CORE_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def read_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:
+    """The YAML merged with dotlist overrides, untyped (no schema yet)."""
+    try:
+        base = OmegaConf.load(path) if path else OmegaConf.create({})
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {path}") from exc
+    except Exception as exc:  # yaml errors
+        raise ConfigError(f"cannot parse config {path}: {exc}") from exc
+    if not isinstance(base, DictConfig):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    try:
+        over = OmegaConf.from_dotlist(list(overrides))
+    except Exception as exc:
+        raise ConfigError(f"bad command-line override {list(overrides)}: {exc}") from exc
+    return OmegaConf.merge(base, over)  # type: ignore[return-value]
+
+
+def raw_plugins(raw: DictConfig) -> list[str]:
+    plugins = raw.get("plugins", [])
+    if plugins is None:
+        return []
+    if not isinstance(plugins, (ListConfig, list)):
+        raise ConfigError(f"plugins: must be a list of plugin names, got {plugins!r}", key="plugins")
+    return [str(p).strip().lower() for p in plugins]
+
+
+def schema_with_plugins(settings: Sequence[Any]) -> type:
+    """:class:`RunConfig` extended with one field per plugin section."""
+    if not settings:
+        return RunConfig
+    extra = []
+    for ps in settings:
+        if ps.section in CORE_SECTIONS:
+            raise ConfigError(
+                f"plugin {ps.plugin!r} declares config section {ps.section!r}, which is a core section"
+            )
+        if not dataclasses.is_dataclass(ps.schema):
+            raise ConfigError(f"plugin {ps.plugin!r}: settings schema for {ps.section!r} must be a dataclass")
+        extra.append((ps.section, ps.schema, field(default_factory=ps.schema)))
+    return dataclasses.make_dataclass("RunConfigWithPlugins", extra, bases=(RunConfig,))
+
+
+def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sections: dict[str, str] | None = None) -> DictConfig:
+    """Merge ``raw`` into the structured schema. Errors name the full key."""
+    schema = schema_with_plugins(settings)
+    active_sections = {ps.section for ps in settings}
+    for key in raw.keys():
+        key = str(key)
+        if key in CORE_SECTIONS or key in active_sections:
+            continue
+        owner = (known_plugin_sections or {}).get(key)
+        if owner:
+            raise ConfigError(
+                f"config section {key!r} belongs to plugin {owner!r}, which is not active: add "
+                f"{owner!r} to plugins:",
+                key=key,
+            )
+        raise ConfigError(
+            f"unknown config key {key!r}. Top-level keys: {', '.join(CORE_SECTIONS + tuple(sorted(active_sections)))}",
+            key=key,
+        )
+    base = OmegaConf.structured(schema)
+    try:
+        merged = OmegaConf.merge(base, raw)
+    except oc_errors.ConfigKeyError as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        known = _known_keys(base, parent)
+        raise ConfigError(
+            f"unknown config key {key!r}" + (f"; {parent} has: {', '.join(known)}" if known else ""),
+            key=key,
+        ) from exc
+    except (oc_errors.ValidationError, oc_errors.ConfigTypeError) as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"bad value for config key {key!r}: {msg}", key=key) from exc
+    OmegaConf.set_readonly(merged, False)
+    _check_values(merged)
+    return merged  # type: ignore[return-value]
+
+
+def _known_keys(base: DictConfig, parent: str) -> list[str]:
+    node = OmegaConf.select(base, parent) if parent else base
+    if isinstance(node, DictConfig):
+        return [str(k) for k in node.keys()]
+    return []
+
+
+_CHOICES = {
+    "rollout.release_kv_cache": ("auto", "always", "never"),
+    "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.name": ("grpo",),
+}
+
+
+def _check_values(cfg: DictConfig) -> None:
+    for key, choices in _CHOICES.items():
+        val = OmegaConf.select(cfg, key)
+        if val not in choices:
+            raise ConfigError(f"bad value for config key {key!r}: {val!r}; choose one of: {', '.join(choices)}", key=key)
+    positive = ["rollout.n", "rollout.max_new_tokens", "training.micro_batch_tokens", "data.prompts_per_step", "training.steps"]
+    for key in positive:
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"bad value for config key {key!r}: must be >= 1", key=key)
+    if cfg.sync.bucket_mb <= 0:
+        raise ConfigError("bad value for config key 'sync.bucket_mb': must be > 0", key="sync.bucket_mb")
+    if cfg.rollout.temperature < 0:
+        raise ConfigError("bad value for config key 'rollout.temperature': must be >= 0", key="rollout.temperature")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError("bad value for config key 'rollout.top_p': must be in (0, 1]", key="rollout.top_p")
+    for key in ("data.task", "data.reward"):
+        val = OmegaConf.select(cfg, key)
+        if ":" not in val:
+            raise ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key)
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

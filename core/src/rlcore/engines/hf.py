@@ -1,0 +1,317 @@
+"""The ``hf`` training engine: any transformers causal LM, CPU or GPU.
+
+The body forward returns final hidden states for a :class:`~rlcore.batch.PackedBatch`; the head
+is the selected forward_fn's job. Packed sequences run through a right-padded ``[B, L_max]``
+view with an attention mask (transformers' eager/SDPA attention cannot take cu_seqlens on CPU)
+and the hidden states are scattered back onto the packed axis, so callers only ever see THD.
+
+MoE routers (transformers' ``*TopKRouter`` modules) get a forward hook — PyTorch's public
+API, no monkeypatching — that consults the ``router_hook`` chain and records the chosen experts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from rlcore.batch import PackedBatch
+from rlcore.engines.hf_names import checkpoint_tensors
+from rlcore.errors import BatchShapeError
+from rlcore.types import (
+    Cap,
+    EngineOutput,
+    HeadWeight,
+    MicroBatchContext,
+    ModelInfo,
+    RouteLayout,
+    RouterCall,
+    VocabShard,
+)
+
+HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES})
+
+
+def find_routers(model: Any) -> list[tuple[int, Any]]:
+    """``(layer_index, router_module)`` for every MoE router, ascending by layer."""
+    out = []
+    for name, mod in model.named_modules():
+        if type(mod).__name__.endswith("TopKRouter") and hasattr(mod, "top_k") and hasattr(mod, "num_experts"):
+            parts = name.split(".")
+            if "layers" not in parts:
+                raise BatchShapeError(f"cannot tell the layer of MoE router {name!r}")
+            out.append((int(parts[parts.index("layers") + 1]), mod))
+    return sorted(out, key=lambda x: x[0])
+
+
+def route_layout_of(model: Any) -> RouteLayout | None:
+    routers = find_routers(model)
+    if not routers:
+        return None
+    topk = {int(m.top_k) for _, m in routers}
+    experts = {int(m.num_experts) for _, m in routers}
+    if len(topk) != 1 or len(experts) != 1:
+        raise BatchShapeError(f"MoE layers disagree on top-k {topk} / experts {experts}")
+    return RouteLayout(
+        layers=tuple(i for i, _ in routers),
+        topk=topk.pop(),
+        num_experts=experts.pop(),
+        num_hidden_layers=int(model.config.num_hidden_layers),
+    )
+
+
+def routing_weights(router: Any, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The weights a transformers top-k router gives the experts ``indices``: softmax over all
+    experts in fp32, gathered, renormalised over the top-k when the router does so."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = probs.gather(1, indices)
+    if getattr(router, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype)
+
+
+@dataclass
+class _SeamState:
+    dispatch: Callable[[RouterCall], Any] | None
+    micro_batch: MicroBatchContext | None
+    record: bool
+    num_tokens: int
+    to_rows: Callable[[torch.Tensor], torch.Tensor]  # packed [T, ...] -> router rows [N, ...]
+    from_rows: Callable[[torch.Tensor], torch.Tensor]  # router rows -> packed
+    recorded: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class RouterSeam:
+    """Forward hooks on every MoE router of a transformers model (see module docstring)."""
+
+    def __init__(self, model: Any):
+        self.routers = find_routers(model)
+        self.layout = route_layout_of(model)
+        self.state: _SeamState | None = None
+        self._handles = [
+            mod.register_forward_hook(self._hook_for(pos, layer)) for pos, (layer, mod) in enumerate(self.routers)
+        ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook_for(self, routed_index: int, layer: int):
+        def hook(module, args, output):
+            st = self.state
+            if st is None:
+                return None
+            logits, scores, indices = output
+            if st.dispatch is not None:
+                call = RouterCall(
+                    layer=layer,
+                    routed_index=routed_index,
+                    is_mtp=False,
+                    num_experts=int(module.num_experts),
+                    topk=int(module.top_k),
+                    token_offset=0,
+                    num_tokens=st.num_tokens,
+                    micro_batch=st.micro_batch,
+                    scores=st.from_rows(logits.detach()),
+                )
+                decision = st.dispatch(call)
+                if decision is not None:
+                    forced = decision.indices
+                    if forced.shape != (st.num_tokens, module.top_k):
+                        raise BatchShapeError(
+                            f"router_hook for layer {layer} returned indices {tuple(forced.shape)}, "
+                            f"expected [num_tokens={st.num_tokens}, topk={module.top_k}]"
+                        )
+                    rows = st.to_rows(forced.to(indices.device, torch.long))
+                    native = (rows < 0).any(dim=-1, keepdim=True)
+                    indices = torch.where(native, indices, rows)
+                    scores = routing_weights(module, logits, indices)
+                    output = (logits, scores, indices)
+            if st.record:
+                st.recorded[routed_index] = indices.detach()
+            return output
+
+        return hook
+
+    def collect(self) -> torch.Tensor | None:
+        """Recorded routes as ``[N, routed_layers, topk]`` int16 in layout order."""
+        st = self.state
+        if st is None or not st.recorded:
+            return None
+        return torch.stack([st.recorded[i] for i in range(len(self.routers))], dim=1).to(torch.int16)
+
+
+class HFEngine:
+    """The built-in ``hf`` engine."""
+
+    capabilities = HF_ENGINE_CAPABILITIES
+
+    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu"):
+        self.model = model.to(device)
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.seam = RouterSeam(self.model)
+        cfg = model.config
+        self.info = ModelInfo(
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            num_hidden_layers=int(cfg.num_hidden_layers),
+            eos_token_id=tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id,
+            pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else cfg.pad_token_id) or 0,
+            route_layout=self.seam.layout,
+            mtp_layers=0,
+            architecture=str(cfg.model_type),
+        )
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ----------------------------------------------------------------- construction ------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "float32") -> HFEngine:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        tok = AutoTokenizer.from_pretrained(str(path))
+        return cls(model, tok, device)
+
+    # ----------------------------------------------------------------- forward -----------
+
+    def forward(
+        self,
+        batch: PackedBatch,
+        *,
+        record_routes: bool = False,
+        router: Callable[[RouterCall], Any] | None = None,
+        micro_batch: MicroBatchContext | None = None,
+        mtp_hidden: bool = False,
+    ) -> EngineOutput:
+        lay = batch.layout
+        dev = self.device
+        T = batch.num_tokens
+        B = lay.num_seqs
+        lens = lay.seq_lens
+        Lmax = lay.max_seqlen
+        seq = lay.seq_index()
+        off = lay.offsets()
+        valid = off < lens[seq]
+        packed_idx = valid.nonzero().squeeze(1).to(dev)
+        flat_idx = (seq * Lmax + off)[valid].to(dev)
+
+        ids = torch.full((B * Lmax,), batch.pad_id, dtype=torch.long, device=dev)
+        ids[flat_idx] = batch.input_ids.to(dev)[packed_idx]
+        attn = torch.zeros(B * Lmax, dtype=torch.long, device=dev)
+        attn[flat_idx] = 1
+        pos = torch.arange(Lmax, device=dev).expand(B, Lmax)
+
+        def to_rows(x: torch.Tensor) -> torch.Tensor:
+            rows = torch.full((B * Lmax, *x.shape[1:]), -1, dtype=x.dtype, device=x.device)
+            rows[flat_idx.to(x.device)] = x[packed_idx.to(x.device)]
+            return rows
+
+        def from_rows(x: torch.Tensor) -> torch.Tensor:
+            fill = -1 if not x.dtype.is_floating_point else 0
+            out = torch.full((T, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+            out[packed_idx.to(x.device)] = x[flat_idx.to(x.device)]
+            return out
+
+        self.seam.state = _SeamState(router, micro_batch, record_routes, T, to_rows, from_rows)
+        try:
+            out = self.model.base_model(
+                input_ids=ids.view(B, Lmax),
+                attention_mask=attn.view(B, Lmax),
+                position_ids=pos,
+                use_cache=False,
+            )
+            routes = self.seam.collect() if record_routes else None
+        finally:
+            self.seam.state = None
+        h = out.last_hidden_state.reshape(B * Lmax, -1)
+        hidden = h.new_zeros(T, h.shape[1]).index_copy(0, packed_idx, h.index_select(0, flat_idx))
+        if routes is not None:
+            routes = from_rows(routes)
+        return EngineOutput(hidden=hidden, routes=routes)
+
+    def head(self) -> HeadWeight:
+        w = self.model.get_output_embeddings().weight
+        return HeadWeight(weight=w, vocab=VocabShard.full(self.info.vocab_size, rows=w.shape[0]))
+
+    # ----------------------------------------------------------------- training ----------
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        return self.model.parameters()
+
+    def train(self, mode: bool = True) -> HFEngine:
+        self.model.train(mode)
+        return self
+
+    def setup_optimizer(self, training: Any) -> None:
+        betas = tuple(float(b) for b in training.betas)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=float(training.lr), betas=betas, weight_decay=float(training.weight_decay),
+        )
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, grad_clip: float) -> float:
+        if self.optimizer is None:
+            raise RuntimeError("setup_optimizer() was not called")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        return float(norm)
+
+    def make_reference(self) -> HFEngine:
+        """A frozen copy of the current policy (for the KL penalty)."""
+        ref = HFEngine(copy.deepcopy(self.model), self.tokenizer, self.device)
+        ref.model.eval()
+        for p in ref.model.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ----------------------------------------------------------------- weights -----------
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in checkpoint_tensors(self.model):
+            yield name, t.detach()
+
+    def save_hf(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if state.get("optimizer") is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def build_hf_engine(ctx: Any) -> HFEngine:
+    """Factory of the ``hf`` engine: from ``engine.model.path`` or a tiny model for the task."""
+    from rlcore.engines.tiny import make_tiny_model, make_tokenizer
+
+    ecfg = ctx.config.engine
+    device = ecfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if ecfg.model.path:
+        return HFEngine.from_pretrained(ecfg.model.path, device=device, dtype=ecfg.model.dtype)
+    task = ctx.extras.get("task")
+    words = task.vocab if task is not None else [str(i) for i in range(10)]
+    tok = make_tokenizer(words)
+    model = make_tiny_model(ecfg.model.tiny, tok, ecfg.model.dtype)
+    return HFEngine(model, tok, device)

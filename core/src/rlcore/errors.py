@@ -1,0 +1,68 @@
+"""Errors a user can act on. Each message names what is wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class RLCoreError(Exception):
+    """Base class of every error rlcore raises on purpose."""
+
+
+class ConfigError(RLCoreError, ValueError):
+    """A config value is missing, unknown or of the wrong type; the message names the key."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class PluginError(RLCoreError):
+    """Base of plugin loading and selection errors."""
+
+
+class PluginNotInstalledError(PluginError):
+    """A plugin named in the config (or ``RLCORE_PLUGINS``) has no installed entry point."""
+
+
+class PluginImportError(PluginError):
+    """A plugin's module raised while being imported."""
+
+
+class PluginAPIError(PluginError):
+    """A plugin was built for another ``PLUGIN_API``."""
+
+
+class PluginConflictError(PluginError):
+    """Two distributions provide the same plugin or provider name."""
+
+
+class PluginValidationError(PluginError):
+    """A hook implementation does not fit its spec, or implements a hook that does not exist."""
+
+
+class UnknownProviderError(PluginError, ConfigError):
+    """The config selects a provider name that no active plugin registers."""
+
+
+class IncompatiblePluginsError(PluginError):
+    """The selected stack violates a constraint a plugin declared."""
+
+
+class MissingCapabilityError(PluginError):
+    """A feature needs a capability the selected provider does not declare."""
+
+
+class BatchShapeError(RLCoreError, ValueError):
+    """A tensor handed to the packed batch has the wrong shape; the message says the expected one."""
+
+
+class WeightSyncError(RLCoreError):
+    """A weight push failed or could not be verified. ``receiver_version`` is the version the
+    receiver is known to hold afterwards (``None`` when it cannot be trusted any more)."""
+
+    def __init__(self, message: str, receiver_version: int | None = None):
+        super().__init__(message)
+        self.receiver_version = receiver_version
+
+
+class RolloutError(RLCoreError):
+    """The rollout backend failed or was used in a state that does not allow the call."""

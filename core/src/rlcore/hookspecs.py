@@ -1,0 +1,336 @@
+"""Hook specifications: the whole plugin contract of rlcore.
+
+There are two kinds of hook (docs/hooks.md has the lifecycle diagram):
+
+* **Provider hooks** (``forward_fn``, ``rollout_backend``, ``weight_sync``, ``engine``) return
+  typed descriptors (:mod:`rlcore.types`) naming implementations. Every name must be unique
+  across installed distributions; the config selects one by name.
+* **Chain hooks** (``forward_request``, ``postprocess``, ``router_hook``, ``step_end``) run every
+  active plugin's implementation in the order the config's ``plugins:`` list gives.
+  ``router_hook`` stops at the first non-None answer.
+
+Plus two declaration hooks, ``plugin_settings`` (a plugin's own config section) and
+``constraints`` (combinations a plugin cannot work in).
+
+An implementation may accept fewer arguments than its spec (so adding an argument here is a
+compatible change), never more. Chain hooks must not use ``tryfirst``/``trylast``: the order is
+the user's, in the config. Every hook is documented in docs/hooks.md as well; a test fails when
+a spec below is not.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlcore.types import (
+        Constraint,
+        EngineSpec,
+        ForwardFnSpec,
+        ForwardRequest,
+        MicroBatchContext,
+        ModelOutput,
+        PluginSettings,
+        PostprocessResult,
+        RolloutBackendSpec,
+        RouterCall,
+        RouterDecision,
+        StepContext,
+        WeightSyncSpec,
+    )
+
+PROJECT = "rlcore"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+PROVIDER_HOOKS = ("forward_fn", "rollout_backend", "weight_sync", "engine")
+CHAIN_HOOKS = ("forward_request", "postprocess", "router_hook", "step_end")
+DECLARATION_HOOKS = ("plugin_settings", "constraints")
+
+
+class RLCoreSpecs:
+    """The hook specifications (a namespace; pluggy reads the methods)."""
+
+    # ---------------------------------------------------------------- declarations -------
+
+    @hookspec
+    def plugin_settings(self) -> PluginSettings | None:
+        """Declare this plugin's own config section.
+
+        **Kind:** declaration. **Called:** once, when the plugin is loaded, before the config
+        is validated; also by ``rlcore plugins`` and ``rlcore check``.
+
+        :return: a :class:`~rlcore.types.PluginSettings` whose ``section`` is the top-level
+            YAML key and whose ``schema`` is a dataclass with defaults, or ``None``. Keys in
+            that section that the schema does not define, or values of the wrong type, are
+            config errors naming the key. Two plugins claiming one section is an error.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @dataclass
+            class FusedSettings:
+                block_vocab: int = 4096
+
+            @hookimpl
+            def plugin_settings():
+                return PluginSettings(section="fused", schema=FusedSettings)
+        """
+
+    @hookspec
+    def constraints(self) -> Iterable[Constraint]:
+        """Declare the combinations this plugin cannot work in.
+
+        **Kind:** declaration. **Called:** once per run after the config is resolved, before
+        anything is built (``rlcore check`` shows the result).
+
+        :return: :class:`~rlcore.types.IncompatibleWith` (this plugin and another cannot be
+            active together) and :class:`~rlcore.types.RequiresCapability` (the provider
+            selected for a role must declare a capability) descriptors. A violation fails the
+            run with an error that names both distributions and the reason.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def constraints():
+                yield RequiresCapability(
+                    role="rollout_backend", capability=Cap.ROUTED_EXPERTS,
+                    reason="R3 replays the experts the rollout engine chose",
+                    when=lambda cfg: cfg.replay.mode == "R3")
+        """
+
+    # ------------------------------------------------------------------- providers -------
+
+    @hookspec
+    def forward_fn(self) -> Iterable[ForwardFnSpec]:
+        """Register policy heads: per-token log-probs and entropy from hidden states.
+
+        **Kind:** provider; selected by ``forward.name``. **Called:** at plugin load (to list
+        names); the selected spec's ``factory(ctx: BuildContext)`` is called once per run and
+        returns a :class:`~rlcore.types.ForwardFn`.
+
+        The returned callable gets a :class:`~rlcore.types.HeadInput` per micro-batch — final
+        hidden states ``[T, H]``, the LM-head rows ``[V_local, H]`` of this tensor-parallel
+        rank with their :class:`~rlcore.types.VocabShard` (global offset, real vocab size so
+        padding rows are excluded, the TP group), labels, loss mask, temperature (float or
+        ``[T]``), sequence-parallel flag — and returns a :class:`~rlcore.types.HeadOutput`
+        with fp32 ``logprobs`` and ``entropy`` of shape ``[T]``, differentiable w.r.t.
+        hidden and weight, zero at masked positions. Under vocab sharding it combines the
+        ranks' softmax statistics itself and leaves the hidden-state gradient reduced.
+        Declare :class:`~rlcore.types.Cap` capabilities (``vocab_parallel``,
+        ``sequence_parallel``, ``per_token_temperature``, ``entropy``,
+        ``mask_skips_compute``); core refuses a config that needs one you lack.
+
+        :return: an iterable of :class:`~rlcore.types.ForwardFnSpec`.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def forward_fn():
+                def build(ctx):
+                    from my_plugin.kernel import MyHead   # heavy import only when selected
+                    return MyHead(ctx.settings)
+                yield ForwardFnSpec(name="myhead", factory=build,
+                                    capabilities={Cap.ENTROPY, Cap.VOCAB_PARALLEL})
+        """
+
+    @hookspec
+    def rollout_backend(self) -> Iterable[RolloutBackendSpec]:
+        """Register rollout engines that generate samples from the policy.
+
+        **Kind:** provider; selected by ``rollout.backend``. **Called:** at plugin load; the
+        selected spec's ``factory(ctx)`` is called once per run and returns a
+        :class:`~rlcore.types.RolloutBackend`, which core then ``start``\\ s from an HF-format
+        directory the engine wrote.
+
+        The backend returns, per sample, token ids, behaviour log-probs of the processed
+        distribution (temperature/top-p applied, as vLLM's ``processed_logprobs``), the weight
+        version that produced it and, when asked and able, routed experts. It declares what it
+        can do: ``pause``, ``release_kv_cache`` (core frees the KV cache before every weight
+        push and restores it after), ``release_weights``, ``prefix_cache_reset``,
+        ``routed_experts``, ``speculative``, and which weight-sync receivers it implements
+        (``receive_buckets``, ``receive_disk``). ``capabilities()`` on the instance reports
+        what really works on this platform (vLLM on CPU cannot sleep); core reports the gap
+        and never pretends.
+
+        :return: an iterable of :class:`~rlcore.types.RolloutBackendSpec`.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def rollout_backend():
+                yield RolloutBackendSpec(
+                    name="vllm", factory=lambda ctx: VLLMBackend(ctx.config.rollout),
+                    capabilities={Cap.LOGPROBS, Cap.PAUSE, Cap.RELEASE_KV_CACHE})
+        """
+
+    @hookspec
+    def weight_sync(self) -> Iterable[WeightSyncSpec]:
+        """Register weight transports from the trainer into a rollout backend.
+
+        **Kind:** provider; selected by ``sync.name``. **Called:** at plugin load; the
+        selected spec's ``factory(ctx)`` is called once per run and returns a
+        :class:`~rlcore.types.WeightSync`.
+
+        ``push(weights, target, version)`` consumes the training engine's export stream of
+        ``(hf_name, tensor)`` pairs — full tensors, gathered per tensor across TP/EP ranks —
+        typically through :func:`rlcore.sync.iter_buckets` (flattened, dtype-grouped, aligned
+        buckets of ``sync.bucket_mb``), moves it into the target, verifies it (checksums of
+        what the receiver holds, or probe log-probs) and sets the target's version. Core
+        pauses generation and releases the KV cache around the call when the backend can.
+        A failed push raises :class:`~rlcore.errors.WeightSyncError` saying which version
+        the receiver holds. ``requires_backend`` names the backend capabilities the
+        transport needs; ``backends`` restricts it to backends by name.
+
+        :return: an iterable of :class:`~rlcore.types.WeightSyncSpec`.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def weight_sync():
+                yield WeightSyncSpec(name="vllm-ipc", factory=build_ipc_sync,
+                                     capabilities={Cap.BUCKETED, Cap.VERIFIED, Cap.CUDA_IPC},
+                                     backends={"vllm"})
+        """
+
+    @hookspec
+    def engine(self) -> Iterable[EngineSpec]:
+        """Register training engines (``hf``, ``megatron``).
+
+        **Kind:** provider; selected by ``engine.name``. **Called:** at plugin load; the
+        selected spec's ``factory(ctx)`` is called once per run and returns a
+        :class:`~rlcore.types.TrainingEngine`.
+
+        An engine builds the policy (from an HF directory or a tiny config), runs its body
+        over a :class:`~rlcore.batch.PackedBatch` to final hidden states (the head is the
+        forward_fn's job), consults the ``router_hook`` chain in every MoE router when given
+        a dispatcher, records routes when asked, hands out the LM-head weight with its
+        :class:`~rlcore.types.VocabShard`, and streams HF-named weights for weight sync.
+
+        :return: an iterable of :class:`~rlcore.types.EngineSpec`.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def engine():
+                yield EngineSpec(name="megatron", factory=build_megatron_engine,
+                                 capabilities={Cap.MOE, Cap.MTP, Cap.TENSOR_PARALLEL})
+        """
+
+    # ---------------------------------------------------------------------- chains -------
+
+    @hookspec
+    def forward_request(self, ctx: MicroBatchContext) -> ForwardRequest | None:
+        """Ask for extra outputs from the next micro-batch forward.
+
+        **Kind:** chain (all answers are merged: any True wins). **Called:** before every
+        micro-batch forward of every phase.
+
+        :param ctx: the micro-batch about to run (step, phase, index, the packed batch).
+        :return: a :class:`~rlcore.types.ForwardRequest` (``record_routes``: the engine
+            records the experts every router chose into ``EngineOutput.routes``;
+            ``mtp_hidden``: the engine returns MTP hidden states), or ``None``.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def forward_request(ctx):
+                if ctx.phase == "old_logprob":       # R2 records during the log-prob pass
+                    return ForwardRequest(record_routes=True)
+        """
+
+    @hookspec
+    def postprocess(self, ctx: MicroBatchContext, output: ModelOutput) -> PostprocessResult | None:
+        """Add loss terms and metrics after a micro-batch forward, or collect its outputs.
+
+        **Kind:** chain, in ``plugins:`` order; every result is used. **Called:** after the
+        head ran on each micro-batch, in every phase (``old_logprob``, ``ref_logprob``,
+        ``train``), before the policy loss is formed.
+
+        :param ctx: the micro-batch (phase, index, the packed batch with its fields).
+        :param output: the engine output (hidden states, MTP hidden states, recorded routes),
+            the head output (log-probs, entropy), the head weight and the selected forward_fn
+            — so an MTP loss uses the same (possibly fused) head as the policy loss.
+        :return: a :class:`~rlcore.types.PostprocessResult` (``loss_terms`` added to the
+            loss in ``train``; ``metrics`` logged; ``batch_updates`` written back into the
+            step's batch, e.g. routes recorded for R2), or ``None``.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def postprocess(ctx, output):
+                if ctx.phase != "train" or output.engine.mtp_hidden is None:
+                    return None
+                loss = mtp_loss(output.forward_fn, output.engine.mtp_hidden,
+                                output.head_weight, ctx.batch)
+                return PostprocessResult(loss_terms={"mtp": 0.1 * loss},
+                                         metrics={"mtp_loss": float(loss)})
+        """
+
+    @hookspec(firstresult=True)
+    def router_hook(self, call: RouterCall) -> RouterDecision | None:
+        """Choose the experts of an MoE router (routing replay), or let it route natively.
+
+        **Kind:** chain, in ``plugins:`` order; **the first non-None answer wins** and the
+        rest are not called. **Called:** by the training engine for every MoE router
+        (decoder layers and MTP layers) on every forward, and again during activation
+        recomputation (``call.recompute``), when an active plugin implements it. Engines
+        with native replay (Megatron ≥ 0.16 ``RouterReplay``) ask once per layer before the
+        forward, with ``call.scores`` None.
+
+        :param call: which router (``layer`` id and ``routed_index`` in
+            :class:`~rlcore.types.RouteLayout` order, ``is_mtp``), which tokens of the
+            micro-batch it sees (``token_offset``, ``num_tokens``), the micro-batch context
+            (whose batch carries ``routes`` for R3/R2), and the router scores when available.
+        :return: a :class:`~rlcore.types.RouterDecision` with ``[num_tokens, topk]`` expert
+            indices to use (probabilities are recomputed from the router's own scores, so the
+            router still gets gradients; negative rows route natively), or ``None``.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def router_hook(call):
+                routes = call.micro_batch.batch.fields.get("routes")
+                if routes is None or call.is_mtp:
+                    return None
+                rows = routes[call.token_offset: call.token_offset + call.num_tokens]
+                return RouterDecision(indices=rows[:, call.routed_index].long())
+        """
+
+    @hookspec
+    def step_end(self, ctx: StepContext) -> dict[str, float] | None:
+        """Merge per-step state and report step-level metrics.
+
+        **Kind:** chain, in ``plugins:`` order. **Called:** once per training step, after
+        the optimizer step and before the weight push.
+
+        :param ctx: the step number, the step's packed batch and the metrics so far.
+        :return: extra metrics (logged under their names), or ``None``.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def step_end(ctx):
+                return {"replay/coverage": replayed_tokens / ctx.batch.num_tokens}
+        """

@@ -1,0 +1,663 @@
+"""The plugin manager: discovery, activation, conflicts, and a typed facade over pluggy.
+
+Only this module touches ``pluggy.PluginManager.hook``. Everything else in core calls the typed
+methods of :class:`PluginManager` (``forward_fns()``, ``postprocess(...)``, ...), the way tox 4
+wraps its hooks.
+
+Plugins are found through the entry-point group ``rlcore``; the entry-point name is the name used
+in config. Only the plugins the config lists (or ``RLCORE_PLUGINS`` names) are imported and
+registered, in that order, after core's own built-ins, which are entry points of the ``rlcore``
+distribution registered exactly like external ones.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata as md
+import os
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Iterable, Sequence
+
+import pluggy
+
+from rlcore import errors
+from rlcore.hookspecs import CHAIN_HOOKS, DECLARATION_HOOKS, PROJECT, PROVIDER_HOOKS, RLCoreSpecs
+from rlcore.types import (
+    PLUGIN_API,
+    EngineSpec,
+    ForwardFnSpec,
+    ForwardRequest,
+    IncompatibleWith,
+    PluginSettings,
+    PostprocessResult,
+    ProviderSpec,
+    RequiresCapability,
+    RolloutBackendSpec,
+    RouterDecision,
+    WeightSyncSpec,
+)
+
+ENTRY_POINT_GROUP = "rlcore"
+ENV_PLUGINS = "RLCORE_PLUGINS"
+ENV_DISABLED = "RLCORE_DISABLED_PLUGINS"
+CORE_DISTRIBUTION = "rlcore"
+
+#: first-party plugins and the distribution that provides each (for "pip install" hints)
+KNOWN_DISTRIBUTIONS = {
+    "fused": "rlcore-fused",
+    "mtp": "rlcore-mtp",
+    "replay": "rlcore-replay",
+    "npu": "rlcore-npu",
+    "vllm": "rlcore-vllm",
+    "sglang": "rlcore-sglang",
+}
+
+_SPEC_TYPES: dict[str, type[ProviderSpec]] = {
+    "forward_fn": ForwardFnSpec,
+    "rollout_backend": RolloutBackendSpec,
+    "weight_sync": WeightSyncSpec,
+    "engine": EngineSpec,
+}
+
+ALL_HOOKS = PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS
+
+
+def install_hint(name: str) -> str:
+    dist = KNOWN_DISTRIBUTIONS.get(name)
+    if dist:
+        return f"pip install {dist}"
+    return (
+        f"no known distribution provides it; install the package that declares "
+        f"[project.entry-points.{ENTRY_POINT_GROUP}] {name} = ..."
+    )
+
+
+def parse_plugin_list(value: str) -> list[str]:
+    return [p.strip().lower() for p in value.split(",") if p.strip()]
+
+
+@dataclass(frozen=True)
+class InstalledPlugin:
+    """An entry point in the ``rlcore`` group (found without importing it)."""
+
+    name: str
+    value: str
+    distribution: str
+    version: str
+    entry_point: Any = field(compare=False, repr=False)
+
+    @property
+    def builtin(self) -> bool:
+        return self.distribution == CORE_DISTRIBUTION
+
+    @property
+    def label(self) -> str:
+        return f"{self.distribution} {self.version}"
+
+
+@dataclass
+class PluginRecord:
+    """One row of ``rlcore plugins``."""
+
+    name: str
+    distribution: str
+    version: str
+    status: str  # active | installed | blocked | broken
+    hooks: list[str] = field(default_factory=list)
+    provides: dict[str, list[str]] = field(default_factory=dict)
+    builtin: bool = False
+    module: str = ""
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "status": self.status,
+            "hooks": self.hooks,
+            "provides": self.provides,
+            "builtin": self.builtin,
+            "module": self.module,
+            "error": self.error,
+        }
+
+
+@dataclass
+class _Loaded:
+    name: str
+    module: Any
+    distribution: str
+    version: str
+    builtin: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.distribution} {self.version}"
+
+
+def discover_entry_points() -> dict[str, list[InstalledPlugin]]:
+    """Every entry point in the ``rlcore`` group, by name (a list: two distributions may
+    claim one name, which is a conflict reported when that name is used)."""
+    found: dict[str, list[InstalledPlugin]] = {}
+    seen: set[tuple[str, str, str]] = set()
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        dname = dist.metadata["Name"] if dist is not None else "<unknown>"
+        dver = dist.version if dist is not None else "?"
+        key = (ep.name, ep.value, dname)
+        if key in seen:  # the same distribution visible twice on sys.path
+            continue
+        seen.add(key)
+        found.setdefault(ep.name.lower(), []).append(
+            InstalledPlugin(ep.name.lower(), ep.value, dname, dver, ep)
+        )
+    return found
+
+
+def plugin_api_of(module: Any) -> int | None:
+    api = getattr(module, "PLUGIN_API", None)
+    return api if isinstance(api, int) else None
+
+
+class PluginManager:
+    """The typed facade over pluggy that the rest of core uses.
+
+    :param autoload: discover entry points (``False`` gives a bare manager for tests; register
+        plugins with :meth:`register`).
+    """
+
+    def __init__(self, *, autoload: bool = True):
+        self._pm = pluggy.PluginManager(PROJECT)
+        self._pm.add_hookspecs(RLCoreSpecs)
+        self._autoload = autoload
+        self._installed: dict[str, list[InstalledPlugin]] | None = None
+        self._loaded: dict[str, _Loaded] = {}
+        self._order: list[str] = []  # config order of non-builtin plugins (chain order)
+
+    # ------------------------------------------------------------------ discovery --------
+
+    def installed(self) -> dict[str, list[InstalledPlugin]]:
+        if self._installed is None:
+            self._installed = discover_entry_points() if self._autoload else {}
+        return self._installed
+
+    def builtin_names(self) -> list[str]:
+        return sorted(n for n, eps in self.installed().items() if any(e.builtin for e in eps))
+
+    def _entry_point(self, name: str) -> InstalledPlugin:
+        eps = self.installed().get(name)
+        if not eps:
+            have = ", ".join(sorted(self.installed())) or "none"
+            raise errors.PluginNotInstalledError(
+                f"Plugin {name!r} is not installed. Install it with: {install_hint(name)}\n"
+                f"Installed rlcore plugins: {have}"
+            )
+        if len(eps) > 1:
+            both = " and ".join(e.label for e in eps)
+            raise errors.PluginConflictError(
+                f"Plugin name {name!r} is provided by more than one distribution: {both}. "
+                f"Uninstall one of them."
+            )
+        return eps[0]
+
+    # ------------------------------------------------------------------ activation -------
+
+    @staticmethod
+    def requested_plugins(config_plugins: Sequence[str] | None) -> list[str]:
+        """The plugin list to activate: ``RLCORE_PLUGINS`` when set (even empty), else the
+        config's ``plugins:``."""
+        env = os.environ.get(ENV_PLUGINS)
+        if env is not None:
+            return parse_plugin_list(env)
+        return [str(p).strip().lower() for p in (config_plugins or [])]
+
+    @staticmethod
+    def disabled_plugins() -> set[str]:
+        return set(parse_plugin_list(os.environ.get(ENV_DISABLED, "")))
+
+    def activate(self, names: Sequence[str], *, builtins: bool = True) -> None:
+        """Import and register core's built-ins and then ``names`` in order.
+
+        Raises the errors in :mod:`rlcore.errors`: not installed, import failure, API
+        mismatch, invalid hook implementations, unknown hooks, provider-name conflicts.
+        """
+        dup = sorted({n for n in names if list(names).count(n) > 1})
+        if dup:
+            raise errors.ConfigError(f"plugins: {', '.join(dup)} listed more than once", key="plugins")
+        disabled = self.disabled_plugins()
+        for n in names:
+            if n in disabled:
+                raise errors.PluginError(
+                    f"Plugin {n!r} is selected in the config but disabled by {ENV_DISABLED}"
+                )
+        if builtins:
+            for n in self.builtin_names():
+                if n not in self._loaded and n not in disabled:
+                    self._load_entry_point(self._entry_point(n))
+        for n in names:
+            if n in self._loaded:
+                continue
+            ep = self._entry_point(n)
+            self._load_entry_point(ep)
+            if not ep.builtin:
+                self._order.append(n)
+        self._reorder()
+        self._check_pending()
+        self.check_provider_conflicts()
+
+    def _load_entry_point(self, ep: InstalledPlugin) -> None:
+        try:
+            module = ep.entry_point.load()
+        except Exception as exc:  # noqa: BLE001 - we re-raise with the plugin named
+            raise errors.PluginImportError(
+                f"Plugin {ep.name!r} ({ep.label}) failed to import {ep.value!r}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self._register(module, ep.name, ep.distribution, ep.version, builtin=ep.builtin)
+
+    def register(
+        self,
+        plugin: Any,
+        name: str | None = None,
+        *,
+        distribution: str = "<local>",
+        version: str = "0",
+        builtin: bool = False,
+    ) -> str:
+        """Register a module or object as a plugin (tests, inline plugins). It joins the end
+        of the chain order. Returns the name it was registered under."""
+        name = (name or getattr(plugin, "__name__", None) or type(plugin).__name__).lower()
+        self._register(plugin, name, distribution, version, builtin=builtin)
+        if not builtin:
+            self._order.append(name)
+        self._reorder()
+        self._check_pending()
+        self.check_provider_conflicts()
+        return name
+
+    def unregister(self, name: str) -> None:
+        loaded = self._loaded.pop(name, None)
+        if loaded is None:
+            return
+        if self._pm.is_registered(loaded.module):
+            self._pm.unregister(loaded.module)
+        if name in self._order:
+            self._order.remove(name)
+
+    def load_builtins(self) -> None:
+        """Register core's built-in plugins by module (for managers without autoload)."""
+        from rlcore.builtin import BUILTIN_PLUGINS
+
+        for name, modpath in BUILTIN_PLUGINS.items():
+            if name not in self._loaded:
+                self._register(importlib.import_module(modpath), name, CORE_DISTRIBUTION, _core_version(), builtin=True)
+
+    def _register(self, module: Any, name: str, dist: str, version: str, *, builtin: bool) -> None:
+        if name in self._loaded:
+            other = self._loaded[name]
+            raise errors.PluginConflictError(
+                f"Plugin name {name!r} is registered twice: by {other.label} and by {dist} {version}"
+            )
+        api = plugin_api_of(module)
+        label = f"{dist} {version}"
+        if api is None:
+            raise errors.PluginAPIError(
+                f"Plugin {name!r} ({label}) does not declare PLUGIN_API; this rlcore "
+                f"({_core_version()}) speaks plugin API {PLUGIN_API}. Add `PLUGIN_API = "
+                f"{PLUGIN_API}` to its module (from rlcore import PLUGIN_API)."
+            )
+        if api != PLUGIN_API:
+            raise errors.PluginAPIError(
+                f"Plugin {name!r} ({label}) was built for rlcore plugin API {api}, but this "
+                f"rlcore ({_core_version()}) speaks plugin API {PLUGIN_API}. Install a version "
+                f"of {dist} built for API {PLUGIN_API}, or an rlcore that speaks API {api}."
+            )
+        try:
+            self._pm.register(module, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise errors.PluginValidationError(_explain_validation(name, label, module, exc)) from exc
+        self._loaded[name] = _Loaded(name, module, dist, version, builtin)
+        self._check_chain_impl_options(name)
+
+    def _check_chain_impl_options(self, name: str) -> None:
+        module = self._loaded[name].module
+        for hook in CHAIN_HOOKS:
+            for impl in getattr(self._pm.hook, hook).get_hookimpls():
+                if impl.plugin is module and (impl.tryfirst or impl.trylast or impl.wrapper or impl.hookwrapper):
+                    label = self._loaded[name].label
+                    self._pm.unregister(module)
+                    del self._loaded[name]
+                    raise errors.PluginValidationError(
+                        f"Plugin {name!r} ({label}) marks its {hook!r} implementation tryfirst/"
+                        f"trylast/wrapper; chain hooks run in the order of the config's plugins: list."
+                    )
+
+    def _reorder(self) -> None:
+        # pluggy calls implementations last-registered-first; re-register the ordered plugins
+        # in reverse so chain hooks run in config order.
+        for name in self._order:
+            mod = self._loaded[name].module
+            if self._pm.is_registered(mod):
+                self._pm.unregister(mod)
+        for name in reversed(self._order):
+            self._pm.register(self._loaded[name].module, name=name)
+
+    def _check_pending(self) -> None:
+        known = [h for h in ALL_HOOKS]
+        for name, loaded in self._loaded.items():
+            for hc in self._pm.get_hookcallers(loaded.module) or []:
+                if hc.has_spec():
+                    continue
+                impls = [i for i in hc.get_hookimpls() if i.plugin is loaded.module]
+                if impls and all(i.optionalhook for i in impls):
+                    continue
+                close = difflib.get_close_matches(hc.name, known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise errors.PluginValidationError(
+                    f"Plugin {name!r} ({loaded.label}) implements hook {hc.name!r}, which no "
+                    f"rlcore hook spec defines.{hint} Known hooks: {', '.join(known)}."
+                )
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise errors.PluginValidationError(f"Invalid plugin hook: {exc}") from exc
+
+    # ------------------------------------------------------------------ introspection ----
+
+    @property
+    def active(self) -> list[str]:
+        """Loaded plugin names: built-ins first, then config order."""
+        built = [n for n, ld in self._loaded.items() if ld.builtin]
+        return built + [n for n in self._order if n not in built]
+
+    def plugin_label(self, name: str) -> str:
+        ld = self._loaded.get(name)
+        return ld.label if ld else name
+
+    def distribution_of(self, name: str) -> tuple[str, str]:
+        ld = self._loaded[name]
+        return ld.distribution, ld.version
+
+    def hooks_of(self, name: str) -> list[str]:
+        ld = self._loaded[name]
+        return sorted(hc.name for hc in (self._pm.get_hookcallers(ld.module) or []))
+
+    def implementers(self, hook: str) -> list[str]:
+        """Active plugins implementing ``hook``, in call order."""
+        by_module = {id(ld.module): n for n, ld in self._loaded.items()}
+        impls = getattr(self._pm.hook, hook).get_hookimpls()
+        return [by_module[id(i.plugin)] for i in reversed(impls) if id(i.plugin) in by_module]
+
+    # ------------------------------------------------------------------ providers --------
+
+    def _providers(self, hook: str) -> dict[str, ProviderSpec]:
+        spec_type = _SPEC_TYPES[hook]
+        by_module = {id(ld.module): ld for ld in self._loaded.values()}
+        out: dict[str, ProviderSpec] = {}
+        for impl in getattr(self._pm.hook, hook).get_hookimpls():
+            ld = by_module.get(id(impl.plugin))
+            if ld is None:
+                continue
+            result = impl.function()
+            for spec in list(result or ()):
+                if not isinstance(spec, spec_type):
+                    raise errors.PluginValidationError(
+                        f"Plugin {ld.name!r} ({ld.label}): hook {hook!r} must return "
+                        f"{spec_type.__name__} objects, got {type(spec).__name__}"
+                    )
+                spec = _with_source(spec, ld)
+                if spec.name in out:
+                    first = out[spec.name]
+                    raise errors.PluginConflictError(
+                        f"Conflicting plugins for {hook} {spec.name!r}: provided by "
+                        f"{first.distribution} (plugin {first.plugin!r}) and by "
+                        f"{spec.distribution} (plugin {spec.plugin!r}). Uninstall or deselect one."
+                    )
+                out[spec.name] = spec
+        return dict(sorted(out.items()))
+
+    def forward_fns(self) -> dict[str, ForwardFnSpec]:
+        return self._providers("forward_fn")  # type: ignore[return-value]
+
+    def rollout_backends(self) -> dict[str, RolloutBackendSpec]:
+        return self._providers("rollout_backend")  # type: ignore[return-value]
+
+    def weight_syncs(self) -> dict[str, WeightSyncSpec]:
+        return self._providers("weight_sync")  # type: ignore[return-value]
+
+    def engines(self) -> dict[str, EngineSpec]:
+        return self._providers("engine")  # type: ignore[return-value]
+
+    def providers(self, hook: str) -> dict[str, ProviderSpec]:
+        if hook not in _SPEC_TYPES:
+            raise ValueError(f"{hook!r} is not a provider hook ({', '.join(_SPEC_TYPES)})")
+        return self._providers(hook)
+
+    def select(self, hook: str, name: str, *, key: str) -> ProviderSpec:
+        """The provider ``name`` for ``hook``; an unknown name names the config ``key`` and
+        lists the valid choices (and the plugin that would provide it, if known)."""
+        available = self.providers(hook)
+        norm = str(name).strip().lower()
+        if norm in available:
+            return available[norm]
+        choices = ", ".join(available) or "none"
+        hint = ""
+        if norm in KNOWN_DISTRIBUTIONS and norm not in self._loaded:
+            hint = (
+                f" {hook} {norm!r} comes with the plugin {norm!r}: add it to plugins: "
+                f"(and {install_hint(norm)} if it is not installed)."
+            )
+        raise errors.UnknownProviderError(
+            f"{key}: {name!r} is not a known {hook}. Choose one of: {choices}.{hint}", key=key
+        )
+
+    def check_provider_conflicts(self) -> None:
+        for hook in PROVIDER_HOOKS:
+            self._providers(hook)
+
+    # ------------------------------------------------------------------ declarations -----
+
+    def plugin_settings(self) -> list[PluginSettings]:
+        out: dict[str, PluginSettings] = {}
+        by_module = {id(ld.module): ld for ld in self._loaded.values()}
+        for impl in self._pm.hook.plugin_settings.get_hookimpls():
+            ld = by_module.get(id(impl.plugin))
+            if ld is None:
+                continue
+            ps = impl.function()
+            if ps is None:
+                continue
+            if not isinstance(ps, PluginSettings):
+                raise errors.PluginValidationError(
+                    f"Plugin {ld.name!r} ({ld.label}): plugin_settings must return PluginSettings, "
+                    f"got {type(ps).__name__}"
+                )
+            ps = PluginSettings(ps.section, ps.schema, plugin=ld.name)
+            if ps.section in out:
+                other = out[ps.section]
+                raise errors.PluginConflictError(
+                    f"Config section {ps.section!r} is claimed by plugin {other.plugin!r} "
+                    f"({self.plugin_label(other.plugin or '')}) and by plugin {ld.name!r} ({ld.label})"
+                )
+            out[ps.section] = ps
+        return list(out.values())
+
+    def constraints(self) -> list[tuple[str, IncompatibleWith | RequiresCapability]]:
+        by_module = {id(ld.module): ld for ld in self._loaded.values()}
+        out = []
+        for impl in self._pm.hook.constraints.get_hookimpls():
+            ld = by_module.get(id(impl.plugin))
+            if ld is None:
+                continue
+            for c in list(impl.function() or ()):
+                if not isinstance(c, (IncompatibleWith, RequiresCapability)):
+                    raise errors.PluginValidationError(
+                        f"Plugin {ld.name!r} ({ld.label}): constraints must yield IncompatibleWith "
+                        f"or RequiresCapability, got {type(c).__name__}"
+                    )
+                out.append((ld.name, c))
+        return out
+
+    # ------------------------------------------------------------------ chains -----------
+
+    def forward_request(self, ctx: Any) -> ForwardRequest:
+        req = ForwardRequest()
+        for r in self._pm.hook.forward_request(ctx=ctx):
+            req = req.merge(r)
+        return req
+
+    def _call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call every implementation of a chain hook in chain order, keeping who answered."""
+        by_module = {id(ld.module): n for n, ld in self._loaded.items()}
+        out = []
+        for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):
+            res = impl.function(*[kwargs[a] for a in impl.argnames])
+            if res is not None:
+                out.append((by_module.get(id(impl.plugin), impl.plugin_name), res))
+        return out
+
+    def postprocess(self, ctx: Any, output: Any) -> list[tuple[str, PostprocessResult]]:
+        """Every active plugin's postprocess result, in chain order, with its plugin name."""
+        pairs = self._call_each("postprocess", ctx=ctx, output=output)
+        for name, r in pairs:
+            if not isinstance(r, PostprocessResult):
+                raise errors.PluginValidationError(
+                    f"postprocess of plugin {name!r} ({self.plugin_label(name)}) returned "
+                    f"{type(r).__name__}, expected PostprocessResult or None"
+                )
+        return pairs
+
+    def has_router_hooks(self) -> bool:
+        return bool(self._pm.hook.router_hook.get_hookimpls())
+
+    def router_hook(self, call: Any) -> RouterDecision | None:
+        return self._pm.hook.router_hook(call=call)
+
+    def step_end(self, ctx: Any) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, r in self._call_each("step_end", ctx=ctx):
+            if not isinstance(r, dict):
+                raise errors.PluginValidationError(
+                    f"step_end of plugin {name!r} returned {type(r).__name__}, expected a dict or None"
+                )
+            out.update(r)
+        return out
+
+    # ------------------------------------------------------------------ listing ----------
+
+    def describe(self, selected: Sequence[str] = ()) -> list[PluginRecord]:
+        """A record per installed plugin (and per registered one without an entry point),
+        without activating anything: each plugin module is imported into a scratch pluggy
+        manager to read its hooks and provider names. Plugin modules defer heavy imports to
+        their factories, so this stays cheap."""
+        selected = set(selected)
+        disabled = self.disabled_plugins()
+        records: list[PluginRecord] = []
+        for name, eps in sorted(self.installed().items()):
+            for ep in eps:
+                rec = PluginRecord(name, ep.distribution, ep.version, "installed", builtin=ep.builtin, module=ep.value)
+                if len(eps) > 1:
+                    rec.status = "broken"
+                    rec.error = "entry-point name claimed by " + " and ".join(e.label for e in eps)
+                    records.append(rec)
+                    continue
+                if name in disabled:
+                    rec.status = "blocked"
+                    rec.error = f"disabled by {ENV_DISABLED}"
+                    records.append(rec)
+                    continue
+                loaded = self._loaded.get(name)
+                try:
+                    module = loaded.module if loaded else ep.entry_point.load()
+                except Exception as exc:  # noqa: BLE001
+                    rec.status = "broken"
+                    rec.error = f"{type(exc).__name__}: {exc}"
+                    records.append(rec)
+                    continue
+                _fill_record(rec, module)
+                if rec.status != "blocked":
+                    if loaded is not None or ep.builtin or name in selected:
+                        rec.status = "active"
+                records.append(rec)
+        for name, ld in self._loaded.items():
+            if name not in self.installed():
+                rec = PluginRecord(name, ld.distribution, ld.version, "active", builtin=ld.builtin,
+                                   module=getattr(ld.module, "__name__", ""))
+                _fill_record(rec, ld.module)
+                records.append(rec)
+        return records
+
+
+def _fill_record(rec: PluginRecord, module: Any) -> None:
+    api = plugin_api_of(module)
+    if api != PLUGIN_API:
+        rec.status = "blocked"
+        rec.error = f"built for plugin API {api}, this rlcore speaks {PLUGIN_API}"
+        return
+    scratch = pluggy.PluginManager(PROJECT)
+    scratch.add_hookspecs(RLCoreSpecs)
+    try:
+        scratch.register(module, name=rec.name)
+        rec.hooks = sorted(hc.name for hc in (scratch.get_hookcallers(module) or []))
+        for hook in PROVIDER_HOOKS:
+            if hook in rec.hooks:
+                names: list[str] = []
+                for res in getattr(scratch.hook, hook)():
+                    names.extend(spec.name for spec in (res or ()))
+                rec.provides[hook] = sorted(names)
+        if "plugin_settings" in rec.hooks:
+            ps = scratch.hook.plugin_settings()
+            if ps:
+                rec.provides["config_section"] = [p.section for p in ps if p is not None]
+    except Exception as exc:  # noqa: BLE001
+        rec.status = "broken"
+        rec.error = f"{type(exc).__name__}: {exc}"
+
+
+def _with_source(spec: ProviderSpec, ld: _Loaded) -> ProviderSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, distribution=ld.label, plugin=ld.name)
+
+
+def _explain_validation(name: str, label: str, module: Any, exc: Exception) -> str:
+    # pluggy says e.g. "Plugin 'x' for hook 'postprocess'\nhookimpl definition: postprocess(ctx, foo)
+    # Argument(s) {'foo'} are declared in the hookimpl but can not be found in the hookspec"
+    text = str(exc).replace("\n", " ").strip()
+    hook = None
+    for h in ALL_HOOKS:
+        if f"'{h}'" in text:
+            hook = h
+            break
+    spec_args = ""
+    if hook:
+        spec = getattr(RLCoreSpecs, hook)
+        import inspect
+
+        params = [p for p in inspect.signature(spec).parameters if p != "self"]
+        spec_args = f" The spec {hook}({', '.join(params)}) provides: {', '.join(params) or 'no arguments'}."
+    return f"Plugin {name!r} ({label}) has an invalid hook implementation: {text}.{spec_args}"
+
+
+def _core_version() -> str:
+    from rlcore import __version__
+
+    return __version__
+
+
+def load_plugin_manager(config_plugins: Sequence[str] | None = None) -> PluginManager:
+    """A manager with the built-ins and the requested plugins active."""
+    pm = PluginManager()
+    pm.activate(PluginManager.requested_plugins(config_plugins))
+    return pm
+
+
+def module_hooks(module: ModuleType | Any) -> Iterable[str]:
+    """Hook names a plugin module implements (for docs and tests)."""
+    scratch = pluggy.PluginManager(PROJECT)
+    scratch.add_hookspecs(RLCoreSpecs)
+    scratch.register(module)
+    return sorted(hc.name for hc in (scratch.get_hookcallers(module) or []))

@@ -1,0 +1,300 @@
+"""The built-in ``local`` rollout backend: in-process sampling from a copy of the policy.
+
+It loads the HF directory the engine wrote into its own transformers model and samples with a
+KV cache (one prefill, then one token per step for every sequence): ``n`` samples per prompt,
+temperature / top-k / top-p, ``max_new_tokens``, stop tokens. Log-probs are those of the
+processed distribution (after temperature and top-k/top-p), as vLLM's ``processed_logprobs``.
+MoE models also return the experts every router chose (R3), through the same router hooks as
+the ``hf`` engine.
+
+It is a weight-sync receiver of both kinds: :class:`~rlcore.types.BucketReceiver` (stage
+buckets, swap on commit; ``inproc``) and :class:`~rlcore.types.DiskReceiver` (``disk``). Its KV
+cache lives only inside ``generate``; ``release_memory({"kv_cache"})`` makes that explicit and
+``generate`` refuses to run until it is resumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from rlcore.engines.hf import RouterSeam, _SeamState
+from rlcore.engines.hf_names import checkpoint_views
+from rlcore.errors import RolloutError, WeightSyncError
+from rlcore.sync import Bucket, tensor_checksum
+from rlcore.types import Cap, Prompt, Sample, SamplingSettings
+
+LOCAL_CAPABILITIES = frozenset(
+    {
+        Cap.LOGPROBS,
+        Cap.PAUSE,
+        Cap.RELEASE_KV_CACHE,
+        Cap.ROUTED_EXPERTS,
+        Cap.RECEIVE_BUCKETS,
+        Cap.RECEIVE_DISK,
+        Cap.WEIGHT_CHECKSUMS,
+    }
+)
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """fp32 log-probs of the processed distribution (temperature, then top-k, then top-p)."""
+    logits = logits.float()
+    if temperature <= 0:
+        return torch.log_softmax(logits, dim=-1)
+    logits = logits / temperature
+    if top_k and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum = probs.cumsum(dim=-1)
+        drop = (cum - probs) > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.log_softmax(logits, dim=-1)
+
+
+class LocalRollout:
+    """See module docstring."""
+
+    def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0):
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self._seed = seed
+        self._calls = itertools.count()
+        self.model: Any = None
+        self.seam: RouterSeam | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._version = -1
+        self._paused = False
+        self._kv_released = False
+        self._staging: dict[str, torch.Tensor] | None = None
+        self._staging_version: int | None = None
+        self.eos_token_id: int | None = None
+
+    # ----------------------------------------------------------------- lifecycle ---------
+
+    def capabilities(self) -> frozenset[str]:
+        return LOCAL_CAPABILITIES
+
+    def start(self, model_dir: str, version: int = 0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype).to(self.device)
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.seam = RouterSeam(self.model)
+        self._views = checkpoint_views(self.model)
+        self._version = version
+        self.eos_token_id = self.model.config.eos_token_id
+
+    def shutdown(self) -> None:
+        if self.seam is not None:
+            self.seam.remove()
+        self.model = None
+        self._views = {}
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def release_memory(self, tags: frozenset[str]) -> None:
+        unknown = set(tags) - {"kv_cache"}
+        if unknown:
+            raise RolloutError(f"local rollout can release only 'kv_cache', not {sorted(unknown)}")
+        self._kv_released = True
+
+    def resume_memory(self, tags: frozenset[str]) -> None:
+        if "kv_cache" in tags:
+            self._kv_released = False
+
+    def reset_prefix_cache(self) -> None:
+        """The local sampler keeps no prefix cache between calls; nothing can be stale."""
+
+    # ----------------------------------------------------------------- sampling ----------
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Prompt], params: SamplingSettings) -> list[Sample]:
+        if self.model is None:
+            raise RolloutError("local rollout: start() was not called")
+        if self._paused:
+            raise RolloutError("local rollout is paused; resume() it before generate()")
+        if self._kv_released:
+            raise RolloutError("local rollout's KV cache is released; resume_memory({'kv_cache'}) first")
+        if self._staging is not None:
+            raise RolloutError("local rollout is in the middle of a weight update")
+        dev = self.device
+        seqs = [p for p in prompts for _ in range(params.n)]
+        N = len(seqs)
+        if N == 0:
+            return []
+        plen = [len(p.ids) for p in seqs]
+        P = max(plen)
+        pad = int(self.model.config.pad_token_id or 0)
+        ids = torch.full((N, P), pad, dtype=torch.long, device=dev)
+        mask = torch.zeros((N, P), dtype=torch.long, device=dev)
+        for i, p in enumerate(seqs):
+            ids[i, P - len(p.ids):] = torch.tensor(p.ids, dtype=torch.long, device=dev)
+            mask[i, P - len(p.ids):] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        seed = params.seed if params.seed is not None else self._seed * 1_000_003 + next(self._calls)
+        gen = torch.Generator(device=dev).manual_seed(int(seed))
+        stop = set(params.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=dev) if stop else None
+
+        record = bool(params.return_routed_experts) and self.seam is not None and bool(self.seam.routers)
+        route_steps: list[torch.Tensor] = []
+
+        def run(input_ids, attention_mask, position_ids, past):
+            if record:
+                n_rows = input_ids.numel()
+                self.seam.state = _SeamState(None, None, True, n_rows, lambda x: x, lambda x: x)
+            try:
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past, use_cache=True)
+                if record:
+                    route_steps.append(self.seam.collect().view(input_ids.shape[0], input_ids.shape[1], -1,
+                                                                self.seam.layout.topk))
+            finally:
+                if record:
+                    self.seam.state = None
+            return out
+
+        out = run(ids, mask, pos, None)
+        past = out.past_key_values
+        logits = out.logits[:, -1]
+        tokens = torch.full((N, params.max_new_tokens), pad, dtype=torch.long, device=dev)
+        logps = torch.zeros((N, params.max_new_tokens), dtype=torch.float32, device=dev)
+        done = torch.zeros(N, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(N, dtype=torch.long, device=dev)
+        stopped = torch.zeros(N, dtype=torch.bool, device=dev)
+        last_pos = pos[:, -1]
+        for t in range(params.max_new_tokens):
+            lp = process_logits(logits, params.temperature, params.top_k, params.top_p)
+            if params.temperature <= 0:
+                tok = lp.argmax(dim=-1)
+            else:
+                tok = torch.multinomial(lp.exp(), 1, generator=gen).squeeze(1)
+            tok = torch.where(done, torch.full_like(tok, pad), tok)
+            tokens[:, t] = tok
+            logps[:, t] = torch.where(done, torch.zeros_like(lp[:, 0]), lp.gather(1, tok[:, None]).squeeze(1))
+            lengths += (~done).long()
+            if stop_t is not None:
+                hit = (~done) & torch.isin(tok, stop_t)
+                stopped |= hit
+                done |= hit
+            if bool(done.all()) or t == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype, device=dev)], dim=1)
+            last_pos = last_pos + 1
+            out = run(tok[:, None], mask, last_pos[:, None], past)
+            past = out.past_key_values
+            logits = out.logits[:, -1]
+
+        samples = []
+        layout = self.seam.layout if self.seam is not None else None
+        for i, p in enumerate(seqs):
+            n = int(lengths[i])
+            routes = None
+            if record and layout is not None:
+                parts = [route_steps[0][i, P - plen[i]:]]
+                parts += [r[i] for r in route_steps[1 : n]]  # decode steps fed tokens 0 .. n-2
+                moe = torch.cat(parts, dim=0)  # [plen + n - 1, R, K]
+                routes = torch.full((moe.shape[0], layout.num_hidden_layers, layout.topk), -1, dtype=torch.int16)
+                routes[:, list(layout.layers)] = moe.cpu()
+            samples.append(
+                Sample(
+                    prompt_index=p.index,
+                    prompt_ids=list(p.ids),
+                    response_ids=tokens[i, :n].cpu(),
+                    logprobs=logps[i, :n].cpu(),
+                    weight_version=self._version,
+                    finish_reason="stop" if bool(stopped[i]) else "length",
+                    routed_experts=routes,
+                )
+            )
+        return samples
+
+    # ----------------------------------------------------------------- receiving ---------
+
+    def _check_tensor(self, name: str, t: torch.Tensor) -> None:
+        live = self._views.get(name)
+        if live is None:
+            raise WeightSyncError(
+                f"local rollout has no weight named {name!r} (it holds {len(self._views)} tensors, e.g. "
+                f"{next(iter(self._views), '')!r})",
+                receiver_version=self._version,
+            )
+        if tuple(live.shape) != tuple(t.shape) or live.dtype != t.dtype:
+            raise WeightSyncError(
+                f"weight {name!r}: received {tuple(t.shape)} {t.dtype}, expected {tuple(live.shape)} {live.dtype}",
+                receiver_version=self._version,
+            )
+
+    def begin_update(self, version: int) -> None:
+        if self._staging is not None:
+            raise WeightSyncError("a weight update is already in progress", receiver_version=self._version)
+        self._staging = {}
+        self._staging_version = version
+
+    def receive_bucket(self, bucket: Bucket) -> None:
+        if self._staging is None:
+            raise WeightSyncError("receive_bucket() outside begin_update()/commit_update()", self._version)
+        for name, view in bucket.tensors():
+            self._check_tensor(name, view)
+            self._staging[name] = view.to(self.device, copy=True)
+
+    def commit_update(self, version: int) -> None:
+        if self._staging is None or self._staging_version != version:
+            raise WeightSyncError(f"commit_update({version}) without a matching begin_update", self._version)
+        with torch.no_grad():
+            for name, t in self._staging.items():
+                self._views[name].copy_(t)
+        self._version = version
+        self._staging = None
+        self._staging_version = None
+
+    def abort_update(self) -> None:
+        self._staging = None
+        self._staging_version = None
+
+    def load_from_disk(self, model_dir: str, version: int) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise WeightSyncError(f"no *.safetensors files in {model_dir}", receiver_version=self._version)
+        staged: dict[str, torch.Tensor] = {}
+        for f in files:
+            for name, t in load_file(str(f)).items():
+                self._check_tensor(name, t)
+                staged[name] = t
+        with torch.no_grad():
+            for name, t in staged.items():
+                self._views[name].copy_(t.to(self.device))
+        self._version = version
+
+    def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, int]:
+        names = list(self._views) if names is None else list(names)
+        return {n: tensor_checksum(self._views[n]) for n in names if n in self._views}
+
+
+def build_local_rollout(ctx: Any) -> LocalRollout:
+    cfg = ctx.config
+    device = cfg.engine.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.training.seed
+    return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=int(seed))

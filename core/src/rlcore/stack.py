@@ -1,0 +1,170 @@
+"""Resolving a config into a stack: which plugin provides each role, in which chain order, and
+whether the combination is allowed. ``rlcore check`` prints this; ``rlcore train`` builds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlcore import config as cfgmod
+from rlcore import errors
+from rlcore.hookspecs import CHAIN_HOOKS
+from rlcore.manager import PluginManager
+from rlcore.types import (
+    Cap,
+    EngineSpec,
+    ForwardFnSpec,
+    IncompatibleWith,
+    RequiresCapability,
+    RolloutBackendSpec,
+    WeightSyncSpec,
+)
+
+
+@dataclass
+class Stack:
+    """A validated config and the providers it selects."""
+
+    config: DictConfig
+    plugins: PluginManager
+    engine: EngineSpec
+    forward_fn: ForwardFnSpec
+    rollout_backend: RolloutBackendSpec
+    weight_sync: WeightSyncSpec
+    chains: dict[str, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def role(self, role: str):
+        return {
+            "engine": self.engine,
+            "forward_fn": self.forward_fn,
+            "rollout_backend": self.rollout_backend,
+            "weight_sync": self.weight_sync,
+        }[role]
+
+    def describe(self) -> dict[str, Any]:
+        def spec(s):
+            return {"name": s.name, "plugin": s.plugin, "distribution": s.distribution,
+                    "capabilities": sorted(s.capabilities)}
+
+        return {
+            "plugins": [
+                {"name": n, "distribution": self.plugins.plugin_label(n)} for n in self.plugins.active
+            ],
+            "engine": spec(self.engine),
+            "forward_fn": spec(self.forward_fn),
+            "rollout_backend": spec(self.rollout_backend),
+            "weight_sync": spec(self.weight_sync),
+            "chains": self.chains,
+            "notes": self.notes,
+        }
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    *,
+    plugins: PluginManager | None = None,
+) -> tuple[DictConfig, PluginManager]:
+    """Read, activate the plugins the config names, and validate against the full schema."""
+    raw = cfgmod.read_raw(path, overrides)
+    names = PluginManager.requested_plugins(cfgmod.raw_plugins(raw))
+    pm = plugins or PluginManager()
+    pm.activate(names)
+    settings = pm.plugin_settings()
+    cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm))
+    cfg.plugins = names
+    return cfg, pm
+
+
+def _known_sections(pm: PluginManager) -> dict[str, str]:
+    # sections of installed-but-inactive plugins, for the "add it to plugins:" hint
+    out: dict[str, str] = {}
+    try:
+        for rec in pm.describe():
+            for section in rec.provides.get("config_section", []):
+                out.setdefault(section, rec.name)
+    except Exception:  # noqa: BLE001 - hint only
+        pass
+    return out
+
+
+def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
+    """Select the providers and check every declared constraint and capability."""
+    engine = pm.select("engine", cfg.engine.name, key="engine.name")
+    forward = pm.select("forward_fn", cfg.forward.name, key="forward.name")
+    rollout = pm.select("rollout_backend", cfg.rollout.backend, key="rollout.backend")
+    sync = pm.select("weight_sync", cfg.sync.name, key="sync.name")
+    stack = Stack(cfg, pm, engine, forward, rollout, sync)  # type: ignore[arg-type]
+    stack.chains = {hook: pm.implementers(hook) for hook in CHAIN_HOOKS}
+
+    # the weight sync must be able to feed the backend
+    if sync.backends is not None and rollout.name not in sync.backends:
+        raise errors.IncompatiblePluginsError(
+            f"sync.name {sync.name!r} ({sync.distribution}) feeds only rollout backends "
+            f"{', '.join(sorted(sync.backends))}, but rollout.backend is {rollout.name!r} ({rollout.distribution})"
+        )
+    missing = sorted(sync.requires_backend - rollout.capabilities)
+    if missing:
+        raise errors.MissingCapabilityError(
+            f"sync.name {sync.name!r} ({sync.distribution}) needs a rollout backend with "
+            f"{', '.join(missing)}; rollout.backend {rollout.name!r} ({rollout.distribution}) "
+            f"declares: {', '.join(sorted(rollout.capabilities)) or 'nothing'}"
+        )
+
+    # core features and the capabilities they need
+    if cfg.rollout.return_routed_experts:
+        _require(stack, "rollout_backend", Cap.ROUTED_EXPERTS, "rollout.return_routed_experts is set", "core")
+    if cfg.rollout.release_kv_cache == "always":
+        _require(stack, "rollout_backend", Cap.RELEASE_KV_CACHE, "rollout.release_kv_cache is 'always'", "core")
+    elif cfg.rollout.release_kv_cache == "auto" and Cap.RELEASE_KV_CACHE not in rollout.capabilities:
+        stack.notes.append(
+            f"rollout backend {rollout.name!r} cannot release its KV cache: it stays resident during weight sync"
+        )
+    if stack.chains.get("router_hook"):
+        _require(stack, "engine", Cap.ROUTER_HOOK,
+                 f"plugin(s) {', '.join(stack.chains['router_hook'])} implement router_hook", "core")
+    if cfg.sync.verify and Cap.VERIFIED not in sync.capabilities:
+        raise errors.MissingCapabilityError(
+            f"sync.verify is true but sync.name {sync.name!r} ({sync.distribution}) cannot verify a "
+            f"push; pick a verified sync or set sync.verify=false explicitly"
+        )
+
+    # plugin-declared constraints
+    active = set(pm.active)
+    for owner, c in pm.constraints():
+        if isinstance(c, IncompatibleWith):
+            other = c.plugin.lower()
+            if other in active:
+                raise errors.IncompatiblePluginsError(
+                    f"Plugin {owner!r} ({pm.plugin_label(owner)}) cannot be used together with "
+                    f"plugin {other!r} ({pm.plugin_label(other)}): {c.reason}"
+                )
+        elif isinstance(c, RequiresCapability):
+            if c.when is not None and not c.when(cfg):
+                continue
+            _require(stack, c.role, c.capability, c.reason, owner)
+    return stack
+
+
+def _require(stack: Stack, role: str, cap: str, reason: str, owner: str) -> None:
+    spec = stack.role(role)
+    if cap in spec.capabilities:
+        return
+    who = "core" if owner == "core" else f"plugin {owner!r} ({stack.plugins.plugin_label(owner)})"
+    raise errors.MissingCapabilityError(
+        f"{who} needs {role} with capability {cap!r} ({reason}), but the selected {role} "
+        f"{spec.name!r} ({spec.distribution}) declares: {', '.join(sorted(spec.capabilities)) or 'nothing'}"
+    )
+
+
+def load_stack(path: str | Path | None, overrides: Sequence[str] = ()) -> Stack:
+    cfg, pm = load_config(path, overrides)
+    return resolve(cfg, pm)
+
+
+def config_yaml(stack: Stack) -> str:
+    return OmegaConf.to_yaml(stack.config)

@@ -1,0 +1,215 @@
+"""Weight-sync helpers every transport shares: the flattened bucket builder and checksums.
+
+:func:`iter_buckets` streams ``(name, tensor)`` pairs into flattened ``uint8`` buckets of at
+most ``bucket_bytes``: tensors of one dtype per bucket (so every offset is aligned for that
+dtype, the layout SGLang's ``FlattenedTensorBucket.empty`` recomputes for the NCCL path), each
+offset aligned to ``align_bytes``, a tensor never split (one larger than a bucket travels alone),
+and tensors sharing a ``keep_together`` key never split across buckets. Only one bucket per dtype
+is open at a time, so memory stays at about ``bucket_bytes`` × dtypes whatever the model size.
+
+:func:`tensor_checksum` is a 62-bit checksum of a tensor's raw bytes computed with torch integer
+ops, so a CUDA sender and a CPU (or other-process) receiver get the same number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+
+_P = (1 << 31) - 1  # Mersenne prime: exact int64 arithmetic for tensors up to 16 GiB
+_CHUNK_WORDS = 1 << 24
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """A position-weighted checksum of the tensor's bytes (dtype-agnostic, device-agnostic).
+
+    Two sums modulo 2^31-1 over the 32-bit words: the plain sum and the sum weighted by
+    ``(index mod 65521) + 1``; packed into one int. Order-sensitive, exact (no float), and the
+    same on CPU and GPU because every partial sum stays below 2^63.
+    """
+    flat = t.detach().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    pad = (-raw.numel()) % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    words = raw.view(torch.int32)
+    n = words.numel()
+    s1 = 0
+    s2 = 0
+    for lo in range(0, n, _CHUNK_WORDS):
+        w = words[lo : lo + _CHUNK_WORDS].to(torch.int64) % _P
+        idx = torch.arange(lo, lo + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+        s1 = (s1 + int(w.sum())) % _P
+        s2 = (s2 + int((w * idx % _P).sum())) % _P
+    return (s1 << 31) | (s2 ^ (n & 0x7FFFFFFF))
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor sits in a bucket: ``offset`` and ``nbytes`` in bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Bucket:
+    """A flattened bucket: ``buffer`` is ``uint8 [nbytes]``; ``metas`` locate each tensor."""
+
+    index: int
+    dtype: torch.dtype
+    buffer: torch.Tensor
+    metas: list[TensorMeta] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.metas]
+
+    def view(self, meta: TensorMeta) -> torch.Tensor:
+        return self.buffer[meta.offset : meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, view)`` for every tensor in the bucket (views share the buffer)."""
+        for m in self.metas:
+            yield m.name, self.view(m)
+
+    def checksums(self) -> dict[str, int]:
+        return {name: tensor_checksum(t) for name, t in self.tensors()}
+
+
+Allocator = Callable[[int, torch.device], torch.Tensor]
+
+
+def _default_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class _OpenBucket:
+    def __init__(self, dtype: torch.dtype, capacity: int, device: torch.device, alloc: Allocator):
+        self.dtype = dtype
+        self.buffer = alloc(capacity, device)
+        self.metas: list[TensorMeta] = []
+        self.used = 0
+
+    def fits(self, nbytes: int, align: int) -> bool:
+        return _round_up(self.used, align) + nbytes <= self.buffer.numel()
+
+    def add(self, name: str, t: torch.Tensor, align: int) -> None:
+        off = _round_up(self.used, align)
+        nbytes = t.numel() * t.element_size()
+        dst = self.buffer[off : off + nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t, non_blocking=False)
+        self.metas.append(TensorMeta(name, tuple(t.shape), t.dtype, off, nbytes))
+        self.used = off + nbytes
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    align_bytes: int | None = None,
+    keep_together: Callable[[str], str] | None = None,
+    device: torch.device | str | None = None,
+    allocator: Allocator | None = None,
+) -> Iterator[Bucket]:
+    """Stream named tensors into flattened, dtype-grouped, aligned buckets.
+
+    :param named_tensors: ``(name, tensor)`` pairs in any order (typically an engine's
+        ``export_hf_weights()``), consumed lazily.
+    :param bucket_bytes: capacity of a bucket; a tensor (or ``keep_together`` group) larger
+        than this gets a bucket of exactly its size.
+    :param align_bytes: alignment of every offset (default: the dtype's item size, i.e. packed
+        contiguously, which is what SGLang's NCCL flattened path expects).
+    :param keep_together: maps a name to a group key; consecutive tensors with one key go into
+        the same bucket (e.g. the q/k/v or gate/up pieces of one fused vLLM parameter).
+    :param device: where buckets live (default: each tensor's device).
+    :param allocator: ``(nbytes, device) -> uint8 tensor`` to place buckets in, e.g. shared
+        memory for another process; the default allocates a fresh buffer per bucket, so a
+        consumer may keep a bucket while the next one is built.
+
+    Buckets are yielded as soon as they are full; the rest are flushed at the end in the order
+    their dtypes first appeared. ``Bucket.index`` counts yielded buckets.
+    """
+    if bucket_bytes < 1:
+        raise ValueError("bucket_bytes must be >= 1")
+    alloc = allocator or _default_allocator
+    open_buckets: dict[torch.dtype, _OpenBucket] = {}
+    counter = 0
+
+    def emit(ob: _OpenBucket) -> Bucket:
+        nonlocal counter
+        b = Bucket(counter, ob.dtype, ob.buffer[: ob.used], ob.metas)
+        counter += 1
+        return b
+
+    def place(group: list[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+        dtype = group[0][1].dtype
+        align = align_bytes or group[0][1].element_size()
+        need = 0
+        for _, t in group:
+            need = _round_up(need, align) + t.numel() * t.element_size()
+        dev = torch.device(device) if device is not None else group[0][1].device
+        if need > bucket_bytes:  # oversize: a bucket of its own, the open one stays open
+            ob = _OpenBucket(dtype, need, dev, alloc)
+            for name, t in group:
+                ob.add(name, t, align)
+            yield emit(ob)
+            return
+        ob = open_buckets.get(dtype)
+        if ob is not None:
+            probe = ob.used
+            for _, t in group:
+                probe = _round_up(probe, align) + t.numel() * t.element_size()
+            if probe > ob.buffer.numel():
+                yield emit(ob)
+                ob = None
+        if ob is None:
+            ob = _OpenBucket(dtype, bucket_bytes, dev, alloc)
+            open_buckets[dtype] = ob
+        for name, t in group:
+            ob.add(name, t, align)
+
+    pending: list[tuple[str, torch.Tensor]] = []
+    pending_key: object = object()
+    for name, t in named_tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(t).__name__}, expected a torch.Tensor")
+        t = t.detach()
+        key = keep_together(name) if keep_together else name
+        if pending and (key != pending_key or t.dtype != pending[0][1].dtype):
+            yield from place(pending)
+            pending = []
+        pending_key = key
+        pending.append((name, t))
+    if pending:
+        yield from place(pending)
+    for ob in list(open_buckets.values()):
+        if ob.metas:
+            yield emit(ob)
+    open_buckets.clear()
+
+
+def verify_checksums(sent: Mapping[str, int], received: Mapping[str, int]) -> list[str]:
+    """Names whose checksum differs or is missing on the receiving side (empty = all good)."""
+    bad = [n for n, c in sent.items() if received.get(n) != c]
+    return bad

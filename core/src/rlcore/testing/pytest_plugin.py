@@ -1,0 +1,118 @@
+"""pytest plugin shipped with rlcore (entry point ``pytest11: rlcore``).
+
+Fixtures for plugin authors:
+
+``rlcore_plugin_manager``
+    A fresh :class:`~rlcore.manager.PluginManager` that does not autoload entry points, with
+    core's built-ins registered. Register your plugin module on it to test it in isolation.
+``rlcore_bare_plugin_manager``
+    The same without the built-ins.
+``register_plugin``
+    ``register_plugin(module_or_object, name=None, manager=None)`` registers a plugin on a
+    manager (default: ``rlcore_plugin_manager``) and unregisters it when the test ends, passed
+    or failed. Also usable as a context manager: ``with register_plugin(mod) as name: ...``.
+``rlcore_config``
+    ``rlcore_config(*dotlist, plugins=manager)`` returns a validated run config.
+``tiny_model_dirs``
+    Session-scoped tiny HF model directories: ``dense_a``, ``dense_b`` (same architecture,
+    other weights), ``moe_a``, ``moe_b`` (Qwen3-MoE), created locally on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import pytest
+
+
+@pytest.fixture
+def rlcore_bare_plugin_manager():
+    from rlcore.manager import PluginManager
+
+    return PluginManager(autoload=False)
+
+
+@pytest.fixture
+def rlcore_plugin_manager():
+    from rlcore.manager import PluginManager
+
+    pm = PluginManager(autoload=False)
+    pm.load_builtins()
+    return pm
+
+
+class _Registrar:
+    def __init__(self, default_manager: Any):
+        self.default = default_manager
+        self.done: list[tuple[Any, str]] = []
+
+    def __call__(self, plugin: Any, name: str | None = None, manager: Any = None, **kw: Any) -> "_Registration":
+        pm = manager or self.default
+        reg_name = pm.register(plugin, name, **kw)
+        self.done.append((pm, reg_name))
+        return _Registration(pm, reg_name)
+
+    def cleanup(self) -> None:
+        while self.done:
+            pm, name = self.done.pop()
+            pm.unregister(name)
+
+
+class _Registration(str):
+    """The registered name; as a context manager it unregisters on exit."""
+
+    def __new__(cls, pm: Any, name: str):
+        obj = super().__new__(cls, name)
+        obj.pm = pm
+        return obj
+
+    def __enter__(self) -> str:
+        return str(self)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.pm.unregister(str(self))
+
+
+@pytest.fixture
+def register_plugin(rlcore_plugin_manager) -> Iterator[_Registrar]:
+    reg = _Registrar(rlcore_plugin_manager)
+    try:
+        yield reg
+    finally:
+        reg.cleanup()
+
+
+@pytest.fixture
+def rlcore_config(rlcore_plugin_manager):
+    from rlcore import config as cfgmod
+
+    def make(*dotlist: str, plugins: Any = None) -> Any:
+        pm = plugins or rlcore_plugin_manager
+        raw = cfgmod.read_raw(None, dotlist)
+        return cfgmod.validate(raw, pm.plugin_settings())
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Any]:
+    from rlcore.testing.models import make_model_dir
+
+    root = tmp_path_factory.mktemp("rlcore-tiny-models")
+    return {
+        "dense_a": make_model_dir(root / "dense_a", "qwen2", seed=1),
+        "dense_b": make_model_dir(root / "dense_b", "qwen2", seed=2),
+        "moe_a": make_model_dir(root / "moe_a", "qwen3_moe", seed=3),
+        "moe_b": make_model_dir(root / "moe_b", "qwen3_moe", seed=4),
+    }
+
+
+@contextlib.contextmanager
+def registered(pm: Any, plugin: Any, name: str | None = None, **kw: Any) -> Iterator[str]:
+    """Context manager form for code without the fixture."""
+    n = pm.register(plugin, name, **kw)
+    try:
+        yield n
+    finally:
+        pm.unregister(n)

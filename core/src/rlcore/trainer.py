@@ -1,0 +1,427 @@
+"""The training loop. It calls plugins only through the typed manager and the built providers.
+
+One step::
+
+    prompts ─ rollout_backend.generate ─▶ samples ─ reward ─▶ GRPO advantages
+      ─ pack ─▶ PackedBatch ─ micro-batches by token budget ─▶
+        old_logprob pass (no grad)  [forward_request, engine.forward, forward_fn, postprocess]
+        ref_logprob pass (KL only)
+        train pass: policy loss + postprocess loss terms ─ backward ─ optimizer step
+      ─ step_end chain ─ pause, release KV ─ weight_sync.push (verified) ─ resume ─ metrics, checkpoint
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlcore import __version__
+from rlcore.algo import StepTotals, grpo_advantages, policy_loss
+from rlcore.batch import PackedBatch
+from rlcore.errors import ConfigError, RolloutError, WeightSyncError
+from rlcore.run_output import MetricsWriter, load_checkpoint, plot_rewards, read_metrics, save_checkpoint
+from rlcore.stack import Stack
+from rlcore.tasks import RewardInput, Task, load_callable
+from rlcore.types import (
+    BuildContext,
+    Cap,
+    HeadInput,
+    MicroBatchContext,
+    ModelOutput,
+    Prompt,
+    Sample,
+    SamplingSettings,
+    StepContext,
+)
+
+
+def _quiet_transformers() -> None:
+    """transformers prints progress bars for every save/load; a step line is enough."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+
+
+#: where the no-grad passes leave their log-probs in the step batch ("old_logprobs" holds the
+#: rollout engine's behaviour log-probs, which the importance ratio uses)
+RECOMPUTED = "recomputed_logprobs"
+PHASE_OUTPUT = {"old_logprob": RECOMPUTED, "ref_logprob": "ref_logprobs"}
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, Any]
+    batch: PackedBatch
+
+
+class Trainer:
+    """Builds the selected providers and runs GRPO. ``run()`` returns a summary dict."""
+
+    def __init__(self, stack: Stack, resume: bool = False, console: Any = None):
+        self.stack = stack
+        self.cfg = cfg = stack.config
+        self.pm = stack.plugins
+        self.resume = resume
+        if cfg.rollout.temperature <= 0:
+            raise ConfigError("rollout.temperature must be > 0 for RL training (sampling)", key="rollout.temperature")
+        self.out = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        if console is None:
+            from rich.console import Console
+
+            console = Console(highlight=False, quiet=not cfg.output.progress)
+        self.console = console
+
+        _quiet_transformers()
+        torch.manual_seed(cfg.training.seed)
+        random.seed(cfg.training.seed)
+        self.task: Task = load_callable(cfg.data.task, "data.task")(cfg.data)
+        self.reward_fn = load_callable(cfg.data.reward, "data.reward")
+        sections = {ps.plugin: ps.section for ps in self.pm.plugin_settings()}
+
+        def ctx_for(spec, engine=None) -> BuildContext:
+            section = sections.get(spec.plugin)
+            settings = cfg[section] if section else None
+            return BuildContext(config=cfg, settings=settings, output_dir=str(self.out), engine=engine,
+                                extras={"task": self.task})
+
+        self.engine = stack.engine.factory(ctx_for(stack.engine))
+        self.tokenizer = getattr(self.engine, "tokenizer", None)
+        if self.tokenizer is None:
+            raise ConfigError("the training engine provides no tokenizer; set engine.model.path", key="engine.model.path")
+        self.forward_fn = stack.forward_fn.factory(ctx_for(stack.forward_fn, self.engine))
+        self.backend = stack.rollout_backend.factory(ctx_for(stack.rollout_backend, self.engine))
+        self.sync = stack.weight_sync.factory(ctx_for(stack.weight_sync, self.engine))
+        self.engine.setup_optimizer(cfg.training)
+        self.reference = self.engine.make_reference() if cfg.algorithm.kl_coef > 0 else None
+        self.router = self.pm.router_hook if self.pm.has_router_hooks() else None
+        self.metrics = MetricsWriter(self.out, tensorboard=cfg.output.tensorboard)
+        self.step = 0
+        self.version = 0
+        self.wall_before = 0.0  # wall seconds of earlier (resumed) segments
+        self.release_kv = False
+
+    # ----------------------------------------------------------------------------- setup --
+
+    def _banner(self) -> None:
+        s = self.stack
+        plugins = ", ".join(f"{n}-{self.pm.plugin_label(n).split(' ')[-1]}" for n in self.pm.active)
+        self.console.print(f"[bold]rlcore {__version__}[/] | plugins: {plugins}")
+        self.console.print(
+            f"engine {s.engine.name} | forward {s.forward_fn.name} | rollout {s.rollout_backend.name} | "
+            f"sync {s.weight_sync.name} | output {self.out}"
+        )
+        for note in s.notes:
+            self.console.print(f"[yellow]note:[/] {note}")
+        if self.metrics.tb_note:
+            self.console.print(f"[yellow]note:[/] {self.metrics.tb_note}")
+
+    def _start_backend(self) -> None:
+        model_dir = self.out / "policy_hf"
+        self.engine.save_hf(model_dir)
+        self.backend.start(str(model_dir), version=self.version)
+        declared = self.stack.rollout_backend.capabilities
+        runtime = self.backend.capabilities()
+        lost = sorted(declared - runtime)
+        if lost:
+            self.console.print(
+                f"[yellow]note:[/] rollout backend {self.stack.rollout_backend.name!r} lacks at runtime: {', '.join(lost)}"
+            )
+        mode = self.cfg.rollout.release_kv_cache
+        can = Cap.RELEASE_KV_CACHE in runtime
+        if mode == "always" and not can:
+            raise RolloutError("rollout.release_kv_cache is 'always' but the backend cannot release its KV cache here")
+        self.release_kv = mode != "never" and can
+        if mode == "auto" and not can:
+            self.console.print("[yellow]note:[/] KV cache stays resident during weight sync (backend cannot release it)")
+        if self.cfg.rollout.return_routed_experts and Cap.ROUTED_EXPERTS not in runtime:
+            raise RolloutError("rollout.return_routed_experts is set but the backend cannot return routed experts here")
+
+    def _restore(self) -> None:
+        state = load_checkpoint(self.out)
+        if state is None:
+            self.console.print(f"[yellow]note:[/] --resume: no checkpoint in {self.out}, starting fresh")
+            return
+        self.engine.load_state_dict(state["engine"])
+        self.step = int(state["step"]) + 1
+        self.version = int(state["version"])
+        self.wall_before = float(state["wall_seconds"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        self.metrics.truncate_after(int(state["step"]))
+        self.console.print(f"resumed from step {state['step']} (weight version {self.version})")
+
+    def _checkpoint(self, wall: float) -> None:
+        save_checkpoint(self.out, {
+            "engine": self.engine.state_dict(),
+            "step": self.step,
+            "version": self.version,
+            "wall_seconds": wall,
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "rlcore_version": __version__,
+        })
+
+    # ----------------------------------------------------------------------------- steps --
+
+    def _prompts(self) -> tuple[list[Prompt], list[Any]]:
+        rng = random.Random(self.cfg.training.seed * 1_000_003 + self.step)
+        task_prompts = self.task.make_prompts(rng, self.cfg.data.prompts_per_step)
+        prompts = [
+            Prompt(ids=self.tokenizer(tp.text, add_special_tokens=False)["input_ids"], index=i, meta=tp.meta)
+            for i, tp in enumerate(task_prompts)
+        ]
+        return prompts, task_prompts
+
+    def _rewards(self, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any]) -> list[float]:
+        out = []
+        for s in samples:
+            tp = task_prompts[s.prompt_index]
+            resp = s.response_ids.tolist()
+            text = self.tokenizer.decode(resp, skip_special_tokens=True)
+            out.append(float(self.reward_fn(RewardInput(tp.text, text, s.prompt_ids, resp, tp.meta, s.finish_reason))))
+        return out
+
+    def _pack(self, samples: list[Sample], rewards: list[float]) -> PackedBatch:
+        algo = self.cfg.algorithm
+        adv = grpo_advantages(rewards, [s.prompt_index for s in samples], algo.normalize_std)
+        seqs = [list(s.prompt_ids) + s.response_ids.tolist() for s in samples]
+        starts = [len(s.prompt_ids) for s in samples]
+        target = {
+            "old_logprobs": [s.logprobs.float() for s in samples],
+            "advantages": [torch.full((len(s.response_ids),), float(a)) for s, a in zip(samples, adv)],
+        }
+        inputs = {}
+        layout = self.engine.info.route_layout
+        if layout is not None and all(s.routed_experts is not None for s in samples):
+            inputs["routes"] = [layout.select(torch.as_tensor(s.routed_experts)).to(torch.int16) for s in samples]
+        return PackedBatch.pack(
+            seqs, starts, target_fields=target, input_fields=inputs,
+            seq_fields={"reward": torch.tensor(rewards), "group": torch.tensor([s.prompt_index for s in samples]),
+                        "advantage": adv},
+            align=int(getattr(self.engine, "sequence_alignment", 1)),
+            pad_id=self.engine.info.pad_token_id,
+        )
+
+    def _forward_pass(self, batch: PackedBatch, phase: str, engine: Any, totals: StepTotals,
+                      grad: bool) -> dict[str, float]:
+        """Run every micro-batch of ``batch`` through engine + head (+ loss in ``train``)."""
+        cfg = self.cfg
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+        mbs = batch.micro_batches(cfg.training.micro_batch_tokens)
+        logprob_out = torch.zeros(batch.num_tokens) if phase != "train" else None
+        for i, mb in enumerate(mbs):
+            ctx = MicroBatchContext(step=self.step, phase=phase, index=i, count=len(mbs), batch=mb, config=cfg,
+                                    num_tokens_in_step=totals.loss_tokens)
+            req = self.pm.forward_request(ctx)
+            with torch.set_grad_enabled(grad):
+                out = engine.forward(mb, record_routes=req.record_routes, router=self.router, micro_batch=ctx,
+                                     mtp_hidden=req.mtp_hidden)
+                hw = engine.head()
+                head = self.forward_fn(HeadInput(
+                    hidden=out.hidden, weight=hw.weight, labels=mb.labels().to(out.hidden.device), vocab=hw.vocab,
+                    loss_mask=mb.loss_mask.to(out.hidden.device), temperature=float(cfg.rollout.temperature),
+                    sequence_parallel=out.sequence_parallel, compute_entropy=(phase == "train"),
+                ))
+                results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn))
+                for plugin, res in results:
+                    for k, v in res.metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                        counts[k] = counts.get(k, 0.0) + 1
+                    for k, v in res.batch_updates.items():
+                        batch.write_back(mb, k, v.detach())
+                if phase == "train":
+                    ref = mb.fields.get("ref_logprobs")
+                    loss, stats = policy_loss(mb, head.logprobs, head.entropy, cfg.algorithm, totals, ref)
+                    for plugin, res in results:
+                        for name, term in res.loss_terms.items():
+                            loss = loss + term
+                            sums[f"loss/{plugin}/{name}"] = sums.get(f"loss/{plugin}/{name}", 0.0) + float(term.detach())
+                            counts[f"loss/{plugin}/{name}"] = 1
+                    for name, term in out.aux_losses.items():
+                        loss = loss + term
+                        sums[f"loss/engine/{name}"] = sums.get(f"loss/engine/{name}", 0.0) + float(term.detach())
+                        counts[f"loss/engine/{name}"] = 1
+                    loss.backward()
+                    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+                    counts["loss"] = 1
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                else:
+                    logprob_out[mb.token_offset - batch.token_offset: mb.token_offset - batch.token_offset + mb.num_tokens] = head.logprobs.detach().float().cpu()
+        if phase == "train":
+            n = max(sums.pop("_tokens", 0.0), 1.0)
+            for k in ("clipfrac", "ratio", "approx_kl_behaviour", "entropy", "kl"):
+                if k in sums:
+                    sums[k] /= n
+                    counts.pop(k, None)
+        out_metrics = {k: (v / counts[k] if k in counts else v) for k, v in sums.items()}
+        if logprob_out is not None:
+            batch.fields[PHASE_OUTPUT[phase]] = logprob_out
+        return out_metrics
+
+    def _train_step(self) -> StepResult:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        prompts, task_prompts = self._prompts()
+        params = SamplingSettings(
+            n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+            max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.training.seed * 1_000_003 + self.step,
+            stop_token_ids=tuple(x for x in [self.engine.info.eos_token_id] if x is not None),
+            return_routed_experts=cfg.rollout.return_routed_experts,
+        )
+        samples = self.backend.generate(prompts, params)
+        t_gen = time.perf_counter() - t0
+        stale = [s.weight_version for s in samples if s.weight_version != self.version]
+        if stale:
+            raise RolloutError(f"rollout returned samples of weight version {stale[0]}, expected {self.version}")
+        rewards = self._rewards(samples, prompts, task_prompts)
+        batch = self._pack(samples, rewards)
+        totals = StepTotals(loss_tokens=batch.num_loss_tokens, num_seqs=batch.num_seqs)
+
+        metrics: dict[str, Any] = {}
+        self.engine.train(False)
+        old_metrics = self._forward_pass(batch, "old_logprob", self.engine, totals, grad=False)
+        metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
+        mask = batch.loss_mask
+        d = (batch.fields[RECOMPUTED] - batch.fields["old_logprobs"]).abs()[mask]
+        metrics["logprob_mismatch_mean"] = float(d.mean()) if d.numel() else 0.0
+        metrics["logprob_mismatch_max"] = float(d.max()) if d.numel() else 0.0
+        if self.reference is not None:
+            self._forward_pass(batch, "ref_logprob", self.reference, totals, grad=False)
+        self.engine.train(True)
+        self.engine.zero_grad()
+        train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
+        grad_norm = self.engine.optimizer_step(cfg.training.grad_clip)
+        t_train = time.perf_counter() - t0 - t_gen
+
+        resp_lens = [len(s.response_ids) for s in samples]
+        metrics.update(train_metrics)
+        metrics.update({
+            "reward_mean": sum(rewards) / len(rewards),
+            "reward_std": float(torch.tensor(rewards).std(unbiased=False)),
+            "grad_norm": grad_norm,
+            "response_len": sum(resp_lens) / len(resp_lens),
+            "samples": len(samples),
+            "tokens": batch.num_tokens,
+            "generate_seconds": t_gen,
+            "train_seconds": t_train,
+        })
+        metrics.update(self.pm.step_end(StepContext(self.step, batch, metrics, cfg)))
+        return StepResult(metrics, batch)
+
+    def _push(self, version: int) -> Any:
+        caps = self.backend.capabilities()
+        can_pause = Cap.PAUSE in caps
+        if can_pause:
+            self.backend.pause()
+        if self.release_kv:
+            self.backend.release_memory(frozenset({"kv_cache"}))
+        try:
+            report = self.sync.push(self.engine.export_hf_weights(), self.backend, version)
+        finally:
+            if self.release_kv:
+                self.backend.resume_memory(frozenset({"kv_cache"}))
+            if Cap.PREFIX_CACHE_RESET in caps:
+                self.backend.reset_prefix_cache()
+            if can_pause:
+                self.backend.resume()
+        if self.backend.weight_version != version:
+            raise WeightSyncError(
+                f"after the push the backend reports weight version {self.backend.weight_version}, expected {version}",
+                receiver_version=self.backend.weight_version,
+            )
+        return report
+
+    # ------------------------------------------------------------------------------- run --
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if self.resume:
+            self._restore()
+        self._banner()
+        self._start_backend()
+        t_start = time.perf_counter()
+        limit = float(cfg.training.max_wall_seconds or 0)
+        completed = True
+        try:
+            while self.step < cfg.training.steps:
+                t0 = time.perf_counter()
+                res = self._train_step()
+                self.version += 1
+                report = self._push(self.version)
+                m = res.metrics
+                wall = self.wall_before + time.perf_counter() - t_start
+                step_s = time.perf_counter() - t0
+                m.update({
+                    "step": self.step,
+                    "weight_version": self.version,
+                    "sync_seconds": report.seconds,
+                    "sync_bytes": report.bytes,
+                    "sync_buckets": report.num_buckets,
+                    "sync_verified": report.verified,
+                    "step_seconds": step_s,
+                    "wall_seconds": wall,
+                    "tokens_per_second": m["tokens"] / max(step_s, 1e-9),
+                })
+                self.metrics.write({k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in m.items()})
+                self._progress(m, report)
+                if cfg.output.checkpoint_every and (self.step + 1) % cfg.output.checkpoint_every == 0:
+                    self._checkpoint(wall)
+                self.step += 1
+                if limit and wall > limit:
+                    self.console.print(f"[yellow]stopping:[/] training.max_wall_seconds={limit:g} reached")
+                    completed = self.step >= cfg.training.steps
+                    break
+            wall = self.wall_before + time.perf_counter() - t_start
+            self._checkpoint_final(wall)
+        finally:
+            self.metrics.close()
+            self.backend.shutdown()
+            self.sync.close()
+        return self._summary(completed)
+
+    def _checkpoint_final(self, wall: float) -> None:
+        if self.step > 0:
+            self.step -= 1
+            self._checkpoint(wall)
+            self.step += 1
+
+    def _progress(self, m: dict[str, Any], report: Any) -> None:
+        ok = "[green]✓[/]" if report.verified else "[yellow]unverified[/]"
+        self.console.print(
+            f"step {m['step']:4d}/{self.cfg.training.steps}  reward {m['reward_mean']:.3f}  "
+            f"kl {m.get('kl', 0.0):.4f}  entropy {m.get('entropy', 0.0):.3f}  "
+            f"tok/s {m['tokens_per_second']:7.0f}  sync {report.seconds * 1e3:6.1f} ms {ok} v{report.version}  "
+            f"wall {m['wall_seconds']:.1f}s"
+        )
+
+    def _summary(self, completed: bool) -> dict[str, Any]:
+        rows = read_metrics(self.out)
+        png = plot_rewards(self.out, title=f"rlcore {self.stack.engine.name}/{self.stack.rollout_backend.name}") if self.cfg.output.plot else None
+        summary: dict[str, Any] = {"completed": completed, "steps": len(rows), "output": str(self.out)}
+        if rows:
+            k = min(5, len(rows))
+            summary.update({
+                "start_reward": sum(r["reward_mean"] for r in rows[:k]) / k,
+                "end_reward": sum(r["reward_mean"] for r in rows[-k:]) / k,
+                "wall_seconds": rows[-1]["wall_seconds"],
+                "plot": str(png) if png else None,
+            })
+            self.console.print(
+                f"[bold]done[/]: {len(rows)} steps, reward {summary['start_reward']:.3f} (first {k}) -> "
+                f"{summary['end_reward']:.3f} (last {k}), wall {summary['wall_seconds']:.1f}s; "
+                f"metrics {self.out / 'metrics.jsonl'}" + (f", plot {png}" if png else "")
+            )
+        return summary

@@ -1,0 +1,142 @@
+"""The built-in weight syncs: ``inproc`` (buckets straight into an in-process receiver) and
+``disk`` (safetensors in HF names, then a reload). Both stream the engine's export through the
+core bucket builder, verify every push with checksums of what the receiver holds, and version
+it. A push that fails midway raises and leaves the receiver on its previous version."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from rlcore.errors import WeightSyncError
+from rlcore.sync import iter_buckets, verify_checksums
+from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport
+
+MB = 1 << 20
+
+
+def _verify(target: Any, sent: dict[str, int], version: int, method: str) -> int:
+    got = target.weight_checksums(sent.keys())
+    bad = verify_checksums(sent, got)
+    if bad:
+        raise WeightSyncError(
+            f"{method} push of version {version}: {len(bad)} of {len(sent)} tensors differ on the "
+            f"receiver after the push (e.g. {bad[:3]}); it holds unverified weights",
+            receiver_version=None,
+        )
+    return len(sent)
+
+
+class InprocSync:
+    """``inproc``: flattened buckets handed to a :class:`~rlcore.types.BucketReceiver`."""
+
+    def __init__(self, bucket_bytes: int, verify: bool = True):
+        self.bucket_bytes = int(bucket_bytes)
+        self.verify = verify
+
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: RolloutBackend, version: int) -> SyncReport:
+        if not isinstance(target, BucketReceiver):
+            raise WeightSyncError(f"inproc sync needs a BucketReceiver backend, got {type(target).__name__}")
+        t0 = time.perf_counter()
+        before = target.weight_version
+        sent: dict[str, int] = {}
+        nbytes = ntensors = nbuckets = 0
+        target.begin_update(version)
+        try:
+            for bucket in iter_buckets(weights, self.bucket_bytes):
+                if self.verify:
+                    sent.update(bucket.checksums())
+                target.receive_bucket(bucket)
+                nbytes += bucket.nbytes
+                ntensors += len(bucket.metas)
+                nbuckets += 1
+            target.commit_update(version)
+        except Exception as exc:
+            target.abort_update()
+            raise WeightSyncError(
+                f"inproc push of version {version} failed after {nbuckets} bucket(s): "
+                f"{type(exc).__name__}: {exc}; the receiver stays on version {target.weight_version}",
+                receiver_version=before,
+            ) from exc
+        checked = _verify(target, sent, version, "inproc") if self.verify else 0
+        return SyncReport(version, ntensors, nbuckets, nbytes, time.perf_counter() - t0,
+                          verified=self.verify, checked=checked, method="inproc")
+
+    def close(self) -> None:
+        pass
+
+
+class DiskSync:
+    """``disk``: write ``<dir>/v<version>/model-*.safetensors`` (one file per bucket, HF names),
+    then ask a :class:`~rlcore.types.DiskReceiver` to reload it. The directory appears
+    atomically (written under a temporary name, then renamed); ``keep`` versions are kept."""
+
+    def __init__(self, directory: str | Path, bucket_bytes: int, verify: bool = True, keep: int = 2):
+        self.directory = Path(directory)
+        self.bucket_bytes = int(bucket_bytes)
+        self.verify = verify
+        self.keep = keep
+
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: RolloutBackend, version: int) -> SyncReport:
+        from safetensors.torch import save_file
+
+        if not isinstance(target, DiskReceiver):
+            raise WeightSyncError(f"disk sync needs a DiskReceiver backend, got {type(target).__name__}")
+        t0 = time.perf_counter()
+        before = target.weight_version
+        final = self.directory / f"v{version}"
+        tmp = self.directory / f".v{version}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        sent: dict[str, int] = {}
+        nbytes = ntensors = nbuckets = 0
+        try:
+            for bucket in iter_buckets(weights, self.bucket_bytes):
+                if self.verify:
+                    sent.update(bucket.checksums())
+                # safetensors refuses tensors that share storage: one copy per tensor
+                save_file({n: t.clone() for n, t in bucket.tensors()}, str(tmp / f"model-{nbuckets:05d}.safetensors"),
+                          metadata={"format": "pt", "rlcore_version": str(version)})
+                nbytes += bucket.nbytes
+                ntensors += len(bucket.metas)
+                nbuckets += 1
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            target.load_from_disk(str(final), version)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WeightSyncError(
+                f"disk push of version {version} failed: {type(exc).__name__}: {exc}; the receiver "
+                f"stays on version {target.weight_version}",
+                receiver_version=before,
+            ) from exc
+        checked = _verify(target, sent, version, "disk") if self.verify else 0
+        self._prune(version)
+        return SyncReport(version, ntensors, nbuckets, nbytes, time.perf_counter() - t0,
+                          verified=self.verify, checked=checked, method="disk",
+                          details={"path": str(final)})
+
+    def _prune(self, version: int) -> None:
+        for d in self.directory.glob("v*"):
+            try:
+                v = int(d.name[1:])
+            except ValueError:
+                continue
+            if v <= version - self.keep:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        pass
+
+
+def build_inproc(ctx: Any) -> InprocSync:
+    return InprocSync(int(ctx.config.sync.bucket_mb * MB), verify=bool(ctx.config.sync.verify))
+
+
+def build_disk(ctx: Any) -> DiskSync:
+    out = Path(ctx.output_dir or ".") / "sync"
+    return DiskSync(out, int(ctx.config.sync.bucket_mb * MB), verify=bool(ctx.config.sync.verify))

@@ -1,0 +1,1 @@
+"""rlcore-example-plugin: see README.md."""
