@@ -18,7 +18,10 @@ from rlcore.errors import RLCoreError
 def _console():
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=True)
+    con = Console(highlight=False)
+    if not con.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
+        con = Console(highlight=False, width=200)
+    return con
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -41,8 +44,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"rlcore {__version__} plugins")
-    for col in ("name", "distribution", "version", "status", "hooks", "provides"):
-        table.add_column(col)
+    for col in ("name", "distribution", "version", "status"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("hooks")
+    table.add_column("provides")
     for r in records:
         provides = "; ".join(f"{k}: {', '.join(v)}" for k, v in r.provides.items() if v)
         status = r.status + (f" ({r.error})" if r.error else "")

@@ -397,7 +397,7 @@ class PluginManager:
         spec_type = _SPEC_TYPES[hook]
         by_module = {id(ld.module): ld for ld in self._loaded.values()}
         out: dict[str, ProviderSpec] = {}
-        for impl in getattr(self._pm.hook, hook).get_hookimpls():
+        for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):
             ld = by_module.get(id(impl.plugin))
             if ld is None:
                 continue
@@ -463,7 +463,7 @@ class PluginManager:
     def plugin_settings(self) -> list[PluginSettings]:
         out: dict[str, PluginSettings] = {}
         by_module = {id(ld.module): ld for ld in self._loaded.values()}
-        for impl in self._pm.hook.plugin_settings.get_hookimpls():
+        for impl in reversed(self._pm.hook.plugin_settings.get_hookimpls()):
             ld = by_module.get(id(impl.plugin))
             if ld is None:
                 continue
@@ -488,7 +488,7 @@ class PluginManager:
     def constraints(self) -> list[tuple[str, IncompatibleWith | RequiresCapability]]:
         by_module = {id(ld.module): ld for ld in self._loaded.values()}
         out = []
-        for impl in self._pm.hook.constraints.get_hookimpls():
+        for impl in reversed(self._pm.hook.constraints.get_hookimpls()):
             ld = by_module.get(id(impl.plugin))
             if ld is None:
                 continue

@@ -79,7 +79,7 @@ class Trainer:
         if console is None:
             from rich.console import Console
 
-            console = Console(highlight=False, quiet=not cfg.output.progress)
+            console = Console(highlight=False, soft_wrap=True, quiet=not cfg.output.progress)
         self.console = console
 
         _quiet_transformers()

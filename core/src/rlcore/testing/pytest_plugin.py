@@ -108,6 +108,41 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Any]:
     }
 
 
+@pytest.fixture
+def fake_distribution(tmp_path, monkeypatch):
+    """``fake_distribution(name, version, entry_points={ep_name: "module"}, modules={"module": source})``
+    writes an installed-looking distribution (``.dist-info`` with ``entry_points.txt``) and its
+    modules into a temporary directory on ``sys.path``, so entry-point discovery finds it exactly
+    as it finds a pip-installed plugin. Everything is removed after the test."""
+    import importlib
+    import sys
+    import textwrap
+
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    created_modules: list[str] = []
+
+    def make(name: str, version: str = "1.0", entry_points: dict[str, str] | None = None,
+             modules: dict[str, str] | None = None) -> Any:
+        norm = name.replace("-", "_")
+        info = root / f"{norm}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        lines = ["[rlcore]"] + [f"{k} = {v}" for k, v in (entry_points or {}).items()]
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        for mod, src in (modules or {}).items():
+            (root / f"{mod}.py").write_text(textwrap.dedent(src))
+            created_modules.append(mod)
+        importlib.invalidate_caches()
+        return info
+
+    yield make
+    for mod in created_modules:
+        sys.modules.pop(mod, None)
+    importlib.invalidate_caches()
+
+
 @contextlib.contextmanager
 def registered(pm: Any, plugin: Any, name: str | None = None, **kw: Any) -> Iterator[str]:
     """Context manager form for code without the fixture."""

@@ -1,0 +1,79 @@
+"""Config: structured schema, plugin sections, overrides; errors name the key."""
+
+import pytest
+
+from rlcore import config as cfgmod
+from rlcore.errors import ConfigError
+from rlcore.stack import load_config
+
+
+def _yaml(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_dotlist_overrides(tmp_path):
+    cfg, pm = load_config(_yaml(tmp_path, "rollout: {n: 4}\n"), ["rollout.n=8", "training.lr=0.5"])
+    assert cfg.rollout.n == 8 and cfg.training.lr == 0.5 and cfg.engine.name == "hf"
+    assert "reference" in pm.active
+
+
+def test_unknown_nested_key_names_key_and_siblings(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_yaml(tmp_path, "rollout: {nn: 4}\n"))
+    assert "unknown config key 'rollout.nn'" in str(e.value) and "rollout has: backend, n," in str(e.value)
+    assert e.value.key == "rollout.nn"
+
+
+def test_unknown_top_level_key(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'rolout'. Top-level keys: plugins, engine"):
+        load_config(_yaml(tmp_path, "rolout: {n: 4}\n"))
+
+
+def test_wrong_type_names_key(tmp_path):
+    with pytest.raises(ConfigError, match="bad value for config key 'rollout.n'"):
+        load_config(None, ["rollout.n=lots"])
+    with pytest.raises(ConfigError, match="bad value for config key 'training.steps': must be >= 1"):
+        load_config(None, ["training.steps=0"])
+
+
+def test_choice_fields_list_choices():
+    with pytest.raises(ConfigError, match="'algorithm.loss_agg': 'mean'; choose one of: token-mean, seq-mean-token-mean"):
+        load_config(None, ["algorithm.loss_agg=mean"])
+
+
+def test_plugin_section_validated_by_plugin_schema(tmp_path):
+    cfg, _ = load_config(_yaml(tmp_path, "plugins: [example]\nexample: {length_penalty: 0.5}\n"))
+    assert cfg.example.length_penalty == 0.5
+    with pytest.raises(ConfigError, match="unknown config key 'example.penalty'"):
+        load_config(_yaml(tmp_path, "plugins: [example]\nexample: {penalty: 0.5}\n"))
+
+
+def test_section_of_inactive_plugin_says_to_activate_it(tmp_path):
+    with pytest.raises(ConfigError, match="config section 'example' belongs to plugin 'example', which is not active: add 'example' to plugins:"):
+        load_config(_yaml(tmp_path, "plugins: []\nexample: {length_penalty: 0.5}\n"))
+
+
+def test_plugins_must_be_a_list(tmp_path):
+    with pytest.raises(ConfigError, match="plugins: must be a list"):
+        load_config(_yaml(tmp_path, "plugins: example\n"))
+
+
+def test_missing_file_and_bad_reward_path(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="'data.reward': 'noreward' must be 'module:function'"):
+        load_config(None, ["data.reward=noreward"])
+
+
+def test_env_plugins_override_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCORE_PLUGINS", "example")
+    cfg, pm = load_config(_yaml(tmp_path, "plugins: []\n"))
+    assert list(cfg.plugins) == ["example"] and "example" in pm.active
+
+
+def test_yaml_round_trip_of_resolved_config():
+    cfg, _ = load_config(None)
+    text = cfgmod.to_yaml(cfg)
+    assert "rollout:" in text and "backend: local" in text

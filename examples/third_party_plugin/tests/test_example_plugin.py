@@ -1,0 +1,62 @@
+"""The example plugin's own tests, as an outsider writes them: rlcore's pytest fixtures and
+conformance suite, nothing from rlcore's internals."""
+
+import pytest
+import torch
+
+import rlcore_example.plugin as plugin
+from rlcore.batch import PackedBatch
+from rlcore.testing.conformance import ForwardFnConformance
+from rlcore.types import MicroBatchContext, StepContext
+from rlcore_example.head import NaiveHead
+
+SPEC = next(iter(plugin.forward_fn()))
+
+
+class TestNaiveHead(ForwardFnConformance):
+    capabilities = SPEC.capabilities
+
+    @pytest.fixture
+    def forward_fn(self):
+        return NaiveHead()
+
+
+def test_plugin_is_found_through_its_entry_point():
+    from rlcore.manager import PluginManager
+
+    pm = PluginManager()
+    pm.activate(["example"])
+    spec = pm.select("forward_fn", "example-naive", key="forward.name")
+    assert spec.distribution.startswith("rlcore-example-plugin ")
+    assert pm.implementers("postprocess") == ["example"]
+
+
+def test_postprocess_adds_length_penalty_only_in_train(rlcore_plugin_manager, register_plugin, rlcore_config):
+    register_plugin(plugin, "example")
+    cfg = rlcore_config("example.length_penalty=0.5")
+    batch = PackedBatch.pack([[1, 2, 3, 4], [5, 6, 7]], [2, 1])
+
+    class Out:
+        class head:
+            logprobs = torch.log(torch.full((7,), 0.5))
+
+    for phase, expect_loss in (("old_logprob", False), ("train", True)):
+        ctx = MicroBatchContext(step=0, phase=phase, index=0, count=1, batch=batch, config=cfg, num_tokens_in_step=4)
+        ((name, res),) = rlcore_plugin_manager.postprocess(ctx, Out)
+        assert name == "example"
+        assert res.metrics["example/response_tokens"] == 2.0  # 4 loss tokens over 2 sequences
+        assert ("length_penalty" in res.loss_terms) is expect_loss
+        if expect_loss:
+            assert float(res.loss_terms["length_penalty"]) == pytest.approx(0.5 * 0.5 * 4 / 4)
+
+
+def test_step_end_reports_and_resets_head_calls():
+    head = plugin._build_head(None)
+    plugin.CALLS["forward"] = 0
+    batch = PackedBatch.pack([[1, 2, 3]], [1])
+    from rlcore.types import HeadInput, VocabShard
+
+    head(HeadInput(hidden=torch.randn(3, 4), weight=torch.randn(6, 4), labels=torch.tensor([1, 2, 0]),
+                   vocab=VocabShard.full(6), loss_mask=batch.loss_mask))
+    assert plugin.step_end(StepContext(0, batch, {})) == {"example/forward_calls": 1.0}
+    assert plugin.step_end(StepContext(1, batch, {})) == {"example/forward_calls": 0.0}
