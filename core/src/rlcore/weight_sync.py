@@ -7,16 +7,37 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from rlcore.errors import WeightSyncError
-from rlcore.sync import iter_buckets, verify_checksums
+from rlcore.sync import Bucket, iter_buckets, verify_checksums
 from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport
 
 MB = 1 << 20
+
+
+@dataclass
+class _Tally:
+    """What a push has streamed so far (and the checksums of what it sent)."""
+
+    verify: bool
+    sent: dict[str, int] = field(default_factory=dict)
+    nbytes: int = 0
+    ntensors: int = 0
+    nbuckets: int = 0
+
+    def buckets(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+        for bucket in iter_buckets(weights, bucket_bytes):
+            if self.verify:
+                self.sent.update(bucket.checksums())
+            yield bucket
+            self.nbytes += bucket.nbytes
+            self.ntensors += len(bucket.metas)
+            self.nbuckets += 1
 
 
 def _verify(target: Any, sent: dict[str, int], version: int, method: str) -> int:
@@ -43,27 +64,21 @@ class InprocSync:
             raise WeightSyncError(f"inproc sync needs a BucketReceiver backend, got {type(target).__name__}")
         t0 = time.perf_counter()
         before = target.weight_version
-        sent: dict[str, int] = {}
-        nbytes = ntensors = nbuckets = 0
+        tally = _Tally(self.verify)
         target.begin_update(version)
         try:
-            for bucket in iter_buckets(weights, self.bucket_bytes):
-                if self.verify:
-                    sent.update(bucket.checksums())
+            for bucket in tally.buckets(weights, self.bucket_bytes):
                 target.receive_bucket(bucket)
-                nbytes += bucket.nbytes
-                ntensors += len(bucket.metas)
-                nbuckets += 1
             target.commit_update(version)
         except Exception as exc:
             target.abort_update()
             raise WeightSyncError(
-                f"inproc push of version {version} failed after {nbuckets} bucket(s): "
+                f"inproc push of version {version} failed after {tally.nbuckets} bucket(s): "
                 f"{type(exc).__name__}: {exc}; the receiver stays on version {target.weight_version}",
                 receiver_version=before,
             ) from exc
-        checked = _verify(target, sent, version, "inproc") if self.verify else 0
-        return SyncReport(version, ntensors, nbuckets, nbytes, time.perf_counter() - t0,
+        checked = _verify(target, tally.sent, version, "inproc") if self.verify else 0
+        return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method="inproc")
 
     def close(self) -> None:
@@ -92,18 +107,13 @@ class DiskSync:
         tmp = self.directory / f".v{version}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        sent: dict[str, int] = {}
-        nbytes = ntensors = nbuckets = 0
+        tally = _Tally(self.verify)
         try:
-            for bucket in iter_buckets(weights, self.bucket_bytes):
-                if self.verify:
-                    sent.update(bucket.checksums())
+            for bucket in tally.buckets(weights, self.bucket_bytes):
                 # safetensors refuses tensors that share storage: one copy per tensor
-                save_file({n: t.clone() for n, t in bucket.tensors()}, str(tmp / f"model-{nbuckets:05d}.safetensors"),
+                save_file({n: t.clone() for n, t in bucket.tensors()},
+                          str(tmp / f"model-{tally.nbuckets:05d}.safetensors"),
                           metadata={"format": "pt", "rlcore_version": str(version)})
-                nbytes += bucket.nbytes
-                ntensors += len(bucket.metas)
-                nbuckets += 1
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             target.load_from_disk(str(final), version)
@@ -114,9 +124,9 @@ class DiskSync:
                 f"stays on version {target.weight_version}",
                 receiver_version=before,
             ) from exc
-        checked = _verify(target, sent, version, "disk") if self.verify else 0
+        checked = _verify(target, tally.sent, version, "disk") if self.verify else 0
         self._prune(version)
-        return SyncReport(version, ntensors, nbuckets, nbytes, time.perf_counter() - t0,
+        return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method="disk",
                           details={"path": str(final)})
 
