@@ -105,3 +105,23 @@ def test_verify_checksums_reports_mismatches():
 def test_bucket_rejects_non_tensors():
     with pytest.raises(TypeError, match="weight 'x' is a list"):
         list(iter_buckets([("x", [1, 2])], 10))
+
+
+def _checksum_by_definition(t):
+    """tensor_checksum's documented definition, in plain Python (receivers in other processes
+    and languages can reimplement it from this)."""
+    import struct
+
+    raw = bytes(t.contiguous().view(torch.uint8).tolist())
+    raw += b"\0" * ((-len(raw)) % 4)
+    words = struct.unpack(f"<{len(raw) // 4}i", raw)
+    P = (1 << 31) - 1
+    s1 = sum(words) % P
+    s2 = sum(w * ((i % 65521) + 1) for i, w in enumerate(words)) % P
+    return (s1 << 31) | (s2 ^ (len(words) & 0x7FFFFFFF))
+
+
+@pytest.mark.parametrize("n,dtype", [(1, torch.uint8), (7, torch.bfloat16), (65521 + 3, torch.float32), (3 * 65521, torch.int64)])
+def test_checksum_matches_its_definition(n, dtype):
+    t = (torch.randn(n) * 1000).to(dtype)
+    assert tensor_checksum(t) == _checksum_by_definition(t)

@@ -36,6 +36,12 @@ class Stack:
     weight_sync: WeightSyncSpec
     chains: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: per role, declared capabilities unavailable here, with reasons
+    gaps: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def has(self, role: str, cap: str) -> bool:
+        """Declared by the selected provider and available on this platform."""
+        return cap in self.role(role).capabilities and cap not in self.gaps.get(role, {})
 
     def role(self, role: str):
         return {
@@ -107,20 +113,28 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
             f"sync.name {sync.name!r} ({sync.distribution}) feeds only rollout backends "
             f"{', '.join(sorted(sync.backends))}, but rollout.backend is {rollout.name!r} ({rollout.distribution})"
         )
-    missing = sorted(sync.requires_backend - rollout.capabilities)
-    if missing:
-        raise errors.MissingCapabilityError(
-            f"sync.name {sync.name!r} ({sync.distribution}) needs a rollout backend with "
-            f"{', '.join(missing)}; rollout.backend {rollout.name!r} ({rollout.distribution}) "
-            f"declares: {', '.join(sorted(rollout.capabilities)) or 'nothing'}"
-        )
+
+    # capabilities the providers declare but cannot deliver on this machine / with this config
+    for role in ("engine", "forward_fn", "rollout_backend", "weight_sync"):
+        spec = stack.role(role)
+        try:
+            gaps = spec.gaps(cfg)
+        except Exception as exc:  # noqa: BLE001 - a broken probe must not hide the stack
+            stack.notes.append(f"{role} {spec.name!r}: could not probe platform capabilities ({exc})")
+            continue
+        stack.gaps[role] = gaps
+        for cap, reason in sorted(gaps.items()):
+            stack.notes.append(f"{role} {spec.name!r} lacks {cap!r} here: {reason}")
+
+    for cap in sorted(sync.requires_backend):
+        _require(stack, "rollout_backend", cap, f"sync.name {sync.name!r} ({sync.distribution}) pushes through it", "core")
 
     # core features and the capabilities they need
     if cfg.rollout.return_routed_experts:
         _require(stack, "rollout_backend", Cap.ROUTED_EXPERTS, "rollout.return_routed_experts is set", "core")
     if cfg.rollout.release_kv_cache == "always":
         _require(stack, "rollout_backend", Cap.RELEASE_KV_CACHE, "rollout.release_kv_cache is 'always'", "core")
-    elif cfg.rollout.release_kv_cache == "auto" and Cap.RELEASE_KV_CACHE not in rollout.capabilities:
+    elif cfg.rollout.release_kv_cache == "auto" and not stack.has("rollout_backend", Cap.RELEASE_KV_CACHE):
         stack.notes.append(
             f"rollout backend {rollout.name!r} cannot release its KV cache: it stays resident during weight sync"
         )
@@ -152,9 +166,15 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
 
 def _require(stack: Stack, role: str, cap: str, reason: str, owner: str) -> None:
     spec = stack.role(role)
-    if cap in spec.capabilities:
+    if stack.has(role, cap):
         return
     who = "core" if owner == "core" else f"plugin {owner!r} ({stack.plugins.plugin_label(owner)})"
+    gap = stack.gaps.get(role, {}).get(cap)
+    if gap is not None:
+        raise errors.MissingCapabilityError(
+            f"{who} needs {role} with capability {cap!r} ({reason}); the selected {role} {spec.name!r} "
+            f"({spec.distribution}) declares it but cannot provide it here: {gap}"
+        )
     raise errors.MissingCapabilityError(
         f"{who} needs {role} with capability {cap!r} ({reason}), but the selected {role} "
         f"{spec.name!r} ({spec.distribution}) declares: {', '.join(sorted(spec.capabilities)) or 'nothing'}"

@@ -133,10 +133,10 @@ class Trainer:
         declared = self.stack.rollout_backend.capabilities
         runtime = self.backend.capabilities()
         lost = sorted(declared - runtime)
-        if lost:
-            self.console.print(
-                f"[yellow]note:[/] rollout backend {self.stack.rollout_backend.name!r} lacks at runtime: {', '.join(lost)}"
-            )
+        reasons = self.backend.lacking() if hasattr(self.backend, "lacking") else {}
+        for cap in lost:
+            why = reasons.get(cap, "not available in this running instance")
+            self.console.print(f"[yellow]note:[/] rollout backend {self.stack.rollout_backend.name!r} lacks {cap!r}: {why}")
         mode = self.cfg.rollout.release_kv_cache
         can = Cap.RELEASE_KV_CACHE in runtime
         if mode == "always" and not can:
@@ -337,6 +337,9 @@ class Trainer:
                 self.backend.reset_prefix_cache()
             if can_pause:
                 self.backend.resume()
+        finalize = getattr(self.sync, "finalize", None)
+        if finalize is not None:  # verification that needs a serving engine (probe log-probs)
+            report = finalize(self.backend, report)
         if self.backend.weight_version != version:
             raise WeightSyncError(
                 f"after the push the backend reports weight version {self.backend.weight_version}, expected {version}",

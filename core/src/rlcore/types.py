@@ -137,6 +137,10 @@ class ProviderSpec:
     description: str = ""
     distribution: str | None = None
     plugin: str | None = None
+    #: optional, cheap (no engine import): ``platform_gaps(config) -> {capability: reason}`` for
+    #: declared capabilities this machine or config cannot deliver (vLLM's CPU build cannot
+    #: sleep). ``rlcore check`` reports them and core refuses configs that need them.
+    platform_gaps: Callable[[Any], Mapping[str, str]] | None = None
 
     kind: str = field(default="provider", init=False, repr=False)
 
@@ -149,6 +153,15 @@ class ProviderSpec:
     def source(self) -> str:
         """``dist version`` (or the plugin name) for error messages."""
         return self.distribution or self.plugin or "<unregistered>"
+
+    def gaps(self, config: Any) -> dict[str, str]:
+        """Declared capabilities unavailable here, with reasons (see ``platform_gaps``)."""
+        if self.platform_gaps is None:
+            return {}
+        return {str(k): str(v) for k, v in dict(self.platform_gaps(config)).items() if k in self.capabilities}
+
+    def effective_capabilities(self, config: Any) -> frozenset[str]:
+        return self.capabilities - frozenset(self.gaps(config))
 
 
 @dataclass(frozen=True)
@@ -665,6 +678,9 @@ class RolloutBackend(Protocol):
 
     def shutdown(self) -> None: ...
 
+    # Optional: ``lacking() -> dict[str, str]``, the declared capabilities this running instance
+    # does not have, each with the reason; the trainer prints them.
+
 
 @runtime_checkable
 class BucketReceiver(Protocol):
@@ -734,6 +750,10 @@ class WeightSync(Protocol):
     ) -> SyncReport: ...
 
     def close(self) -> None: ...
+
+    # Optional: ``finalize(target, report) -> SyncReport``, called after core resumed the backend
+    # (KV cache restored, prefix cache reset, generation resumed). A verification that needs the
+    # engine to generate (probe log-probs) belongs here; it raises WeightSyncError on a mismatch.
 
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,40 @@
+"""Stack resolution: platform gaps of declared capabilities are reported and enforced."""
+
+import types
+
+import pytest
+
+from rlcore import errors, hookimpl
+from rlcore.stack import resolve
+from rlcore.types import Cap, RolloutBackendSpec
+
+
+def _gappy_plugin():
+    mod = types.ModuleType("gappy")
+    mod.PLUGIN_API = 1
+
+    def rollout_backend():
+        yield RolloutBackendSpec(
+            name="gappy", factory=lambda ctx: None,
+            capabilities={Cap.LOGPROBS, Cap.RELEASE_KV_CACHE, Cap.RECEIVE_BUCKETS, Cap.WEIGHT_CHECKSUMS},
+            platform_gaps=lambda cfg: {Cap.RELEASE_KV_CACHE: "no sleep mode on this CPU build", "undeclared": "ignored"},
+        )
+
+    mod.rollout_backend = hookimpl(rollout_backend)
+    return mod
+
+
+def test_platform_gap_is_reported(rlcore_plugin_manager, register_plugin, rlcore_config):
+    register_plugin(_gappy_plugin(), "gappy")
+    stack = resolve(rlcore_config("rollout.backend=gappy"), rlcore_plugin_manager)
+    assert stack.gaps["rollout_backend"] == {Cap.RELEASE_KV_CACHE: "no sleep mode on this CPU build"}
+    assert "rollout_backend 'gappy' lacks 'release_kv_cache' here: no sleep mode on this CPU build" in stack.notes
+    assert any("stays resident during weight sync" in n for n in stack.notes)
+    assert not stack.has("rollout_backend", Cap.RELEASE_KV_CACHE)
+
+
+def test_platform_gap_refuses_a_config_that_needs_it(rlcore_plugin_manager, register_plugin, rlcore_config):
+    register_plugin(_gappy_plugin(), "gappy")
+    with pytest.raises(errors.MissingCapabilityError) as e:
+        resolve(rlcore_config("rollout.backend=gappy", "rollout.release_kv_cache=always"), rlcore_plugin_manager)
+    assert "declares it but cannot provide it here: no sleep mode on this CPU build" in str(e.value)
