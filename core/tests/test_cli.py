@@ -69,6 +69,7 @@ def test_check_prints_stack(capsys):
     assert main(["check", "examples/tiny.yaml", "rollout.n=4"]) == 0
     out = capsys.readouterr().out
     assert "forward_fn       reference" in out and "rollout_backend  local" in out and "config OK" in out
+    assert "[entropy, mask_skips_compute, per_token_temperature" in out  # capabilities are not eaten as markup
 
 
 def test_check_json(capsys):

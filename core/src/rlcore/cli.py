@@ -57,6 +57,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from rlcore.stack import config_yaml, load_stack
 
     stack = load_stack(args.config, args.overrides)
@@ -69,11 +71,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     con.print("plugins: " + ", ".join(f"{p['name']} ({p['distribution']})" for p in desc["plugins"]))
     for role in ("engine", "forward_fn", "rollout_backend", "weight_sync"):
         s = desc[role]
-        con.print(f"  {role:16s} {s['name']:14s} from {s['distribution']}  [{', '.join(s['capabilities'])}]")
+        caps = escape("[" + ", ".join(s["capabilities"]) + "]")
+        con.print(f"  {role:16s} {s['name']:14s} from {s['distribution']}  {caps}")
     for hook, names in desc["chains"].items():
         con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
     for note in desc["notes"]:
-        con.print(f"  [yellow]note:[/] {note}")
+        con.print(f"  [yellow]note:[/] {escape(note)}")
     if args.show_config:
         con.print(config_yaml(stack))
     con.print("[green]config OK[/]")
