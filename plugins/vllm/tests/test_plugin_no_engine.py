@@ -1,0 +1,217 @@
+"""Tests that need no vLLM: plugin registration, config, capability reporting, sampling and
+server arguments, routed-expert decoding, shared-memory buckets. They run in the main venv and in
+the vllm venv."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import rlcore_vllm.plugin as vllm_plugin
+import torch
+from rlcore.errors import ConfigError, IncompatiblePluginsError
+from rlcore.sync import iter_buckets
+from rlcore.types import Cap, SamplingSettings
+from rlcore_vllm.backend import VLLMBackend, engine_environment, engine_kwargs, sampling_kwargs, serve_command
+from rlcore_vllm.platform import (
+    CPU_LIMITS,
+    DECLARED_BACKEND_CAPABILITIES,
+    missing_reasons,
+    runtime_backend_capabilities,
+)
+from rlcore_vllm.routes import decode_routed_experts
+from rlcore_vllm.settings import VLLMSettings, check_settings
+from rlcore_vllm.shm import SharedBucketPool, map_segment
+from rlcore_vllm.sync import bucket_request
+
+
+def test_plugin_import_loads_neither_vllm_nor_torch():
+    code = ("import sys, rlcore_vllm.plugin; "
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, f"importing the plugin imported {out.stdout.strip()}"
+
+
+def test_registers_backend_sync_and_section(register_plugin, rlcore_plugin_manager):
+    register_plugin(vllm_plugin, "vllm")
+    spec = rlcore_plugin_manager.select("rollout_backend", "vllm", key="rollout.backend")
+    sync = rlcore_plugin_manager.select("weight_sync", "vllm", key="sync.name")
+    assert spec.capabilities == DECLARED_BACKEND_CAPABILITIES
+    assert sync.backends == frozenset({"vllm"}) and Cap.VERIFIED in sync.capabilities
+    assert "vllm" in {ps.section for ps in rlcore_plugin_manager.plugin_settings()}
+
+
+def test_config_defaults_and_errors(register_plugin, rlcore_config, rlcore_plugin_manager):
+    register_plugin(vllm_plugin, "vllm")
+    cfg = rlcore_config("rollout.backend=vllm", "sync.name=vllm", "vllm.multiprocessing=false")
+    assert cfg.vllm.mode == "offline" and cfg.vllm.multiprocessing is False
+    check_settings(cfg.vllm)
+    with pytest.raises(ConfigError, match="vllm.nonsense"):
+        rlcore_config("vllm.nonsense=1")
+    bad = rlcore_config("vllm.mode=grpc")
+    with pytest.raises(ConfigError, match="vllm.mode.*offline, http"):
+        check_settings(bad.vllm)
+    bad = rlcore_config("vllm.transport=rdma")
+    with pytest.raises(ConfigError, match="vllm.transport"):
+        check_settings(bad.vllm)
+    bad = rlcore_config("vllm.gpu_memory_utilization=0")
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        check_settings(bad.vllm)
+
+
+def test_sync_only_feeds_the_vllm_backend(register_plugin, rlcore_plugin_manager):
+    from rlcore import config as cfgmod
+    from rlcore.stack import resolve
+
+    register_plugin(vllm_plugin, "vllm")
+    raw = cfgmod.read_raw(None, ["rollout.backend=local", "sync.name=vllm"])
+    cfg = cfgmod.validate(raw, rlcore_plugin_manager.plugin_settings())
+    with pytest.raises(IncompatiblePluginsError, match="feeds only rollout backends vllm"):
+        resolve(cfg, rlcore_plugin_manager)
+
+
+def test_rlcore_check_reports_the_vllm_stack(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, "-m", "rlcore.cli", "check", "--json",
+                          os.path.join(root, "examples", "vllm_tiny.yaml")], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stderr
+    desc = json.loads(out.stdout)
+    assert desc["rollout_backend"]["name"] == "vllm" and desc["rollout_backend"]["distribution"].startswith("rlcore-vllm")
+    assert desc["weight_sync"]["name"] == "vllm"
+    # declared capabilities; what the platform lacks is reported when the engine starts
+    assert set(desc["rollout_backend"]["capabilities"]) == DECLARED_BACKEND_CAPABILITIES
+
+
+def test_runtime_capabilities_by_platform():
+    cpu = runtime_backend_capabilities(is_cpu=True, sleep_mode=True, routed_experts=True, speculative=False)
+    gpu = runtime_backend_capabilities(is_cpu=False, sleep_mode=True, routed_experts=True, speculative=True)
+    assert cpu == {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET}
+    assert gpu == DECLARED_BACKEND_CAPABILITIES
+    assert cpu <= DECLARED_BACKEND_CAPABILITIES
+    reasons = missing_reasons(cpu, is_cpu=True)
+    for cap in (Cap.RELEASE_KV_CACHE, Cap.RELEASE_WEIGHTS, Cap.ROUTED_EXPERTS):
+        assert reasons[cap] == CPU_LIMITS[cap]
+    assert "speculative_config" in reasons[Cap.SPECULATIVE]
+    off = runtime_backend_capabilities(is_cpu=False, sleep_mode=False, routed_experts=False, speculative=False)
+    assert "enable_sleep_mode" in missing_reasons(off, is_cpu=False)[Cap.RELEASE_KV_CACHE]
+
+
+def test_unstarted_backend_has_no_capabilities_and_refuses_calls():
+    from rlcore.errors import RolloutError
+
+    b = VLLMBackend(VLLMSettings())
+    assert b.capabilities() == frozenset()
+    with pytest.raises(RolloutError, match="start"):
+        b.generate([], SamplingSettings())
+
+
+def test_sampling_kwargs_map_rlcore_settings():
+    sp = sampling_kwargs(SamplingSettings(n=4, temperature=0.7, top_p=0.9, top_k=-1, max_new_tokens=5,
+                                          stop_token_ids=(1, 2)), seed=11)
+    assert sp == {"n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "max_tokens": 5, "seed": 11,
+                  "stop_token_ids": [1, 2], "logprobs": 0}
+    assert sampling_kwargs(SamplingSettings(top_k=20), seed=0)["top_k"] == 20
+
+
+def test_engine_kwargs_follow_the_platform():
+    s = VLLMSettings(kv_cache_gib=0.5, engine_args={"max_num_seqs": 8})
+    cpu = engine_kwargs(s, "/m", "float32", is_cpu=True, routed_experts=True, transport="shm")
+    gpu = engine_kwargs(s, "/m", "bfloat16", is_cpu=False, routed_experts=True, transport="nccl")
+    assert cpu["logprobs_mode"] == gpu["logprobs_mode"] == "processed_logprobs"
+    assert cpu["worker_extension_cls"] == "rlcore_vllm.worker_ext.RLCoreWorkerExtension"
+    assert cpu["kv_cache_memory_bytes"] == 1 << 29 and cpu["max_num_seqs"] == 8
+    assert "enable_sleep_mode" not in cpu and "enable_return_routed_experts" not in cpu
+    assert "weight_transfer_config" not in cpu
+    assert gpu["enable_sleep_mode"] and gpu["enable_return_routed_experts"]
+    assert gpu["weight_transfer_config"] == {"backend": "nccl"}
+
+
+def test_engine_environment():
+    env = engine_environment(VLLMSettings(multiprocessing=False), cpu_build=True)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "TORCH_COMPILE_DISABLE" in env
+    assert "TORCH_COMPILE_DISABLE" not in engine_environment(VLLMSettings(), cpu_build=False)
+
+
+def test_serve_command_uses_vllm_flags():
+    kw = engine_kwargs(VLLMSettings(enable_prefix_caching=False), "/models/p", "float32", is_cpu=False,
+                       routed_experts=False, transport="nccl")
+    cmd = serve_command(kw, port=9000, python="py")
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", "/models/p"]
+    joined = " ".join(cmd)
+    assert "--port 9000" in joined and "--logprobs-mode processed_logprobs" in joined
+    assert "--worker-extension-cls rlcore_vllm.worker_ext.RLCoreWorkerExtension" in joined
+    assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+    assert cmd[cmd.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl"})
+
+
+def _npy_b64(arr):
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_routed_experts_decode_from_array_and_npy():
+    arr = np.random.default_rng(0).integers(0, 8, size=(6, 2, 2)).astype(np.uint8)
+    a = decode_routed_experts(arr, num_tokens=7, num_layers=2, topk=2)
+    b = decode_routed_experts(_npy_b64(arr), num_tokens=7, num_layers=2, topk=2)
+    assert a.dtype == torch.int16 and torch.equal(a, b) and torch.equal(a, torch.from_numpy(arr.astype(np.int16)))
+    wide = (np.arange(12).reshape(3, 2, 2) + 300).astype(np.uint16)
+    assert int(decode_routed_experts(_npy_b64(wide), 4).max()) == 311
+    with pytest.raises(ValueError, match="every token but the last"):
+        decode_routed_experts(arr, num_tokens=6)
+    with pytest.raises(ValueError, match="layers"):
+        decode_routed_experts(arr, num_tokens=7, num_layers=3)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_routed_experts(arr.astype(np.float32), num_tokens=7)
+    assert decode_routed_experts(None, 3) is None
+
+
+def _reader(path, capacity, offset, nbytes, q):
+    # another process maps the segment and reads the bytes in place
+    t = map_segment(path, capacity)
+    q.put(bytes(t[offset:offset + nbytes].numpy()))
+
+
+def test_shared_buckets_are_readable_from_another_process():
+    import multiprocessing as mp
+
+    weights = [(f"w{i}", torch.randn(100 + i, 7)) for i in range(6)] + [("h", torch.randn(50).half())]
+    pool = SharedBucketPool()
+    try:
+        buckets = []
+        for b in iter_buckets(weights, 8 * 1024, device="cpu", allocator=pool.allocate):
+            seg = pool.segment_of(b.buffer)
+            req = bucket_request(b, seg.path, seg.capacity, verify=True)
+            assert [t[0] for t in req["tensors"]] == b.names
+            name, dtype, shape, offset, nbytes = req["tensors"][-1]
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=_reader, args=(seg.path, seg.capacity, offset, nbytes, q))
+            p.start()
+            got = q.get(timeout=60)
+            p.join(60)
+            want = dict(weights)[name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+            assert got == want and dtype in ("float32", "float16") and shape == list(dict(weights)[name].shape)
+            buckets.append(b.index)
+            pool.release(b.buffer)
+        assert len(buckets) > 2
+        # recycled segments never make buckets larger than asked for
+        assert len(buckets) == len(list(iter_buckets(weights, 8 * 1024)))
+        # released segments are recycled: far fewer files than buckets
+        assert len(pool.paths) < len(buckets)
+    finally:
+        paths = pool.paths
+        pool.close()
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def test_shared_pool_refuses_gpu_buckets():
+    with pytest.raises(ValueError, match="device='cpu'"):
+        SharedBucketPool().allocate(16, torch.device("meta"))

