@@ -157,7 +157,8 @@ class ForwardFnConformance:
         assert rel < self.bf16_rel_error, f"bf16 relative error {float(rel):.2e} >= {self.bf16_rel_error}"
 
     @pytest.mark.parametrize("sequence_parallel", [False, True])
-    def test_vocab_parallel_matches_unsharded(self, forward_fn, sequence_parallel):
+    def test_vocab_parallel_matches_unsharded(self, sequence_parallel):
+        # builds its head in two fresh processes from factory_path (not from the fixture)
         if Cap.VOCAB_PARALLEL not in self.capabilities:
             pytest.skip("provider does not declare vocab_parallel")
         if sequence_parallel and Cap.SEQUENCE_PARALLEL not in self.capabilities:

@@ -1,0 +1,234 @@
+"""The ``fused`` forward_fn: per-token log-prob and entropy from hidden states and LM-head rows,
+without ever holding ``[T, V]`` logits.
+
+Semantics are the reference head's (``rlcore.heads``): fp32 logits divided by the temperature
+(scalar or per token), fp32 softmax statistics, padding vocab rows (ids ≥ ``vocab_size``)
+excluded, 0 log-prob / entropy and no gradient at masked positions, entropy as
+``log S − W/S`` with ``W = Σ e^{z−m}(z−m)``. What differs is how the work is done:
+
+* masked tokens are dropped before any arithmetic (the kernels see only the unmasked rows);
+* a backend computes one packed ``(max, Σexp, Σexp·(z−max), target logit)`` record per token
+  over this rank's vocab rows; under vocab sharding one all-gather of that record is the whole
+  exchange (:mod:`rlcore_fused.softmax_stats`);
+* the backward recomputes logits from the saved inputs and the per-token ``lse`` and
+  ``E_p[z]``; the hidden-state gradient is summed over the tensor-parallel group (or
+  reduce-scattered under sequence parallelism) by rlcore's autograd collectives.
+
+Backends: ``triton`` (CUDA; CPU only under ``TRITON_INTERPRET=1``) and ``torch`` (chunked, any
+device). ``auto`` picks ``triton`` for CUDA tensors and ``torch`` for CPU tensors; anything else,
+or a CUDA device whose Triton cannot be imported, is an error rather than a silent fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rlcore.distributed import copy_to_group, gather_from_sequence_parallel, group_size
+from rlcore.errors import BatchShapeError, RLCoreError
+from rlcore.types import HeadInput, HeadOutput, VocabShard
+
+from rlcore_fused.softmax_stats import exchange_records, finalize
+from rlcore_fused.torch_backend import TorchKernels
+from rlcore_fused.tuning import TritonConfig
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+class FusedBackendError(RLCoreError, RuntimeError):
+    """The selected backend cannot run here; the message says what to install or choose."""
+
+
+def _validate(inp: HeadInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Shapes as the reference head checks them; returns ``(hidden [T, H] gathered, mask [T] or None)``."""
+    h, w = inp.hidden, inp.weight
+    if h.dim() != 2:
+        raise BatchShapeError(f"hidden must be [T, H], got {tuple(h.shape)}")
+    if w.dim() != 2 or w.shape[1] != h.shape[1]:
+        raise BatchShapeError(f"weight must be [V_local, H={h.shape[1]}], got {tuple(w.shape)}")
+    if w.shape[0] != inp.vocab.rows:
+        raise BatchShapeError(
+            f"weight has {w.shape[0]} rows but the vocab shard says [{inp.vocab.start}, {inp.vocab.end}) "
+            f"= {inp.vocab.rows} rows"
+        )
+    if inp.sequence_parallel:
+        h = gather_from_sequence_parallel(h, inp.vocab.group)
+    T = h.shape[0]
+    if inp.labels.shape != (T,):
+        raise BatchShapeError(f"labels must be [T={T}], got {tuple(inp.labels.shape)}")
+    mask = inp.loss_mask
+    if mask is not None and mask.shape != (T,):
+        raise BatchShapeError(f"loss_mask must be [T={T}], got {tuple(mask.shape)}")
+    temp = inp.temperature
+    if isinstance(temp, torch.Tensor) and temp.dim() > 0 and temp.shape != (T,):
+        raise BatchShapeError(f"per-token temperature must be [T={T}], got {tuple(temp.shape)}")
+    return h, (None if mask is None else mask.to(device=h.device, dtype=torch.bool))
+
+
+class _FusedLogprobEntropy(torch.autograd.Function):
+    """(compacted hidden [N, H], weight [V_local, H]) → (logprob [N], entropy [N]) in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels_local, inv_temp, valid_rows, group, compute_entropy, kernels):
+        w_valid = weight[:valid_rows]
+        record = kernels.local_record(x, w_valid, labels_local, inv_temp, compute_entropy)
+        record = exchange_records(record, group)
+        logprob, entropy, lse, mean_logit, target_missing = finalize(record, compute_entropy)
+        ctx.save_for_backward(x, weight, labels_local, inv_temp, lse, mean_logit)
+        ctx.valid_rows = valid_rows
+        ctx.kernels = kernels
+        ctx.set_materialize_grads(False)
+        if entropy is None:
+            entropy = torch.zeros_like(logprob)
+            ctx.mark_non_differentiable(entropy)
+        ctx.mark_non_differentiable(target_missing)
+        return logprob, entropy, target_missing
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_missing=None):
+        x, weight, labels_local, inv_temp, lse, mean_logit = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx_full = dw_full = None
+        if g_lp is None and g_ent is None:
+            return (None,) * 8
+        v = ctx.valid_rows
+        dx, dw = ctx.kernels.grads(
+            x, weight[:v], labels_local, inv_temp, lse, mean_logit,
+            None if g_lp is None else g_lp.float(), None if g_ent is None else g_ent.float(),
+            need_dx, need_dw,
+        )
+        if need_dx:
+            dx_full = dx
+        if need_dw:
+            if v == weight.shape[0]:
+                dw_full = dw
+            else:  # padding rows get an exact-zero gradient
+                dw_full = torch.zeros_like(weight)
+                dw_full[:v] = dw
+        return dx_full, dw_full, None, None, None, None, None, None
+
+
+def fused_logprobs(inp: HeadInput, kernels: Any) -> HeadOutput:
+    """Run the fused head with the given backend kernels (see module docstring).
+
+    Host syncs: one for the input checks (labels in range, every target found in a vocab shard),
+    taken after the kernels are queued, plus one for the mask's compaction when there is a mask.
+    Out-of-range labels are harmless to the kernels (they only compare them with column ids).
+    """
+    h, mask = _validate(inp)
+    vocab: VocabShard = inp.vocab
+    group = vocab.group
+    if group_size(group) > 1 and not inp.sequence_parallel:
+        h = copy_to_group(h, group)  # identity forward; sums the ranks' partial dX in backward
+    T = h.shape[0]
+    idx = None if mask is None else mask.nonzero().squeeze(1)
+    n = T if idx is None else idx.numel()
+    dense = n == T
+    labels = inp.labels.to(h.device)
+    labels = labels if dense else labels.index_select(0, idx)
+    temp = inp.temperature
+    if isinstance(temp, torch.Tensor) and temp.dim() > 0:
+        t = temp.to(h.device, torch.float32)
+        inv_temp = 1.0 / (t if dense else t.index_select(0, idx))
+    else:
+        t = float(temp)
+        if t <= 0:
+            raise ValueError(f"temperature must be > 0, got {t}")
+        inv_temp = torch.full((n,), 1.0 / t, dtype=torch.float32, device=h.device)
+    if n == 0:
+        zeros = torch.zeros(T, dtype=torch.float32, device=h.device)
+        return HeadOutput(logprobs=zeros + h.sum() * 0.0 + inp.weight.sum() * 0.0,
+                          entropy=zeros.clone() if inp.compute_entropy else None)
+    x = h if dense else h.index_select(0, idx)
+    lp, ent, target_missing = _FusedLogprobEntropy.apply(
+        x, inp.weight, labels - vocab.start, inv_temp, vocab.valid_rows, group, inp.compute_entropy, kernels,
+    )
+    bad = (labels < 0) | (labels >= vocab.vocab_size)
+    bad_labels, missing = torch.stack([bad.any(), target_missing]).tolist()
+    if bad_labels:
+        raise BatchShapeError(
+            f"labels at unmasked positions must be in [0, {vocab.vocab_size}); found {labels[bad][:4].tolist()}"
+        )
+    if missing:
+        raise BatchShapeError(
+            "some target ids lie in no rank's vocabulary shard: the tensor-parallel ranks' VocabShard "
+            f"ranges must together cover [0, {vocab.vocab_size})"
+        )
+    if not dense:
+        zeros = torch.zeros(T, dtype=torch.float32, device=h.device)
+        lp = zeros.index_put((idx,), lp)
+        ent = zeros.index_put((idx,), ent) if inp.compute_entropy else None
+    elif not inp.compute_entropy:
+        ent = None
+    return HeadOutput(logprobs=lp, entropy=ent)
+
+
+@dataclass
+class FusedHead:
+    """The ``fused`` forward_fn.
+
+    ``backend``: ``auto`` (Triton for CUDA tensors, chunked torch for CPU tensors), ``triton``
+    or ``torch``. ``chunk_tokens`` bounds the torch backend's logits block; ``triton_config``
+    tunes the Triton backend (tile shapes, backward chunk size, TMA).
+    """
+
+    backend: str = "auto"
+    chunk_tokens: int = 2048
+    triton_config: Any = None
+    _torch: TorchKernels = field(init=False, repr=False)
+    _triton: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"fused.backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        self._torch = TorchKernels(chunk_tokens=self.chunk_tokens)
+
+    def kernels_for(self, device: torch.device):
+        """The backend kernels for tensors on ``device`` (raises when the choice cannot run)."""
+        kind = self.backend
+        if kind == "auto":
+            if device.type == "cuda":
+                kind = "triton"
+            elif device.type == "cpu":
+                kind = "torch"
+            else:
+                raise FusedBackendError(
+                    f"fused.backend=auto has no kernel for {device.type} tensors: set fused.backend=torch "
+                    "to use the chunked torch path there"
+                )
+        if kind == "torch":
+            return self._torch
+        return self._triton_kernels(device)
+
+    def _triton_kernels(self, device: torch.device):
+        if self._triton is None:
+            try:
+                from rlcore_fused.triton_backend import TritonKernels
+            except ImportError as exc:
+                raise FusedBackendError(
+                    f"rlcore-fused: the Triton backend is needed for {device.type} tensors but Triton cannot be "
+                    f"imported ({exc}). Install it with `pip install 'rlcore-fused[triton]'`, or set "
+                    "fused.backend=torch to run the chunked torch path instead."
+                ) from exc
+            self._triton = TritonKernels(self.triton_config or TritonConfig())
+        return self._triton
+
+    def __call__(self, inp: HeadInput) -> HeadOutput:
+        return fused_logprobs(inp, self.kernels_for(inp.hidden.device))
+
+
+def torch_head() -> FusedHead:
+    """Factory for tests and the 2-process check: the chunked torch backend."""
+    return FusedHead(backend="torch", chunk_tokens=16)
+
+
+def triton_head() -> FusedHead:
+    """Factory for tests and the 2-process check: the Triton backend (CPU under TRITON_INTERPRET=1),
+    operands through masked pointer loads."""
+    return FusedHead(backend="triton", triton_config=TritonConfig(use_tma=False))
+
+
+def triton_tma_head() -> FusedHead:
+    """As :func:`triton_head`, operands through TMA tensor descriptors."""
+    return FusedHead(backend="triton", triton_config=TritonConfig(use_tma=True))

@@ -1,0 +1,68 @@
+"""The plugin module named by the entry point ``fused = "rlcore_fused.plugin"``.
+
+It registers the ``fused`` forward_fn and the ``fused:`` config section. It stays cheap to import
+(``rlcore plugins`` lists it without loading torch or Triton): the factory imports the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlcore import PLUGIN_API, hookimpl
+from rlcore.types import Cap, ForwardFnSpec, PluginSettings
+
+__all__ = ["PLUGIN_API", "CAPABILITIES", "FusedSettings", "forward_fn", "plugin_settings"]
+
+#: what both backends implement (and the conformance suites check)
+CAPABILITIES = frozenset({
+    Cap.ENTROPY,
+    Cap.PER_TOKEN_TEMPERATURE,
+    Cap.VOCAB_PARALLEL,
+    Cap.SEQUENCE_PARALLEL,
+    Cap.MASK_SKIPS_COMPUTE,
+})
+
+
+@dataclass
+class FusedSettings:
+    """The ``fused:`` config section.
+
+    * ``backend``: ``auto`` (Triton on CUDA tensors, chunked torch on CPU tensors), ``triton``
+      or ``torch``. A CUDA device without a working Triton is an error under ``auto``, not a
+      silent switch to torch.
+    * ``chunk_tokens``: tokens per logits block of the torch backend.
+    * ``backward_chunk_mib``: the Triton backward's ∂L/∂logits buffer, which sets how many vocab
+      rows each backward chunk covers (memory vs. GEMM size).
+    """
+
+    backend: str = "auto"
+    chunk_tokens: int = 2048
+    backward_chunk_mib: int = 512
+
+
+@hookimpl
+def plugin_settings():
+    return PluginSettings(section="fused", schema=FusedSettings)
+
+
+def build_head(ctx):
+    """``ForwardFnSpec.factory``: the configured :class:`rlcore_fused.head.FusedHead`."""
+    from rlcore_fused.head import FusedHead
+    from rlcore_fused.tuning import TritonConfig
+
+    settings = getattr(ctx, "settings", None) or FusedSettings()
+    return FusedHead(
+        backend=str(settings.backend),
+        chunk_tokens=int(settings.chunk_tokens),
+        triton_config=TritonConfig(chunk_mib=int(settings.backward_chunk_mib)),
+    )
+
+
+@hookimpl
+def forward_fn():
+    yield ForwardFnSpec(
+        name="fused",
+        factory=build_head,
+        capabilities=CAPABILITIES,
+        description="Triton log-prob + entropy LM head (fp32 statistics, no [T, V] logits); chunked torch on CPU",
+    )

@@ -1,0 +1,279 @@
+"""The Triton backend: launches :mod:`rlcore_fused.triton_kernels` and does the gradient GEMMs.
+
+Forward: one Triton kernel writes per-(vocab split, token) softmax records; the splits are merged
+here (a few ops over ``[splits, N]``). Backward: the vocab is walked in chunks; per chunk a Triton
+kernel recomputes the logits and writes ``∂L/∂(x·wᵀ)`` in the input dtype, then cuBLAS forms
+``dW[chunk] = dzᵀ·X`` (one GEMM over all tokens: its fp32 accumulator covers the whole sum) and
+``dX += dz·W[chunk]`` into an fp32 accumulator. Extra memory: the chunk buffer (``chunk_mib``)
+plus the fp32 ``[N, H]`` accumulator.
+
+Runs on CUDA GPUs, and on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``,
+small shapes, for tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from rlcore_fused import triton_kernels as K
+from rlcore_fused.softmax_stats import LN2, LOG2E, NEG_BIG, empty_record, merge_records
+from rlcore_fused.tuning import (
+    GPU_16BIT_BACKWARD,
+    GPU_16BIT_FORWARD,
+    GPU_16BIT_POINTERS,
+    GPU_32BIT,
+    INTERPRETER,
+    TileConfig,
+    TritonConfig,
+    pick_split_tiles,
+)
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_FP32_ADDMM: dict[str, bool] = {}
+
+
+def _addmm_into_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and 16-bit ``a``, ``b``: cuBLAS accumulates into the fp32
+    buffer itself (``out_dtype``), so no partial product is ever rounded to 16 bits."""
+    if not a.is_cuda:
+        acc.addmm_(a.float(), b.float())
+        return
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    key = str(a.dtype)
+    if key not in _FP32_ADDMM:
+        _FP32_ADDMM[key] = _probe_fp32_addmm(a.device, a.dtype)
+    if _FP32_ADDMM[key]:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(a, b))
+
+
+def _probe_fp32_addmm(device, dtype) -> bool:
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(64, 48, device=device, generator=g).to(dtype)
+    b = torch.randn(48, 32, device=device, generator=g).to(dtype)
+    acc = torch.randn(64, 32, device=device, generator=g)
+    want = acc.double() + a.double() @ b.double()
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError) as exc:
+        warnings.warn(
+            f"rlcore-fused: this torch ({torch.__version__}) has no fp32-output addmm for {dtype} ({exc}); "
+            "the hidden-state gradient is accumulated over vocab chunks from 16-bit partial products",
+            RuntimeWarning, stacklevel=3,
+        )
+        return False
+    err = float((acc.double() - want).abs().max())
+    if err > 1e-2:
+        raise RuntimeError(f"rlcore-fused: torch.addmm(out_dtype=float32, out=acc) gave a wrong result (max error {err})")
+    return True
+
+
+@contextlib.contextmanager
+def _full_precision_reductions():
+    """cuBLAS may otherwise split long reductions (dW sums over every token) and add the pieces
+    in 16 bits; the fp32-accumulation promise covers those too."""
+    m = torch.backends.cuda.matmul
+    prev = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+    m.allow_bf16_reduced_precision_reduction = False
+    m.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = prev
+
+
+@dataclass
+class TritonKernels:
+    config: TritonConfig = field(default_factory=TritonConfig)
+    name: str = "triton"
+    #: the last launched compiled kernels (registers, spills) for benchmarks and diagnostics
+    compiled: dict = field(default_factory=dict, repr=False)
+
+    # ---------------------------------------------------------------- configuration ------
+
+    def _check_device(self, x: torch.Tensor) -> None:
+        if x.is_cuda:
+            return
+        if x.device.type == "cpu" and interpreter_enabled():
+            return
+        raise RuntimeError(
+            f"rlcore-fused: the Triton backend runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
+            f"got tensors on {x.device}. Use fused.backend=torch (or auto) for this device."
+        )
+
+    def _tiles(self, x: torch.Tensor, which: str, use_tma: bool) -> TileConfig:
+        chosen = getattr(self.config, which)
+        if chosen is not None:
+            return chosen
+        if not x.is_cuda:
+            return INTERPRETER
+        if x.dtype == torch.float32:
+            return GPU_32BIT
+        if not use_tma:
+            return GPU_16BIT_POINTERS
+        return GPU_16BIT_FORWARD if which == "forward" else GPU_16BIT_BACKWARD
+
+    def _use_tma(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        alignable = all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+                        and t.data_ptr() % 16 == 0 for t in (x, w))
+        if self.config.use_tma is None:
+            return bool(x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 and alignable)
+        if self.config.use_tma and not alignable:
+            raise RuntimeError(
+                "rlcore-fused: use_tma=True needs 16-byte aligned rows for hidden and weight "
+                f"(hidden size {x.shape[1]} × {x.element_size()} bytes); set use_tma to None or False"
+            )
+        return bool(self.config.use_tma)
+
+    def _operands(self, x, w, tiles: TileConfig, use_tma: bool):
+        if not use_tma:
+            return x, w
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return (TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]),
+                TensorDescriptor.from_tensor(w, [tiles.block_n, tiles.block_k]))
+
+    def _split_tiles(self, x: torch.Tensor, n: int, v: int, tiles: TileConfig) -> int:
+        if self.config.split_tiles is not None:
+            return max(1, int(self.config.split_tiles))
+        if not x.is_cuda:
+            return 8
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return pick_split_tiles(_cdiv(n, tiles.block_m), _cdiv(v, tiles.block_n), sms)
+
+    @staticmethod
+    def _precision(x: torch.Tensor) -> str:
+        # fp32 operands get exact products (tf32 would cost ~1e-3 relative error)
+        return "ieee" if x.dtype == torch.float32 else "tf32"
+
+    @staticmethod
+    def _dot_upcast(x: torch.Tensor) -> bool:
+        # the interpreter (CPU tensors) cannot multiply bf16 operands: see triton_kernels._logits_tile
+        return (not x.is_cuda) and x.dtype != torch.float32
+
+    @staticmethod
+    def _device_ctx(x: torch.Tensor):
+        return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+    def _check_dtypes(self, x, w):
+        if x.dtype != w.dtype:
+            raise RuntimeError(
+                f"rlcore-fused: hidden ({x.dtype}) and weight ({w.dtype}) must have the same dtype for the Triton backend"
+            )
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise RuntimeError(f"rlcore-fused: the Triton backend takes bf16, fp16 or fp32 inputs, not {x.dtype}")
+
+    # ---------------------------------------------------------------------- forward ------
+
+    def local_record(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor,
+                     inv_temp: torch.Tensor, compute_entropy: bool) -> torch.Tensor:
+        self._check_device(x)
+        self._check_dtypes(x, w_valid)
+        n, h = x.shape
+        v = w_valid.shape[0]
+        if v == 0:
+            return empty_record(n, x.device)
+        x = x.contiguous()
+        w_valid = w_valid.contiguous()
+        use_tma = self._use_tma(x, w_valid)
+        tiles = self._tiles(x, "forward", use_tma)
+        split = tiles.block_n * self._split_tiles(x, n, v, tiles)
+        num_splits = _cdiv(v, split)
+        scale = (inv_temp.float() * LOG2E).contiguous()
+        labels32 = labels_local.to(torch.int32).contiguous()
+        parts = torch.empty(4, num_splits, n, dtype=torch.float32, device=x.device)
+        xs, ws = self._operands(x, w_valid, tiles, use_tma)
+        grid = (_cdiv(n, tiles.block_m) * num_splits,)
+        with self._device_ctx(x):
+            self.compiled["forward"] = K.forward_stats_kernel[grid](
+                xs, ws, labels32, scale, parts,
+                n, v, h, x.stride(0), w_valid.stride(0), num_splits, split,
+                BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m,
+                USE_TMA=use_tma, DOT_PRECISION=self._precision(x), DOT_UPCAST=self._dot_upcast(x), COMPUTE_ENTROPY=compute_entropy,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            )
+        rec = merge_records(parts.transpose(0, 1), base2=True)
+        # back to natural units: z = z₂·ln2, and Σe^{z-m}(z-m) = ln2·Σ2^{z₂-m₂}(z₂-m₂)
+        rec[0] *= LN2
+        rec[2] *= LN2
+        rec[3] = torch.where(rec[3] > NEG_BIG / 2, rec[3] * LN2, torch.full_like(rec[3], NEG_BIG))
+        return rec
+
+    # --------------------------------------------------------------------- backward ------
+
+    def chunk_rows(self, n: int, v: int, itemsize: int, block_n: int) -> int:
+        """Vocab rows per backward chunk: as many as ``chunk_mib`` allows, split evenly."""
+        budget = max(1, int(float(self.config.chunk_mib) * 2**20))
+        most = max(block_n, (budget // max(1, n * itemsize)) // block_n * block_n)
+        chunks = _cdiv(v, most)
+        return min(v, _cdiv(_cdiv(v, chunks), block_n) * block_n)
+
+    def grads(self, x, w_valid, labels_local, inv_temp, lse, mean_logit, g_lp, g_ent, need_dx, need_dw):
+        self._check_device(x)
+        n, h = x.shape
+        v = w_valid.shape[0]
+        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device) if need_dx else None
+        dw = torch.empty(w_valid.shape, dtype=w_valid.dtype, device=w_valid.device) if need_dw else None
+        if v == 0 or n == 0 or (g_lp is None and g_ent is None):
+            if dw is not None:
+                dw.zero_()
+            return (dx_acc.to(x.dtype) if need_dx else None), dw
+        x = x.contiguous()
+        w_valid = w_valid.contiguous()
+        use_tma = self._use_tma(x, w_valid)
+        tiles = self._tiles(x, "backward", use_tma)
+        xs, ws = self._operands(x, w_valid, tiles, use_tma)
+        scale = (inv_temp.float() * LOG2E).contiguous()
+        lse2 = (lse * LOG2E).contiguous()
+        mu2 = (mean_logit * LOG2E).contiguous()
+        labels32 = labels_local.to(torch.int32).contiguous()
+        g_lp_c = g_lp.float().contiguous() if g_lp is not None else scale  # unused placeholder pointer
+        g_ent_c = g_ent.float().contiguous() if g_ent is not None else scale
+        rows = self.chunk_rows(n, v, x.element_size(), tiles.block_n)
+        # row stride padded to 16 bytes (TMA needs it); the GEMMs read the [n, rows] view
+        pad = 16 // x.element_size()
+        dz = torch.empty(n, _cdiv(rows, pad) * pad, dtype=x.dtype, device=x.device)[:, :rows]
+        dz_dst = dz
+        if use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            dz_dst = TensorDescriptor.from_tensor(dz, [tiles.block_m, tiles.block_n])
+        precision = self._precision(x)
+        reductions = _full_precision_reductions() if x.is_cuda else contextlib.nullcontext()
+        with self._device_ctx(x), reductions:
+            for c0 in range(0, v, rows):
+                c1 = min(c0 + rows, v)
+                grid = (_cdiv(n, tiles.block_m) * _cdiv(c1 - c0, tiles.block_n),)
+                self.compiled["backward"] = K.backward_dlogits_kernel[grid](
+                    xs, ws, labels32, scale, lse2, mu2, g_lp_c, g_ent_c, dz_dst,
+                    n, v, h, x.stride(0), w_valid.stride(0), dz.stride(0), c0, c1,
+                    BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m,
+                    USE_TMA=use_tma, DOT_PRECISION=precision, DOT_UPCAST=self._dot_upcast(x),
+                    HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None,
+                    num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                )
+                block = dz[:, : c1 - c0]
+                if need_dw:
+                    if x.is_cuda:
+                        torch.mm(block.t(), x, out=dw[c0:c1])
+                    else:
+                        dw[c0:c1] = (block.t().float() @ x.float()).to(dw.dtype)
+                if need_dx:
+                    _addmm_into_fp32(dx_acc, block, w_valid[c0:c1])
+        return (dx_acc.to(x.dtype) if need_dx else None), dw
