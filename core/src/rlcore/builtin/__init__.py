@@ -9,4 +9,5 @@ BUILTIN_PLUGINS = {
     "inproc": "rlcore.builtin.inproc",
     "disk": "rlcore.builtin.disk",
     "hf": "rlcore.builtin.hf",
+    "megatron": "rlcore.builtin.megatron",
 }

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# A megatron-core engine suite: create or reuse .venvs/megatron-<X.Y> with megatron-core==VERSION
+# on the CPU build of torch, then run the megatron engine tests (core/tests/megatron) in it.
+#   scripts/megatron_suite.sh VERSION          (scripts/suites/megatron-0.12.sh and -0.16.sh call it)
+# Idempotent: the venv is stamped with a hash of its inputs; an unchanged venv is reused at once.
+# Install order: torch==2.13.0 first (-c scripts/constraints.txt keeps the CPU build), then
+# megatron-core, then rlcore (editable) and the test tools.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+MCORE="${1:?usage: scripts/megatron_suite.sh MEGATRON_CORE_VERSION [pytest args...]}"
+shift
+NAME="megatron-${MCORE%.*}"
+VENV="$ROOT/.venvs/$NAME"
+PY="${PYTHON:-python3}"
+
+inputs=(scripts/megatron_suite.sh "scripts/suites/$NAME.sh" scripts/constraints.txt core/pyproject.toml)
+hash="$( { cat "${inputs[@]}"; echo "megatron-core==$MCORE"; } | sha256sum | cut -d' ' -f1)"
+stamp="$VENV/.rlcore-setup"
+if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$VENV/bin/python" ]; }; then
+  echo "[$NAME] preparing $VENV" >&2
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt")
+  "${PIP[@]}" "setuptools>=68" wheel
+  "${PIP[@]}" torch==2.13.0
+  "$VENV/bin/python" - <<'PYEOF'
+import sys, torch
+if torch.version.cuda is not None:
+    sys.exit(f"torch {torch.__version__} is a CUDA build; this machine needs the CPU build (torch==2.13.0 from the local find-links)")
+PYEOF
+  case "$MCORE" in
+    0.12.*|0.13.*)
+      # these wheels declare megatron-LM's whole training stack (nvidia-modelopt, wandb, zarr,
+      # tensorstore, nltk, ...), none of which megatron.core's model code imports: install the
+      # wheel alone and the two packages its models do import
+      "${PIP[@]}" --no-deps "megatron-core==$MCORE"
+      "${PIP[@]}" "packaging>=24.2" numpy ;;
+    *)
+      "${PIP[@]}" "megatron-core==$MCORE" ;;
+  esac
+  "${PIP[@]}" --no-build-isolation -e "core[test]" pytest hypothesis
+  echo "$hash" > "$stamp"
+  echo "[$NAME] $VENV ready" >&2
+fi
+
+figures="$(mktemp)"
+trap 'rm -f "$figures"' EXIT
+set +e
+RLCORE_MEGATRON_FIGURES="$figures" PYTHONWARNINGS=ignore OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" \
+  "$VENV/bin/python" -m pytest core/tests/megatron -q -p no:cacheprovider -W ignore::UserWarning "$@"
+rc=$?
+set -e
+if [ -s "$figures" ]; then
+  echo "---------------------------- $NAME figures ----------------------------"
+  cat "$figures"
+fi
+exit $rc
