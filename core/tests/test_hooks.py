@@ -196,6 +196,21 @@ def test_hook_plugin_settings(rlcore_plugin_manager, register_plugin, rlcore_con
         rlcore_plugin_manager.plugin_settings()
 
 
+def test_plugin_settings_validate_runs_at_config_time(rlcore_plugin_manager, register_plugin, rlcore_config):
+    def check(section):
+        if section.mode not in ("a", "b"):
+            raise errors.ConfigError(f"bad value for config key 'knobs.mode': {section.mode!r}", key="knobs.mode")
+
+    mod = _module("knobs", "from rlcore import PLUGIN_API, hookimpl\n")
+    mod.plugin_settings = __import__("rlcore").hookimpl(
+        lambda: PluginSettings(section="knobs", schema=_KnobSettings, validate=check))
+    mod.plugin_settings.__name__ = "plugin_settings"
+    register_plugin(mod, "knobs")
+    assert rlcore_config("knobs.mode=b").knobs.mode == "b"
+    with pytest.raises(errors.ConfigError, match="bad value for config key 'knobs.mode': 'zzz'"):
+        rlcore_config("knobs.mode=zzz")
+
+
 def test_hook_constraints(rlcore_plugin_manager, register_plugin, rlcore_config):
     register_plugin(_module("picky", """
         from rlcore import PLUGIN_API, hookimpl

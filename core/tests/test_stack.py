@@ -38,3 +38,18 @@ def test_platform_gap_refuses_a_config_that_needs_it(rlcore_plugin_manager, regi
     with pytest.raises(errors.MissingCapabilityError) as e:
         resolve(rlcore_config("rollout.backend=gappy", "rollout.release_kv_cache=always"), rlcore_plugin_manager)
     assert "declares it but cannot provide it here: no sleep mode on this CPU build" in str(e.value)
+
+
+def test_route_layout_select_keeps_moe_layers_and_fills_mtp():
+    import torch
+
+    from rlcore.types import RouteLayout
+
+    layout = RouteLayout(layers=(1, 3, 4), topk=2, num_experts=8, num_hidden_layers=4)  # layer 4 = MTP depth 0
+    rollout = torch.arange(5 * 4 * 2).view(5, 4, 2)  # what an engine reports: every decoder layer
+    got = layout.select(rollout)
+    assert got.shape == (5, 3, 2)
+    assert torch.equal(got[:, 0], rollout[:, 1]) and torch.equal(got[:, 1], rollout[:, 3])
+    assert torch.all(got[:, 2] == -1)
+    with pytest.raises(ValueError, match="needs decoder layer 3"):
+        layout.select(rollout[:, :2])

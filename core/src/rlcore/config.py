@@ -239,6 +239,9 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
         raise ConfigError(f"bad value for config key {key!r}: {msg}", key=key) from exc
     OmegaConf.set_readonly(merged, False)
     _check_values(merged)
+    for ps in settings:
+        if ps.validate is not None:
+            ps.validate(merged[ps.section])
     return merged  # type: ignore[return-value]
 
 

@@ -475,7 +475,7 @@ class PluginManager:
                     f"Plugin {ld.name!r} ({ld.label}): plugin_settings must return PluginSettings, "
                     f"got {type(ps).__name__}"
                 )
-            ps = PluginSettings(ps.section, ps.schema, plugin=ld.name)
+            ps = PluginSettings(ps.section, ps.schema, plugin=ld.name, validate=ps.validate)
             if ps.section in out:
                 other = out[ps.section]
                 raise errors.PluginConflictError(

@@ -220,7 +220,7 @@ class Trainer:
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
         mbs = batch.micro_batches(cfg.training.micro_batch_tokens)
-        logprob_out = torch.zeros(batch.num_tokens) if phase != "train" else None
+        logprob_out = torch.zeros(batch.num_tokens, device=batch.device) if phase != "train" else None
         for i, mb in enumerate(mbs):
             ctx = MicroBatchContext(step=self.step, phase=phase, index=i, count=len(mbs), batch=mb, config=cfg,
                                     num_tokens_in_step=totals.loss_tokens)
@@ -230,8 +230,8 @@ class Trainer:
                                      mtp_hidden=req.mtp_hidden)
                 hw = engine.head()
                 head = self.forward_fn(HeadInput(
-                    hidden=out.hidden, weight=hw.weight, labels=mb.labels().to(out.hidden.device), vocab=hw.vocab,
-                    loss_mask=mb.loss_mask.to(out.hidden.device), temperature=float(cfg.rollout.temperature),
+                    hidden=out.hidden, weight=hw.weight, labels=mb.labels(), vocab=hw.vocab,
+                    loss_mask=mb.loss_mask, temperature=float(cfg.rollout.temperature),
                     sequence_parallel=out.sequence_parallel, compute_entropy=(phase == "train"),
                 ))
                 results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn))
@@ -259,7 +259,8 @@ class Trainer:
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                 else:
-                    logprob_out[mb.token_offset - batch.token_offset: mb.token_offset - batch.token_offset + mb.num_tokens] = head.logprobs.detach().float().cpu()
+                    start = mb.token_offset - batch.token_offset
+                    logprob_out[start: start + mb.num_tokens] = head.logprobs.detach().float()
         if phase == "train":
             n = max(sums.pop("_tokens", 0.0), 1.0)
             for k in ("clipfrac", "ratio", "approx_kl_behaviour", "entropy", "kl"):
@@ -288,6 +289,9 @@ class Trainer:
             raise RolloutError(f"rollout returned samples of weight version {stale[0]}, expected {self.version}")
         rewards = self._rewards(samples, prompts, task_prompts)
         batch = self._pack(samples, rewards)
+        device = getattr(self.engine, "device", None)
+        if device is not None:  # one host-to-device copy per step; micro-batches are views of it
+            batch = batch.to(device)
         totals = StepTotals(loss_tokens=batch.num_loss_tokens, num_seqs=batch.num_seqs)
 
         metrics: dict[str, Any] = {}

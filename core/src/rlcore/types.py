@@ -208,11 +208,14 @@ class EngineSpec(ProviderSpec):
 @dataclass(frozen=True)
 class PluginSettings:
     """A plugin's own config section: ``section`` is the top-level YAML key, ``schema`` an
-    omegaconf-compatible dataclass whose defaults are the plugin's defaults."""
+    omegaconf-compatible dataclass whose defaults are the plugin's defaults. ``validate``
+    (optional) checks values types cannot express; it gets the merged section and raises
+    :class:`rlcore.errors.ConfigError` naming the key (``rlcore check`` runs it)."""
 
     section: str
     schema: type
     plugin: str | None = None
+    validate: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "section", normalise_name(self.section).replace("-", "_"))
@@ -365,18 +368,29 @@ class RouteLayout:
         return self.layers.index(layer)
 
     def select(self, routes_all_layers: torch.Tensor) -> torch.Tensor:
-        """``[N, num_hidden_layers(+mtp), K]`` → ``[N, len(layers), K]`` in layout order."""
+        """``[N, num_hidden_layers(+mtp), K]`` → ``[N, len(layers), K]`` in layout order.
+
+        Rollout engines report the decoder layers only; MTP columns they lack are filled with
+        -1 (route natively)."""
         if routes_all_layers.dim() != 3 or routes_all_layers.shape[2] != self.topk:
             raise ValueError(
                 f"routes must be [tokens, layers, topk={self.topk}], got {tuple(routes_all_layers.shape)}"
             )
-        if routes_all_layers.shape[1] == self.num_routed:
+        have = routes_all_layers.shape[1]
+        if have == self.num_routed:
             return routes_all_layers
-        if routes_all_layers.shape[1] < max(self.layers) + 1:
-            raise ValueError(
-                f"routes have {routes_all_layers.shape[1]} layers; layout needs layer {max(self.layers)}"
-            )
-        return routes_all_layers[:, list(self.layers), :]
+        decoder = [layer for layer in self.layers if layer < self.num_hidden_layers]
+        if decoder and have < max(decoder) + 1:
+            raise ValueError(f"routes have {have} layers; layout needs decoder layer {max(decoder)}")
+        cols = []
+        for layer in self.layers:
+            if layer < have:
+                cols.append(routes_all_layers[:, layer, :])
+            else:  # an MTP router the rollout engine did not report
+                cols.append(routes_all_layers.new_full((routes_all_layers.shape[0], self.topk), -1))
+        import torch  # only here: this module stays importable without torch
+
+        return torch.stack(cols, dim=1)
 
 
 @dataclass(frozen=True)
@@ -627,9 +641,11 @@ class Sample:
 
     ``response_ids`` and ``logprobs`` are 1-D and equally long (``logprobs`` float32, the
     behaviour log-prob of each sampled token). ``weight_version`` is the version the engine
-    held when it produced the sample (``weight_versions`` the spans when an engine reports a
-    change mid-sample). ``routed_experts``: ``[P + R - 1, num_hidden_layers, topk]`` ints in
-    the engine's layer order (every token but the last), or None.
+    held when it produced the sample. ``weight_versions``: when the engine's weights changed
+    while it generated the sample, ``((version, first_response_index), ...)`` in order: response
+    tokens from ``first_response_index`` on came from ``version``. ``routed_experts``:
+    ``[P + R - 1, num_hidden_layers, topk]`` ints in the engine's layer order (every token but
+    the last), or None.
     """
 
     prompt_index: int
