@@ -17,14 +17,14 @@ from rlcore_vllm.platform import (
     predicted_backend_gaps,
     predicted_sync_gaps,
 )
-from rlcore_vllm.settings import VLLMSettings
+from rlcore_vllm.settings import VLLMSettings, check_settings
 
 __all__ = ["PLUGIN_API", "plugin_settings", "rollout_backend", "weight_sync"]
 
 
 @hookimpl
 def plugin_settings():
-    return PluginSettings(section="vllm", schema=VLLMSettings)
+    return PluginSettings(section="vllm", schema=VLLMSettings, validate=check_settings)
 
 
 def _build_backend(ctx):

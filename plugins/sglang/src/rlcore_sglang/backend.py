@@ -1,0 +1,335 @@
+"""The ``sglang`` rollout backend: generation, pause/continue, memory release by tag, weight
+versions, routed experts — over SGLang's HTTP API or its in-process Engine.
+
+The server (launched by this backend, or already running at ``sglang.url``) does the sampling;
+this class turns rlcore's prompts and sampling settings into ``/generate`` requests and SGLang's
+answers into :class:`~rlcore.types.Sample`\\ s:
+
+* token ids from ``output_ids``; behaviour log-probs from ``meta_info.output_token_logprobs``
+  (SGLang's log-probs after temperature, which is the processed distribution when neither top-p
+  nor top-k truncates it) or, under top-p/top-k, from ``output_token_sampling_logprobs``, which
+  SGLang returns when asked with ``return_sampling_mask`` (the support lists come along, which
+  costs bandwidth: rlcore's defaults do not truncate);
+* the weight version from ``meta_info.weight_version`` (rlcore stamps its integer versions on the
+  server: ``--weight-version`` at launch, ``weight_version`` on the last bucket of each push),
+  with ``weight_versions`` spans when the version changed inside one sample;
+* routed experts (R3) decoded from SGLang's base64 int32 ``[prompt + response - 1, layers,
+  topk]``.
+
+Capabilities are read from the running server (``/server_info``): releasing memory needs
+``--enable-memory-saver``, releasing weights also ``--weight-cache-mode off``, routed experts
+``--enable-return-routed-experts``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rlcore.errors import ConfigError, RolloutError
+from rlcore.types import Cap, Prompt, Sample, SamplingSettings
+
+from rlcore_sglang import protocol
+from rlcore_sglang.protocol import OLDEST_SUPPORTED, ServerFeatures, version_text
+from rlcore_sglang.settings import SGLangSettings, check_settings
+from rlcore_sglang.transport import (
+    EngineTransport,
+    HTTPTransport,
+    ServerProcess,
+    Transport,
+    TransportError,
+    server_cli_args,
+)
+from rlcore_sglang.wire import decode_routed_experts
+
+MEMORY_TAGS = frozenset({"kv_cache", "weights", "cuda_graph"})
+
+
+def moe_shape(model_dir: str | Path) -> tuple[int, int] | None:
+    """``(num_hidden_layers, num_experts_per_tok)`` from the model's config.json (the text config
+    of a multimodal model, as SGLang reads it), or None for a dense model."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    topk = text.get("num_experts_per_tok")
+    if not topk:
+        return None
+    return int(text["num_hidden_layers"]), int(topk)
+
+
+class SGLangBackend:
+    """See the module docstring. Built by :func:`build_backend` from the ``sglang:`` section."""
+
+    def __init__(self, settings: SGLangSettings | Any, *, output_dir: str | None = None,
+                 request_routed_experts: bool = False):
+        check_settings(settings)
+        self.settings = settings
+        self.output_dir = Path(output_dir or ".")
+        self.request_routed_experts = request_routed_experts
+        self.transport: Transport | None = None
+        self.server: ServerProcess | None = None
+        self.features: ServerFeatures | None = None
+        self.model_dir: str | None = None
+        self._moe: tuple[int, int] | None = None
+        self._version = -1
+        self._paused = False
+        self._released: set[str] = set()
+
+    # ----------------------------------------------------------------- lifecycle ---------
+
+    def capabilities(self) -> frozenset[str]:
+        f = self.features
+        if f is None:
+            return frozenset()
+        caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET}
+        if f.memory_saver:
+            caps.add(Cap.RELEASE_KV_CACHE)
+            if f.weight_cache_mode == "off":
+                caps.add(Cap.RELEASE_WEIGHTS)
+        if f.routed_experts:
+            caps.add(Cap.ROUTED_EXPERTS)
+        if f.speculative_algorithm:
+            caps.add(Cap.SPECULATIVE)
+        return frozenset(caps)
+
+    def _speculative(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "speculative_algorithm": s.speculative_algorithm,
+            "speculative_draft_model_path": s.speculative_draft_model_path,
+            "speculative_num_steps": s.speculative_num_steps,
+            "speculative_eagle_topk": s.speculative_eagle_topk,
+            "speculative_num_draft_tokens": s.speculative_num_draft_tokens,
+        }
+
+    def launch_args(self, model_dir: str, version: int) -> list[str]:
+        s = self.settings
+        return server_cli_args(
+            model_dir, host=s.host, port=int(s.port), weight_version=version, extra=list(s.launch_args),
+            memory_saver=bool(s.enable_memory_saver), routed_experts=self.request_routed_experts,
+            speculative=self._speculative(),
+        )
+
+    def start(self, model_dir: str, version: int = 0) -> None:
+        s = self.settings
+        self.model_dir = str(model_dir)
+        self._moe = moe_shape(model_dir)
+        try:
+            if s.mode == "engine":
+                self.transport = EngineTransport.launch(self.launch_args(model_dir, version))
+            elif s.url:
+                self.transport = HTTPTransport(s.url, timeout=float(s.request_timeout_s))
+            else:
+                client = HTTPTransport(f"http://{s.host}:{int(s.port)}", timeout=float(s.request_timeout_s))
+                if client.healthy():
+                    raise RolloutError(
+                        f"something already answers at http://{s.host}:{s.port}; set sglang.url to use that "
+                        "server, or sglang.port to launch rlcore's own"
+                    )
+                self.server = ServerProcess(s.python, self.launch_args(model_dir, version),
+                                            self.output_dir / "sglang_server.log")
+                self.server.wait_healthy(client, float(s.startup_timeout_s))
+                self.transport = client
+            self.features = ServerFeatures.from_server_info(self.transport.server_info())
+        except TransportError as exc:
+            self.shutdown()
+            raise RolloutError(f"cannot start the sglang rollout backend: {exc}") from exc
+        if self.features.version < OLDEST_SUPPORTED:
+            v = version_text(self.features.version)
+            self.shutdown()
+            raise RolloutError(f"SGLang {v} is older than the oldest supported {version_text(OLDEST_SUPPORTED)}")
+        if self.request_routed_experts and self.features.speculative_algorithm:
+            raise RolloutError(
+                "routed experts (R3) with speculative decoding: SGLang's routed-experts capturer does not "
+                "account for speculative verify tokens (its own FIXME; roadmap item sgl-project/sglang#16379), "
+                "so the routes could be wrong; turn one of them off"
+            )
+        if s.url:
+            self._adopt_external_server(version)
+        self._version = version
+
+    def _adopt_external_server(self, version: int) -> None:
+        """A server we did not launch: load the trainer's initial policy into it (unless the user
+        says it already serves it) and stamp rlcore's version on it."""
+        if self.settings.load_policy_on_start:
+            self._control("/update_weights_from_disk",
+                          protocol.update_from_disk_body(self.model_dir, weight_version=str(version)),
+                          f"loading the initial policy {self.model_dir}")
+        else:
+            self._control("/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
+                          "stamping the weight version")
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            try:
+                self.transport.close()
+            finally:
+                self.transport = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def set_weight_version(self, version: int) -> None:
+        """Called by the sglang weight syncs once a push has landed (SGLang was told the same
+        version on the push's last request)."""
+        self._version = int(version)
+
+    # ------------------------------------------------------------------- control ---------
+
+    def _require(self) -> Transport:
+        if self.transport is None or self.features is None:
+            raise RolloutError("the sglang rollout backend is not started (start() was not called or failed)")
+        return self.transport
+
+    def _control(self, route: str, body: dict[str, Any], what: str) -> Any:
+        transport = self._require()
+        try:
+            answer = transport.call(route, body)
+        except TransportError as exc:
+            raise RolloutError(f"{what} failed: {exc}") from exc
+        if not protocol.is_success(answer):
+            raise RolloutError(f"{what} failed: {transport.describe()} answered {protocol.answer_message(answer)}")
+        return answer
+
+    def pause(self) -> None:
+        self._control("/pause_generation", {"mode": self.settings.pause_mode}, "pausing generation")
+        self._paused = True
+
+    def resume(self) -> None:
+        self._control("/continue_generation", {}, "continuing generation")
+        self._paused = False
+
+    def _tags(self, tags: frozenset[str]) -> list[str]:
+        unknown = set(tags) - MEMORY_TAGS
+        if unknown:
+            raise RolloutError(f"SGLang releases memory by the tags {sorted(MEMORY_TAGS)}, not {sorted(unknown)}")
+        caps = self.capabilities()
+        if "weights" in tags and Cap.RELEASE_WEIGHTS not in caps:
+            raise RolloutError("this SGLang server cannot release its weights (needs --enable-memory-saver and "
+                               "--weight-cache-mode off)")
+        if Cap.RELEASE_KV_CACHE not in caps:
+            raise RolloutError("this SGLang server cannot release memory: it was started without --enable-memory-saver")
+        return sorted(tags)
+
+    def release_memory(self, tags: frozenset[str]) -> None:
+        self._control("/release_memory_occupation", {"tags": self._tags(tags)}, f"releasing {sorted(tags)}")
+        self._released |= set(tags)
+
+    def resume_memory(self, tags: frozenset[str]) -> None:
+        self._control("/resume_memory_occupation", {"tags": self._tags(tags)}, f"resuming {sorted(tags)}")
+        self._released -= set(tags)
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        return frozenset(self._released)
+
+    def reset_prefix_cache(self) -> None:
+        transport = self._require()
+        try:
+            if isinstance(transport, HTTPTransport):
+                transport.call("/flush_cache", None)
+            else:
+                out = transport.engine.flush_cache()
+                if not getattr(out, "success", True):
+                    raise TransportError(f"flush_cache refused: {getattr(out, 'message', out)}")
+        except TransportError as exc:
+            raise RolloutError(f"flushing SGLang's prefix cache failed: {exc}") from exc
+
+    # ------------------------------------------------------------------ sampling ---------
+
+    def generate_request(self, prompts: Sequence[Prompt], params: SamplingSettings) -> tuple[dict[str, Any], list[Prompt]]:
+        """The ``/generate`` body for ``params.n`` samples of every prompt, and the prompt of each
+        sample in answer order."""
+        seqs = [p for p in prompts for _ in range(params.n)]
+        stop = tuple(params.stop_token_ids)
+        sampling = [
+            protocol.sampling_params(
+                max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k, stop_token_ids=stop, seed=None if params.seed is None else params.seed + i,
+            )
+            for i in range(len(seqs))
+        ]
+        body = protocol.generate_body(
+            [p.ids for p in seqs], sampling, return_routed_experts=bool(params.return_routed_experts),
+            processed_logprobs=protocol.truncates_distribution(params.top_p, params.top_k),
+        )
+        return body, seqs
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingSettings) -> list[Sample]:
+        transport = self._require()
+        if self._paused:
+            raise RolloutError("the sglang rollout backend is paused; resume() it before generate()")
+        if "kv_cache" in self._released:
+            raise RolloutError("SGLang's KV cache is released; resume_memory({'kv_cache'}) before generate()")
+        if params.return_routed_experts and Cap.ROUTED_EXPERTS not in self.capabilities():
+            raise RolloutError("routed experts were asked for, but the SGLang server runs without "
+                               "--enable-return-routed-experts")
+        if not prompts:
+            return []
+        body, seqs = self.generate_request(prompts, params)
+        try:
+            answer = transport.call("/generate", body)
+        except TransportError as exc:
+            raise RolloutError(f"SGLang generate failed: {exc}") from exc
+        items = answer if isinstance(answer, list) else [answer]
+        if len(items) != len(seqs):
+            raise RolloutError(f"SGLang answered {len(items)} samples for {len(seqs)} requests")
+        processed = protocol.truncates_distribution(params.top_p, params.top_k)
+        return [self._sample(p, item, processed, bool(params.return_routed_experts)) for p, item in zip(seqs, items, strict=True)]
+
+    def _version_of(self, text: str | None) -> int:
+        if text is None:
+            return self._version
+        try:
+            return int(text)
+        except ValueError:
+            raise RolloutError(
+                f"SGLang reports weight version {text!r}, which rlcore did not set (rlcore stamps integer "
+                "versions); is another client updating this server?"
+            ) from None
+
+    def _sample(self, prompt: Prompt, item: dict[str, Any], processed: bool, routed: bool) -> Sample:
+        try:
+            out = protocol.parse_generate_item(item, processed_logprobs=processed)
+        except ValueError as exc:
+            raise RolloutError(f"cannot read SGLang's answer for prompt {prompt.index}: {exc}") from exc
+        routes = None
+        if routed:
+            if out.routed_experts_b64 is None:
+                raise RolloutError("SGLang returned no routed experts although they were asked for")
+            if self._moe is None:
+                raise RolloutError(f"routed experts asked for, but {self.model_dir}/config.json is not an MoE config")
+            layers, topk = self._moe
+            try:
+                routes = decode_routed_experts(out.routed_experts_b64, layers, topk,
+                                               expected_rows=len(prompt.ids) + len(out.output_ids) - 1)
+            except ValueError as exc:
+                raise RolloutError(f"SGLang's routed experts for prompt {prompt.index}: {exc}") from exc
+        spans = None
+        if out.weight_versions and len(out.weight_versions) > 1:
+            spans = tuple((self._version_of(v), start) for v, start in out.weight_versions)
+        return Sample(
+            prompt_index=prompt.index,
+            prompt_ids=list(prompt.ids),
+            response_ids=torch.tensor(out.output_ids, dtype=torch.long),
+            logprobs=torch.tensor(out.logprobs, dtype=torch.float32),
+            weight_version=self._version_of(out.weight_version),
+            finish_reason=out.finish_reason,
+            routed_experts=routes,
+            weight_versions=spans,
+        )
+
+
+def build_backend(ctx: Any) -> SGLangBackend:
+    settings = ctx.settings
+    if settings is None:
+        raise ConfigError("the sglang rollout backend needs the sglang plugin active (plugins: [sglang])",
+                          key="plugins")
+    return SGLangBackend(settings, output_dir=ctx.output_dir,
+                         request_routed_experts=bool(ctx.config.rollout.return_routed_experts))

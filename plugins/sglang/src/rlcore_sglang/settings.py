@@ -1,0 +1,109 @@
+"""The ``sglang:`` config section (no torch, no SGLang: read by ``rlcore check`` and ``rlcore plugins``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("server", "engine")
+PAUSE_MODES = ("abort", "retract", "in_place")
+SELECTORS = ("all", "target", "draft")
+KEEP_TOGETHER = ("auto", "none", "layer")
+
+
+@dataclass
+class SGLangSettings:
+    """How rlcore reaches SGLang and how it moves weights into it.
+
+    * ``mode``: ``server`` talks HTTP to ``url``, or to a server this plugin launches from the
+      policy directory when ``url`` is empty; ``engine`` runs ``sglang.Engine`` in this process.
+    * ``launch_args``: extra ``python -m sglang.launch_server`` flags (``--tp-size 2``,
+      ``--mem-fraction-static 0.6``); the same flags build the in-process Engine's ServerArgs.
+      The plugin adds ``--model-path``, ``--host``, ``--port``, ``--weight-version``, and
+      ``--enable-memory-saver`` / ``--enable-return-routed-experts`` / the speculative flags
+      below when they apply.
+    * ``load_policy_on_start``: with ``url`` (a server rlcore did not launch), load the trainer's
+      initial policy directory into it at start (the server must be able to read that path), so
+      it serves exactly weight version 0; ``false`` trusts that it already serves those weights
+      and only stamps the version.
+    * ``python``: the interpreter that runs the launched server (SGLang's own environment);
+      empty = this interpreter.
+    * ``speculative_*``: speculative decoding (MTP: ``speculative_algorithm: NEXTN``); empty or
+      0 leaves the flag out so SGLang's default applies.
+    * ``pause_mode``: how in-flight requests are treated when the trainer pauses generation
+      before a weight push (SGLang's ``/pause_generation`` modes).
+    * ``selector``: which runners a push updates (``all`` = target and speculative draft);
+      servers older than 0.5.21 know only ``all`` and ``target``.
+    * ``keep_together``: ``layer`` never splits one decoder layer's tensors across buckets (what
+      a server without the begin/end weight-update session, SGLang < 0.5.21, needs for fused
+      weights); ``auto`` picks ``layer`` for such servers and ``none`` otherwise.
+    * ``verify_skip``: substrings of engine tensor names SGLang's weights checker must ignore
+      (engine-only tensors that no HF checkpoint carries, e.g. ``k_scale``); SGLang >= 0.5.21.
+    * ``nccl_*``: the trainer-side end of ``sglang-nccl``'s group (the trainer is rank 0 and
+      hosts the rendezvous at ``nccl_master_address:nccl_master_port``; port 0 = a free one).
+    * ``disk_dir``: where ``sglang-disk`` writes versions; it must be readable by the server
+      (empty = ``<output>/sglang_sync``).
+    """
+
+    mode: str = "server"
+    url: str = ""
+    load_policy_on_start: bool = True
+    host: str = "127.0.0.1"
+    port: int = 30000
+    launch_args: list[str] = field(default_factory=list)
+    python: str = ""
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 1800.0
+    enable_memory_saver: bool = True
+    speculative_algorithm: str = ""
+    speculative_draft_model_path: str = ""
+    speculative_num_steps: int = 0
+    speculative_eagle_topk: int = 0
+    speculative_num_draft_tokens: int = 0
+    pause_mode: str = "abort"
+    selector: str = "all"
+    keep_together: str = "auto"
+    verify_skip: list[str] = field(default_factory=list)
+    nccl_master_address: str = "127.0.0.1"
+    nccl_master_port: int = 0
+    nccl_group_name: str = "rlcore_weight_sync"
+    nccl_backend: str = "nccl"
+    disk_dir: str = ""
+
+
+def check_settings(s: Any) -> None:
+    """Value checks omegaconf's types cannot express; errors name the key."""
+    from rlcore.errors import ConfigError
+
+    choices = {
+        "mode": MODES,
+        "pause_mode": PAUSE_MODES,
+        "selector": SELECTORS,
+        "keep_together": KEEP_TOGETHER,
+    }
+    for key, allowed in choices.items():
+        value = getattr(s, key)
+        if value not in allowed:
+            raise ConfigError(
+                f"bad value for config key 'sglang.{key}': {value!r}; choose one of: {', '.join(allowed)}",
+                key=f"sglang.{key}",
+            )
+    if s.url and s.mode == "engine":
+        raise ConfigError(
+            "sglang.url is set but sglang.mode is 'engine' (an in-process Engine has no URL); "
+            "use mode 'server' to reach a running server",
+            key="sglang.url",
+        )
+    if s.url and not s.url.startswith(("http://", "https://")):
+        raise ConfigError(f"bad value for config key 'sglang.url': {s.url!r} must start with http:// or https://",
+                          key="sglang.url")
+    for key in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "nccl_master_port"):
+        if getattr(s, key) < 0:
+            raise ConfigError(f"bad value for config key 'sglang.{key}': must be >= 0", key=f"sglang.{key}")
+    if not s.speculative_algorithm and (s.speculative_draft_model_path or s.speculative_num_steps
+                                        or s.speculative_eagle_topk or s.speculative_num_draft_tokens):
+        raise ConfigError(
+            "sglang.speculative_* options are set but sglang.speculative_algorithm is empty; set it "
+            "(e.g. NEXTN for MTP, EAGLE3) or clear the other speculative options",
+            key="sglang.speculative_algorithm",
+        )

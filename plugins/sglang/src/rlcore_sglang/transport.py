@@ -1,0 +1,289 @@
+"""How rlcore reaches SGLang: over HTTP (a server it launched or one already running), or in
+process through ``sglang.Engine``. Both carry the same request bodies (:mod:`.protocol`).
+
+* :class:`HTTPTransport` POSTs JSON to SGLang's routes with the standard library only (no
+  requests/httpx dependency in the trainer's environment); ``bytes`` values become base64.
+* :class:`EngineTransport` builds SGLang's request struct from the same body and awaits the
+  ``TokenizerManager`` coroutine that SGLang's own ``Engine`` methods and HTTP routes call, so
+  fields the ``Engine`` convenience methods do not expose (``weight_version``, ``selector``,
+  ``return_sampling_mask``) work in process too.
+* :class:`ServerProcess` launches ``python -m sglang.launch_server`` and owns that process only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlcore_sglang.protocol import REQUEST_STRUCTS, answer_message, json_default
+
+
+class TransportError(RuntimeError):
+    """SGLang could not be reached or refused a request. ``status`` is the HTTP status (None when
+    nothing answered)."""
+
+    def __init__(self, message: str, status: int | None = None, answer: Any = None):
+        super().__init__(message)
+        self.status = status
+        self.answer = answer
+
+
+class Transport(Protocol):
+    def call(self, route: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None) -> Any: ...
+
+    def server_info(self) -> dict[str, Any]: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+# -------------------------------------------------------------------------------- HTTP -----
+
+
+class HTTPTransport:
+    """JSON over HTTP to an SGLang server at ``base_url``."""
+
+    def __init__(self, base_url: str, timeout: float = 1800.0, api_key: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.api_key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
+
+    def describe(self) -> str:
+        return f"SGLang server {self.base_url}"
+
+    def _request(self, method: str, route: str, body: Mapping[str, Any] | None, timeout: float | None) -> Any:
+        url = self.base_url + route
+        data = None
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            data = json.dumps(body, default=json_default).encode()
+            headers["Content-Type"] = "application/json"
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            answer = _decode(raw)
+            raise TransportError(
+                f"{method} {url} answered HTTP {exc.code}: {answer_message(answer)}", status=exc.code, answer=answer
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise TransportError(f"{method} {url} failed: {reason} (is the SGLang server running?)") from None
+        return _decode(raw)
+
+    def call(self, route: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        return self._request("POST", route, {} if body is None else body, timeout)
+
+    def get(self, route: str, *, timeout: float | None = None) -> Any:
+        return self._request("GET", route, None, timeout)
+
+    def server_info(self) -> dict[str, Any]:
+        # /server_info since 0.5.16; /get_server_info is the deprecated spelling of older servers
+        try:
+            return self.get("/server_info", timeout=60)
+        except TransportError as exc:
+            if exc.status != 404:
+                raise
+        return self.get("/get_server_info", timeout=60)
+
+    def healthy(self) -> bool:
+        try:
+            self.get("/health", timeout=5)
+            return True
+        except TransportError:
+            return False
+
+    def close(self) -> None:
+        pass
+
+
+def _decode(raw: bytes) -> Any:
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {"message": raw.decode(errors="replace").strip()}
+
+
+# ------------------------------------------------------------------------------ Engine -----
+
+
+#: route → (TokenizerManager coroutine, whether it also takes the HTTP request (None here), how its
+#: return value maps to the JSON the HTTP route answers)
+_ENGINE_ROUTES: dict[str, tuple[str, bool, str]] = {
+    "/update_weights_from_tensor": ("update_weights_from_tensor", True, "ack"),
+    "/update_weights_from_distributed": ("update_weights_from_distributed", True, "ack"),
+    "/update_weights_from_disk": ("update_weights_from_disk", True, "ack"),
+    "/init_weights_update_group": ("init_weights_update_group", True, "ack"),
+    "/destroy_weights_update_group": ("destroy_weights_update_group", True, "ack"),
+    "/begin_weight_update": ("begin_weight_update", True, "ack"),
+    "/end_weight_update": ("end_weight_update", True, "ack"),
+    "/update_weight_version": ("update_weight_version", False, "none"),
+    "/pause_generation": ("pause_generation", False, "none"),
+    "/continue_generation": ("continue_generation", False, "none"),
+    "/release_memory_occupation": ("release_memory_occupation", True, "none"),
+    "/resume_memory_occupation": ("resume_memory_occupation", True, "none"),
+    "/weights_checker": ("check_weights", True, "checker"),
+}
+
+
+def engine_request(route: str, body: Mapping[str, Any]) -> Any:
+    """SGLang's request struct for ``route`` built from ``body`` (imports SGLang)."""
+    from sglang.srt.managers import io_struct
+
+    name = REQUEST_STRUCTS.get(route)
+    if name is None:
+        raise TransportError(f"no in-process equivalent of SGLang route {route}")
+    return getattr(io_struct, name)(**body)
+
+
+def _normalise(kind: str, result: Any) -> Any:
+    if kind == "ack":
+        success, message = result[0], result[1]
+        return {"success": bool(success), "message": str(message)}
+    if kind == "checker":
+        success, message, ranks, per_engine = result
+        out: dict[str, Any] = {"success": bool(success), "message": str(message)}
+        if ranks is not None:
+            out["ranks"] = ranks
+        if per_engine is not None:
+            out["per_engine_checksum"] = per_engine
+        return out
+    return None
+
+
+class EngineTransport:
+    """``sglang.Engine`` in this process, started from the same CLI flags as a server."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    @classmethod
+    def launch(cls, cli_args: Sequence[str]) -> EngineTransport:
+        import argparse
+
+        import sglang
+        from sglang.srt.server_args import ServerArgs
+
+        parser = argparse.ArgumentParser(prog="rlcore-sglang engine")
+        ServerArgs.add_cli_args(parser)
+        server_args = ServerArgs.from_cli_args(parser.parse_args(list(cli_args)))
+        return cls(sglang.Engine(server_args=server_args))
+
+    def describe(self) -> str:
+        return "in-process sglang.Engine"
+
+    def call(self, route: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        tm = self.engine.tokenizer_manager
+        obj = engine_request(route, dict(body or {}))
+        if route == "/generate":
+            # what Engine.generate does for a non-streaming request
+            return self.engine.loop.run_until_complete(tm.generate_request(obj, None).__anext__())
+        method, takes_request, kind = _ENGINE_ROUTES[route]
+        coro = getattr(tm, method)(obj, None) if takes_request else getattr(tm, method)(obj)
+        return _normalise(kind, self.engine.loop.run_until_complete(coro))
+
+    def server_info(self) -> dict[str, Any]:
+        return dict(self.engine.get_server_info())
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+# -------------------------------------------------------------------- launched server -----
+
+
+def server_cli_args(
+    model_dir: str,
+    *,
+    host: str,
+    port: int,
+    weight_version: int,
+    extra: Sequence[str] = (),
+    memory_saver: bool = False,
+    routed_experts: bool = False,
+    speculative: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """``sglang.launch_server`` flags; the tests parse them with SGLang's own ``ServerArgs``
+    parser. ``extra`` (the user's ``launch_args``) comes last and may not repeat a flag the
+    plugin sets."""
+    owned = {"--model-path", "--host", "--port", "--weight-version"}
+    clash = sorted(a for a in extra if a.split("=", 1)[0] in owned)
+    if clash:
+        raise ValueError(
+            f"sglang.launch_args sets {', '.join(clash)}, which rlcore sets itself "
+            "(model path from the trainer, host/port from sglang.host/sglang.port)"
+        )
+    args = ["--model-path", str(model_dir), "--host", host, "--port", str(port), "--weight-version", str(weight_version)]
+    if memory_saver and "--enable-memory-saver" not in extra:
+        args.append("--enable-memory-saver")
+    if routed_experts and "--enable-return-routed-experts" not in extra:
+        args.append("--enable-return-routed-experts")
+    for key, value in (speculative or {}).items():
+        if value in (None, "", 0):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if flag in extra:
+            raise ValueError(f"{flag} is set both in sglang.launch_args and as sglang.{key}; keep one")
+        args += [flag, str(value)]
+    return args + list(extra)
+
+
+class ServerProcess:
+    """A ``python -m sglang.launch_server`` child process and its log."""
+
+    def __init__(self, python: str, cli_args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None):
+        self.cmd = [python or sys.executable, "-m", "sglang.launch_server", *cli_args]
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env or os.environ))
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return "".join(deque(fh, maxlen=lines))
+        except OSError:
+            return ""
+
+    def wait_healthy(self, client: HTTPTransport, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TransportError(
+                    f"the SGLang server exited with code {self.proc.returncode} while starting "
+                    f"({' '.join(self.cmd)}); last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            if client.healthy():
+                return
+            time.sleep(2.0)
+        self.stop()
+        raise TransportError(
+            f"the SGLang server did not become healthy within {timeout:.0f} s (sglang.startup_timeout_s); "
+            f"last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()

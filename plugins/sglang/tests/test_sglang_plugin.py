@@ -1,0 +1,97 @@
+"""Plugin registration, config section and stack rules. No SGLang needed: runs in the main venv and
+in the sglang venv."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import rlcore_sglang.plugin as sglang_plugin
+from rlcore import config as cfgmod
+from rlcore.errors import ConfigError, IncompatiblePluginsError, MissingCapabilityError
+from rlcore.stack import resolve
+from rlcore.types import Cap
+from rlcore_sglang.settings import check_settings
+
+
+def test_plugin_import_loads_neither_sglang_nor_torch():
+    code = ("import sys, rlcore_sglang.plugin; "
+            "bad = [m for m in ('sglang', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, f"importing the plugin imported {out.stdout.strip()} {out.stderr[-500:]}"
+
+
+def test_registers_backend_three_syncs_and_section(register_plugin, rlcore_plugin_manager):
+    register_plugin(sglang_plugin, "sglang")
+    backend = rlcore_plugin_manager.select("rollout_backend", "sglang", key="rollout.backend")
+    assert backend.capabilities == sglang_plugin.BACKEND_CAPABILITIES
+    # never claims the in-process receiver protocols of core's inproc/disk syncs
+    assert not backend.capabilities & {Cap.RECEIVE_BUCKETS, Cap.RECEIVE_DISK, Cap.WEIGHT_CHECKSUMS}
+    syncs = {name: rlcore_plugin_manager.select("weight_sync", name, key="sync.name")
+             for name in ("sglang-tensor", "sglang-nccl", "sglang-disk")}
+    for spec in syncs.values():
+        assert spec.backends == frozenset({"sglang"})
+        assert {Cap.BUCKETED, Cap.VERIFIED} <= spec.capabilities
+        assert Cap.ATOMIC not in spec.capabilities  # SGLang loads in place
+    assert Cap.CUDA_IPC in syncs["sglang-tensor"].capabilities
+    assert Cap.NCCL in syncs["sglang-nccl"].capabilities
+    assert "sglang" in {ps.section for ps in rlcore_plugin_manager.plugin_settings()}
+
+
+def test_config_defaults_and_value_errors(register_plugin, rlcore_config):
+    register_plugin(sglang_plugin, "sglang")
+    cfg = rlcore_config("rollout.backend=sglang", "sync.name=sglang-tensor", "sglang.launch_args=[--tp-size,2]")
+    assert cfg.sglang.mode == "server" and list(cfg.sglang.launch_args) == ["--tp-size", "2"]
+    check_settings(cfg.sglang)
+    with pytest.raises(ConfigError, match="sglang.nonsense"):
+        rlcore_config("sglang.nonsense=1")
+    cases = {
+        "sglang.mode=grpc": "sglang.mode.*server, engine",
+        "sglang.pause_mode=sleep": "sglang.pause_mode",
+        "sglang.selector=both": "sglang.selector",
+        "sglang.keep_together=expert": "sglang.keep_together",
+        "sglang.url=localhost:30000": "must start with http",
+        "sglang.speculative_num_steps=3": "speculative_algorithm is empty",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            check_settings(rlcore_config(override).sglang)
+    with pytest.raises(ConfigError, match="mode is 'engine'"):
+        check_settings(rlcore_config("sglang.mode=engine", "sglang.url=http://h:1").sglang)
+
+
+@pytest.mark.parametrize("sync", ["sglang-tensor", "sglang-nccl", "sglang-disk"])
+def test_syncs_only_feed_the_sglang_backend(register_plugin, rlcore_plugin_manager, sync):
+    register_plugin(sglang_plugin, "sglang")
+    cfg = cfgmod.validate(cfgmod.read_raw(None, ["rollout.backend=local", f"sync.name={sync}"]),
+                          rlcore_plugin_manager.plugin_settings())
+    with pytest.raises(IncompatiblePluginsError, match="feeds only rollout backends sglang"):
+        resolve(cfg, rlcore_plugin_manager)
+    cfg = cfgmod.validate(cfgmod.read_raw(None, ["rollout.backend=sglang", f"sync.name={sync}",
+                                                 "rollout.return_routed_experts=true"]),
+                          rlcore_plugin_manager.plugin_settings())
+    stack = resolve(cfg, rlcore_plugin_manager)
+    assert stack.rollout_backend.name == "sglang" and stack.weight_sync.name == sync
+
+
+def test_core_builtin_syncs_cannot_feed_sglang(register_plugin, rlcore_plugin_manager):
+    """inproc/disk need in-process receivers; an SGLang server is not one, and resolve says so."""
+    register_plugin(sglang_plugin, "sglang")
+    for sync in ("inproc", "disk"):
+        cfg = cfgmod.validate(cfgmod.read_raw(None, ["rollout.backend=sglang", f"sync.name={sync}"]),
+                              rlcore_plugin_manager.plugin_settings())
+        with pytest.raises(MissingCapabilityError, match="receive_buckets|receive_disk"):
+            resolve(cfg, rlcore_plugin_manager)
+
+
+def test_factories_refuse_a_run_without_the_section():
+    from rlcore.types import BuildContext
+    from rlcore_sglang.backend import build_backend
+    from rlcore_sglang.sync import build_tensor_sync
+
+    ctx = BuildContext(config=None, settings=None)
+    with pytest.raises(ConfigError, match="plugins: \\[sglang\\]"):
+        build_backend(ctx)
+    with pytest.raises(ConfigError, match="plugins: \\[sglang\\]"):
+        build_tensor_sync(ctx)

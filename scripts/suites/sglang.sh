@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The SGLang suite: plugins/sglang's tests in their own venv, .venvs/sglang, where SGLang's own code
+# (sglang 0.5.23) is importable on CPU, so the tests check rlcore's payloads and request bodies with
+# SGLang's deserializer, bucket classes, request structs, HTTP routes and receiving code. SGLang's
+# engine itself cannot run here (it needs its CUDA kernel stack); no test starts it.
+#
+# The venv: torch==2.13.0 (the CPU build from the machine's find-links) first, with
+# scripts/constraints.txt on every install so nothing replaces it; then sglang with --no-deps (it
+# pins torch 2.14.1, CUDA kernels and flashinfer) and only the small packages its imports need;
+# torchvision 0.28.0 with --no-deps too (PyPI's build is a CUDA build: SGLang's request structs
+# import it, and the tests' conftest makes that import work on CPU torch); then rlcore and
+# rlcore-sglang editable. Idempotent: a stamp of the inputs' hash makes an unchanged venv cost a
+# second.
+# Usage: bash scripts/suites/sglang.sh [pytest args...]     (default: every test of plugins/sglang)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="${RLCORE_SGLANG_VENV:-$ROOT/.venvs/sglang}"
+PY="${PYTHON:-python3}"
+cd "$ROOT"
+
+SGLANG_VERSION=0.5.23
+SGLANG_OLD_VERSION=0.5.20
+# What `import sglang`, its request structs (io_struct), its HTTP server module and its routed-experts
+# and weight-checker modules import, found by importing them in a bare venv. Versions pinned where
+# sglang 0.5.23 pins them; triton is any build (SGLang's utils import it; nothing here runs a kernel).
+SGLANG_IMPORT_DEPS=(
+  "numpy" "orjson" "psutil" "pybase64" "requests" "packaging" "pillow" "msgspec" "pydantic" "pyzmq"
+  "tqdm" "IPython" "aiohttp" "dill" "einops" "jsonschema" "partial_json_parser" "setproctitle"
+  "starlette" "fastapi" "uvicorn" "uvloop" "python-multipart" "httpx" "gguf"
+  "triton==3.8.0" "transformers==5.19.0" "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1"
+  "compressed-tensors==0.18.0" "openai==2.8.0" "soundfile==0.13.1" "xgrammar==0.2.7"
+)
+# rlcore's own small deps (torch, transformers, tokenizers, safetensors, numpy come from above)
+RLCORE_DEPS=("pluggy>=1.5" "omegaconf>=2.3" "rich>=13" "pytest>=8" "hypothesis>=6.100")
+
+inputs=(scripts/suites/sglang.sh scripts/constraints.txt core/pyproject.toml plugins/sglang/pyproject.toml)
+hash="$( { cat "${inputs[@]}"; printf '%s\n' "${SGLANG_IMPORT_DEPS[@]}" "${RLCORE_DEPS[@]}"; } | sha256sum | cut -d' ' -f1)"
+stamp="$VENV/.rlcore-sglang-setup"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$VENV/bin/python" ]; then
+  echo "[sglang] reusing $VENV"
+else
+  t0=$(date +%s)
+  echo "[sglang] preparing $VENV (first run: about 2 minutes with an empty pip cache, 2.5 GB)" >&2
+  rm -f "$stamp"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt")
+  "${PIP[@]}" "setuptools>=68" wheel
+  "${PIP[@]}" torch==2.13.0
+  "$VENV/bin/python" -W ignore - <<'PYEOF'
+import sys, torch
+if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
+    sys.exit(f"torch {torch.__version__} is not the CPU build (torch==2.13.0+cpu from the local find-links)")
+PYEOF
+  "${PIP[@]}" "${SGLANG_IMPORT_DEPS[@]}" "${RLCORE_DEPS[@]}"
+  # last and without its dependencies, so pip has no unmet sglang requirements to report
+  "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "torchvision==0.28.0"
+  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/sglang
+  # the 0.5.20 wheel (not installed): the tests read its request structs' field names, the last
+  # release before the weight-update session, to check the bodies rlcore sends to older servers
+  "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps "sglang==$SGLANG_OLD_VERSION" -d "$VENV/wheels"
+  "$VENV/bin/python" - <<'PYEOF'
+import sys, torch
+if torch.version.cuda is not None:
+    sys.exit(f"a dependency replaced torch with {torch.__version__}")
+sys.path.insert(0, "plugins/sglang/tests")
+from sglang_env import import_sglang_on_cpu
+sglang = import_sglang_on_cpu()
+import rlcore, rlcore_sglang  # noqa: F401
+print(f"[sglang] sglang {sglang.__version__}, torch {torch.__version__}, rlcore {rlcore.__version__}")
+PYEOF
+  echo "$hash" > "$stamp"
+  echo "[sglang] $VENV ready in $(( $(date +%s) - t0 ))s" >&2
+fi
+
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export RLCORE_SGLANG_OLD_WHEEL_DIR="$VENV/wheels"
+if [ $# -eq 0 ]; then set -- plugins/sglang/tests; fi
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
