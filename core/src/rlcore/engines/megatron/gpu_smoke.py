@@ -7,7 +7,7 @@ Three checks on a tiny Qwen3-MoE-style model with one MTP layer, created locally
 2. **routing replay**: routes recorded in one forward, replayed in a second; the log-probs and
    the MTP hidden states must be bit-identical, and the route tensor must have the documented
    ``[tokens, moe_layers + mtp_layers, topk]`` shape;
-3. **training**: ``rlcore``'s GRPO loop (local rollout, inproc sync, reference head) for a few
+3. **training**: ``rlcore``'s GRPO loop (local rollout, inproc sync, ``--forward`` head) for a few
    steps with an MTP loss term computed through the same forward_fn as the policy loss (an
    inline plugin: ``forward_request`` asks for MTP hidden states, ``postprocess`` adds the loss).
 
@@ -107,7 +107,7 @@ def check_logprobs_and_replay(model_dir: Path, device: str) -> dict:
     }
 
 
-def train(out_dir: Path, device: str, steps: int, tiny: dict) -> dict:
+def train(out_dir: Path, device: str, steps: int, tiny: dict, forward: str = "reference") -> dict:
     from rlcore.stack import load_config, resolve
 
     overrides = [
@@ -116,7 +116,10 @@ def train(out_dir: Path, device: str, steps: int, tiny: dict) -> dict:
         "megatron.export_mtp=false",  # the local rollout serves no MTP drafts
         f"training.steps={steps}", "training.lr=0.001", "rollout.n=8", "data.prompts_per_step=16",
         f"output.dir={out_dir}", "output.checkpoint_every=0", "output.plot=false", "output.tensorboard=false",
+        f"forward.name={forward}",
     ]
+    if forward != "reference":  # a plugin's head (rlcore-fused): the policy loss and the MTP loss both use it
+        overrides.append(f"plugins=[{forward}]")
     cfg, pm = load_config(None, overrides)
     pm.register(_mtp_plugin(0.1), "gpu-smoke-mtp")
     stack = resolve(cfg, pm)
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--forward", default="reference", help="forward_fn for training (e.g. fused, with rlcore-fused installed)")
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results["checks"] = check_logprobs_and_replay(model_dir, args.device)
     print(json.dumps(results["checks"], indent=1), flush=True)
-    results["train"] = train(out / "train", args.device, args.steps, {k: v for k, v in tiny.items()})
+    results["forward_fn"] = args.forward
+    results["train"] = train(out / "train", args.device, args.steps, {k: v for k, v in tiny.items()}, args.forward)
     print(json.dumps(results["train"], indent=1), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
