@@ -29,8 +29,13 @@ from rlcore.errors import BatchShapeError
 from rlcore.types import HeadInput, HeadOutput, VocabShard
 
 
-def check_head_input(inp: HeadInput) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate shapes; return ``(hidden [T, H] gathered if sequence-parallel, mask [T] bool)``."""
+def check_head_input(inp: HeadInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Validate a :class:`HeadInput` (errors say the expected shape) for any forward_fn.
+
+    Returns ``(hidden, mask)``: hidden ``[T, H]`` (gathered over the group when sequence
+    parallel) and the loss mask as ``[T]`` bool on hidden's device, or ``None`` when every
+    position counts (so a head need not build and scan an all-True mask).
+    """
     h, w = inp.hidden, inp.weight
     if h.dim() != 2:
         raise BatchShapeError(f"hidden must be [T, H], got {tuple(h.shape)}")
@@ -47,14 +52,12 @@ def check_head_input(inp: HeadInput) -> tuple[torch.Tensor, torch.Tensor]:
     if inp.labels.shape != (T,):
         raise BatchShapeError(f"labels must be [T={T}], got {tuple(inp.labels.shape)}")
     mask = inp.loss_mask
-    if mask is None:
-        mask = torch.ones(T, dtype=torch.bool, device=h.device)
-    elif mask.shape != (T,):
+    if mask is not None and mask.shape != (T,):
         raise BatchShapeError(f"loss_mask must be [T={T}], got {tuple(mask.shape)}")
-    if isinstance(inp.temperature, torch.Tensor) and inp.temperature.dim() > 0:
-        if inp.temperature.shape != (T,):
-            raise BatchShapeError(f"per-token temperature must be [T={T}], got {tuple(inp.temperature.shape)}")
-    return h, mask.to(torch.bool)
+    temp = inp.temperature
+    if isinstance(temp, torch.Tensor) and temp.dim() > 0 and temp.shape != (T,):
+        raise BatchShapeError(f"per-token temperature must be [T={T}], got {tuple(temp.shape)}")
+    return h, (None if mask is None else mask.to(device=h.device, dtype=torch.bool))
 
 
 def _chunk_stats(
@@ -86,6 +89,8 @@ def _chunk_stats(
 def reference_logprobs(inp: HeadInput, chunk_tokens: int = 2048) -> HeadOutput:
     """The reference semantics of a forward_fn (see module docstring)."""
     h, mask = check_head_input(inp)
+    if mask is None:
+        mask = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
     vocab: VocabShard = inp.vocab
     group = vocab.group
     if group_size(group) > 1 and not inp.sequence_parallel:

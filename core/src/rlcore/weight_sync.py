@@ -131,16 +131,21 @@ class DiskSync:
                           details={"path": str(final)})
 
     def _prune(self, version: int) -> None:
-        for d in self.directory.glob("v*"):
-            try:
-                v = int(d.name[1:])
-            except ValueError:
-                continue
-            if v <= version - self.keep:
-                shutil.rmtree(d, ignore_errors=True)
+        prune_versions(self.directory, version, self.keep)
 
     def close(self) -> None:
         pass
+
+
+def prune_versions(directory: Path, version: int, keep: int) -> None:
+    """Delete ``directory/v<n>`` for every ``n <= version - keep`` (disk syncs keep the newest)."""
+    for d in Path(directory).glob("v*"):
+        try:
+            v = int(d.name[1:])
+        except ValueError:
+            continue
+        if v <= version - keep:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def build_inproc(ctx: Any) -> InprocSync:

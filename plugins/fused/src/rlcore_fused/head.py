@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from rlcore.distributed import copy_to_group, gather_from_sequence_parallel, group_size
+from rlcore.distributed import copy_to_group, group_size
 from rlcore.errors import BatchShapeError, RLCoreError
+from rlcore.heads import check_head_input
 from rlcore.types import HeadInput, HeadOutput, VocabShard
 
 from rlcore_fused.softmax_stats import exchange_records, finalize
@@ -38,32 +39,6 @@ BACKENDS = ("auto", "triton", "torch")
 
 class FusedBackendError(RLCoreError, RuntimeError):
     """The selected backend cannot run here; the message says what to install or choose."""
-
-
-def _validate(inp: HeadInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Shapes as the reference head checks them; returns ``(hidden [T, H] gathered, mask [T] or None)``."""
-    h, w = inp.hidden, inp.weight
-    if h.dim() != 2:
-        raise BatchShapeError(f"hidden must be [T, H], got {tuple(h.shape)}")
-    if w.dim() != 2 or w.shape[1] != h.shape[1]:
-        raise BatchShapeError(f"weight must be [V_local, H={h.shape[1]}], got {tuple(w.shape)}")
-    if w.shape[0] != inp.vocab.rows:
-        raise BatchShapeError(
-            f"weight has {w.shape[0]} rows but the vocab shard says [{inp.vocab.start}, {inp.vocab.end}) "
-            f"= {inp.vocab.rows} rows"
-        )
-    if inp.sequence_parallel:
-        h = gather_from_sequence_parallel(h, inp.vocab.group)
-    T = h.shape[0]
-    if inp.labels.shape != (T,):
-        raise BatchShapeError(f"labels must be [T={T}], got {tuple(inp.labels.shape)}")
-    mask = inp.loss_mask
-    if mask is not None and mask.shape != (T,):
-        raise BatchShapeError(f"loss_mask must be [T={T}], got {tuple(mask.shape)}")
-    temp = inp.temperature
-    if isinstance(temp, torch.Tensor) and temp.dim() > 0 and temp.shape != (T,):
-        raise BatchShapeError(f"per-token temperature must be [T={T}], got {tuple(temp.shape)}")
-    return h, (None if mask is None else mask.to(device=h.device, dtype=torch.bool))
 
 
 class _FusedLogprobEntropy(torch.autograd.Function):
@@ -116,7 +91,7 @@ def fused_logprobs(inp: HeadInput, kernels: Any) -> HeadOutput:
     taken after the kernels are queued, plus one for the mask's compaction when there is a mask.
     Out-of-range labels are harmless to the kernels (they only compare them with column ids).
     """
-    h, mask = _validate(inp)
+    h, mask = check_head_input(inp)
     vocab: VocabShard = inp.vocab
     group = vocab.group
     if group_size(group) > 1 and not inp.sequence_parallel:

@@ -51,6 +51,7 @@ import torch
 from rlcore.errors import ConfigError, WeightSyncError
 from rlcore.sync import Bucket, iter_buckets
 from rlcore.types import SyncReport
+from rlcore.weight_sync import prune_versions
 
 from rlcore_sglang import protocol, wire
 from rlcore_sglang.backend import SGLangBackend
@@ -512,13 +513,7 @@ class SGLangDiskSync(_SGLangSync):
         return self._finish_stats(stats, sent)
 
     def _prune(self, version: int) -> None:
-        for d in self.directory.glob("v*"):
-            try:
-                v = int(d.name[1:])
-            except ValueError:
-                continue
-            if v <= version - self.keep:
-                shutil.rmtree(d, ignore_errors=True)
+        prune_versions(self.directory, version, self.keep)
 
 
 # ---------------------------------------------------------------------------- factories ---
