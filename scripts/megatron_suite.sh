@@ -12,22 +12,13 @@ MCORE="${1:?usage: scripts/megatron_suite.sh MEGATRON_CORE_VERSION [pytest args.
 shift
 NAME="megatron-${MCORE%.*}"
 VENV="$ROOT/.venvs/$NAME"
-PY="${PYTHON:-python3}"
+source scripts/lib/cpu_venv.sh
 
-inputs=(scripts/megatron_suite.sh "scripts/suites/$NAME.sh" scripts/constraints.txt core/pyproject.toml)
-hash="$( { cat "${inputs[@]}"; echo "megatron-core==$MCORE"; } | sha256sum | cut -d' ' -f1)"
-stamp="$VENV/.rlcore-setup"
-if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$VENV/bin/python" ]; }; then
+inputs=(scripts/megatron_suite.sh scripts/lib/cpu_venv.sh "scripts/suites/$NAME.sh" scripts/constraints.txt core/pyproject.toml)
+hash="$(venv_inputs_hash "${inputs[@]}" -- "megatron-core==$MCORE")"
+if ! venv_is_current "$VENV" "$hash"; then
   echo "[$NAME] preparing $VENV" >&2
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt")
-  "${PIP[@]}" "setuptools>=68" wheel
-  "${PIP[@]}" torch==2.13.0
-  "$VENV/bin/python" - <<'PYEOF'
-import sys, torch
-if torch.version.cuda is not None:
-    sys.exit(f"torch {torch.__version__} is a CUDA build; this machine needs the CPU build (torch==2.13.0 from the local find-links)")
-PYEOF
+  venv_create_cpu_torch "$VENV"
   case "$MCORE" in
     0.12.*|0.13.*)
       # these wheels declare megatron-LM's whole training stack (nvidia-modelopt, wandb, zarr,
@@ -39,7 +30,7 @@ PYEOF
       "${PIP[@]}" "megatron-core==$MCORE" ;;
   esac
   "${PIP[@]}" --no-build-isolation -e "core[test]" pytest hypothesis
-  echo "$hash" > "$stamp"
+  venv_stamp "$VENV" "$hash"
   echo "[$NAME] $VENV ready" >&2
 fi
 

@@ -6,32 +6,23 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLCORE_VENV:-$ROOT/.venv}"
-PY="${PYTHON:-python3}"
 cd "$ROOT"
+source scripts/lib/cpu_venv.sh
 
-inputs=(scripts/setup_venv.sh scripts/constraints.txt core/pyproject.toml)
+inputs=(scripts/setup_venv.sh scripts/lib/cpu_venv.sh scripts/constraints.txt core/pyproject.toml)
 for f in plugins/*/pyproject.toml; do [ -e "$f" ] && inputs+=("$f"); done
 while IFS= read -r f; do inputs+=("$f"); done < <(find examples/third_party_plugin -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | sort)
-hash="$(cat "${inputs[@]}" | sha256sum | cut -d' ' -f1)"
-stamp="$VENV/.rlcore-setup"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$VENV/bin/rlcore" ]; then
+hash="$(venv_inputs_hash "${inputs[@]}")"
+if venv_is_current "$VENV" "$hash" && [ -x "$VENV/bin/rlcore" ]; then
   exit 0
 fi
 
 echo "[setup] preparing $VENV (first run takes about a minute)" >&2
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt")
-"${PIP[@]}" "setuptools>=68" wheel
-"${PIP[@]}" torch==2.13.0
-"$VENV/bin/python" - <<'PYEOF'
-import torch, sys
-if torch.version.cuda is not None:
-    sys.exit(f"torch {torch.__version__} is a CUDA build; this machine needs the CPU build (torch==2.13.0 from the local find-links)")
-PYEOF
+venv_create_cpu_torch "$VENV"
 editables=(-e "core[test,tensorboard]")
 for d in plugins/*/; do [ -f "$d/pyproject.toml" ] && editables+=(-e "$d"); done
 "${PIP[@]}" --no-build-isolation "${editables[@]}" pytest hypothesis ruff
 # the example plugin is installed as an outsider would install it: a regular, non-editable install
 "${PIP[@]}" --no-build-isolation --force-reinstall --no-deps examples/third_party_plugin
-echo "$hash" > "$stamp"
+venv_stamp "$VENV" "$hash"
 echo "[setup] $VENV ready" >&2

