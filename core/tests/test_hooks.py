@@ -97,7 +97,8 @@ CHAIN_SRC = """
         return PostprocessResult(metrics={{"who": {tag}}})
     @hookimpl
     def router_hook(call):
-        return RouterDecision(indices=torch.full((call.num_tokens, call.topk), {tag}))
+        # experts tag, tag+1, ... for every token (distinct within a row, as the contract asks)
+        return RouterDecision(indices=(torch.arange(call.topk) + {tag}).expand(call.num_tokens, -1))
     @hookimpl
     def step_end(ctx):
         return {{"last": {tag}}}
@@ -143,7 +144,32 @@ def test_hook_router_hook(rlcore_plugin_manager, register_plugin, tiny_model_dir
     with torch.no_grad():
         out = engine.forward(batch, record_routes=True, router=rlcore_plugin_manager.router_hook)
     # "silent" answers None, so "b" (next in config order) wins and "a" is never asked
-    assert torch.all(out.routes == 2)
+    topk = out.routes.shape[-1]
+    assert torch.equal(out.routes, (torch.arange(topk, dtype=out.routes.dtype) + 2).expand_as(out.routes))
+
+
+def test_router_hook_answers_are_checked_on_the_hf_engine(tiny_model_dirs):
+    from rlcore.engines.hf import HFEngine
+
+    engine = HFEngine.from_pretrained(tiny_model_dirs["moe_a"])
+    batch = PackedBatch.pack([[3, 4, 5, 6], [7, 8]], [1, 1])
+    layout = engine.info.route_layout
+    k = layout.topk
+    with torch.no_grad():
+        native = engine.forward(batch, record_routes=True)
+        keep = torch.full((batch.num_tokens, k), -1, dtype=torch.long)
+        same = engine.forward(batch, record_routes=True, router=lambda c: RouterDecision(indices=keep))
+        assert torch.equal(same.routes, native.routes) and torch.equal(same.hidden, native.hidden)
+        twice = torch.zeros((batch.num_tokens, k), dtype=torch.long)
+        with pytest.raises(errors.BatchShapeError, match=f"layer {layout.layers[0]} chose an expert twice"):
+            engine.forward(batch, router=lambda c: RouterDecision(indices=twice))
+        with pytest.raises(errors.BatchShapeError, match=r"expected integer \[num_tokens=6"):
+            engine.forward(batch, router=lambda c: RouterDecision(indices=twice[:3]))
+        with pytest.raises(errors.BatchShapeError, match="expected integer"):
+            engine.forward(batch, router=lambda c: RouterDecision(indices=twice.float()))
+        outside = torch.arange(k).expand(batch.num_tokens, -1) + layout.num_experts
+        with pytest.raises(errors.BatchShapeError, match=f"outside \\[0, {layout.num_experts}\\)"):
+            engine.forward(batch, router=lambda c: RouterDecision(indices=outside))
 
 
 def test_hook_forward_request(rlcore_plugin_manager, register_plugin):

@@ -299,9 +299,12 @@ class RLCoreSpecs:
             :class:`~rlcore.types.RouteLayout` order, ``is_mtp``), which tokens of the
             micro-batch it sees (``token_offset``, ``num_tokens``), the micro-batch context
             (whose batch carries ``routes`` for R3/R2), and the router scores when available.
-        :return: a :class:`~rlcore.types.RouterDecision` with ``[num_tokens, topk]`` expert
-            indices to use (probabilities are recomputed from the router's own scores, so the
-            router still gets gradients; negative rows route natively), or ``None``.
+        :return: a :class:`~rlcore.types.RouterDecision` with ``[num_tokens, topk]`` integer
+            expert indices to use (probabilities are recomputed from the router's own scores, so
+            the router still gets gradients; negative rows route natively), or ``None``. Every
+            engine checks the answer the same way (:func:`rlcore.engines.routing.apply_router_decision`):
+            a wrong shape or dtype, an expert outside ``[0, num_experts)`` or one expert twice
+            in a row raises :class:`~rlcore.errors.BatchShapeError` naming the layer.
 
         **Example:**
 

@@ -20,6 +20,7 @@ import torch
 
 from rlcore.batch import PackedBatch
 from rlcore.engines.hf_names import checkpoint_tensors
+from rlcore.engines.routing import apply_router_decision
 from rlcore.errors import BatchShapeError
 from rlcore.types import (
     Cap,
@@ -120,15 +121,8 @@ class RouterSeam:
                 )
                 decision = st.dispatch(call)
                 if decision is not None:
-                    forced = decision.indices
-                    if forced.shape != (st.num_tokens, module.top_k):
-                        raise BatchShapeError(
-                            f"router_hook for layer {layer} returned indices {tuple(forced.shape)}, "
-                            f"expected [num_tokens={st.num_tokens}, topk={module.top_k}]"
-                        )
-                    rows = st.to_rows(forced.to(indices.device, torch.long))
-                    native = (rows < 0).any(dim=-1, keepdim=True)
-                    indices = torch.where(native, indices, rows)
+                    indices = apply_router_decision(decision, indices, layer=layer, num_experts=call.num_experts,
+                                                    topk=call.topk, num_tokens=st.num_tokens, to_rows=st.to_rows)
                     scores = routing_weights(module, logits, indices)
                     output = (logits, scores, indices)
             if st.record:

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from rlcore.errors import BatchShapeError, RLCoreError
+from rlcore.engines.routing import apply_router_decision
+from rlcore.errors import RLCoreError
 from rlcore.types import MicroBatchContext, RouterCall
 
 
@@ -123,16 +124,8 @@ class RouterSeam:
             )
             decision = st.dispatch(call)
             if decision is not None:
-                forced = torch.as_tensor(decision.indices)
-                if tuple(forced.shape) != (st.num_tokens, site.topk) or forced.is_floating_point():
-                    raise BatchShapeError(
-                        f"router_hook for layer {site.layer} returned indices {tuple(forced.shape)} "
-                        f"{forced.dtype}, expected integer [num_tokens={st.num_tokens}, topk={site.topk}]"
-                    )
-                rows = st.to_rows(forced.to(native_idx.device, torch.long))
-                native = (rows < 0).any(dim=-1, keepdim=True)
-                idx = torch.where(native, native_idx, rows)
-                _check_indices(idx, site)
+                idx = apply_router_decision(decision, native_idx, layer=site.layer, num_experts=site.num_experts,
+                                            topk=site.topk, num_tokens=st.num_tokens, to_rows=st.to_rows)
         if st.record:
             st.recorded[site.routed_index] = idx.detach()
         return idx
@@ -150,25 +143,6 @@ class RouterSeam:
                 rows = st.from_rows(rec).to(torch.int16).cpu()
                 out[st.token_offset: st.token_offset + rows.shape[0], site.routed_index] = rows
         return out
-
-
-def _check_indices(idx: torch.Tensor, site: RouterSite) -> None:
-    if idx.numel() == 0:
-        return
-    if int(idx.min()) < 0 or int(idx.max()) >= site.num_experts:
-        raise BatchShapeError(
-            f"router_hook for layer {site.layer} chose experts outside [0, {site.num_experts}): "
-            f"{idx[(idx < 0) | (idx >= site.num_experts)][:4].tolist()}"
-        )
-    if site.topk > 1:
-        s = idx.sort(dim=-1).values
-        dup = (s[:, 1:] == s[:, :-1]).any(dim=-1)
-        if bool(dup.any()):
-            row = int(dup.nonzero()[0, 0])
-            raise BatchShapeError(
-                f"router_hook for layer {site.layer} chose an expert twice for one token "
-                f"(router row {row}: {idx[row].tolist()}); each token needs {site.topk} distinct experts"
-            )
 
 
 # ------------------------------------------------------------------------------------------
