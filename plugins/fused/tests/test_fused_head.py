@@ -4,7 +4,6 @@ the plugin's registration and settings, backend selection and its errors, and a 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import rlcore_fused.plugin as plugin
 import torch
 from rlcore.errors import BatchShapeError
 from rlcore.testing.conformance import ForwardFnConformance, float64_head
+from rlcore.testing.imports import modules_loaded_by
 from rlcore.types import BuildContext, HeadInput, VocabShard
 from rlcore_fused.head import FusedBackendError, FusedHead, fused_logprobs
 from rlcore_fused.softmax_stats import NEG_BIG, empty_record, finalize, merge_records
@@ -232,10 +232,8 @@ def test_unknown_backend_is_a_config_error():
 
 
 def test_plugin_module_imports_neither_torch_nor_triton():
-    code = ("import sys, rlcore_fused.plugin as p; next(iter(p.forward_fn())); "
-            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    loaded = modules_loaded_by("import rlcore_fused.plugin as p; next(iter(p.forward_fn()))", ["torch", "triton"])
+    assert loaded == []
 
 
 def test_plugin_is_found_through_its_entry_point():

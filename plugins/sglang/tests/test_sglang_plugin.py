@@ -3,23 +3,18 @@ in the sglang venv."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import rlcore_sglang.plugin as sglang_plugin
 from rlcore import config as cfgmod
 from rlcore.errors import ConfigError, IncompatiblePluginsError, MissingCapabilityError
 from rlcore.stack import resolve
+from rlcore.testing.imports import modules_loaded_by
 from rlcore.types import Cap
 from rlcore_sglang.settings import check_settings
 
 
 def test_plugin_import_loads_neither_sglang_nor_torch():
-    code = ("import sys, rlcore_sglang.plugin; "
-            "bad = [m for m in ('sglang', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, f"importing the plugin imported {out.stdout.strip()} {out.stderr[-500:]}"
+    assert modules_loaded_by("import rlcore_sglang.plugin", ["sglang", "torch"]) == []
 
 
 def test_registers_backend_three_syncs_and_section(register_plugin, rlcore_plugin_manager):

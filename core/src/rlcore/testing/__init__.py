@@ -10,4 +10,6 @@
   tests subclass the one for each provider it registers.
 * :mod:`rlcore.testing.models`: helpers that create tiny models and compute what HF
   transformers says (greedy tokens, log-probs) to compare against.
+* :mod:`rlcore.testing.imports`: ``modules_loaded_by(statements, watched)``, which heavy
+  modules a plugin module's import pulls in (checked in a fresh interpreter).
 """
