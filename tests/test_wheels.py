@@ -1,0 +1,112 @@
+"""Packaging as users meet it: `bin/wheels` builds every distribution of the repository, and a
+fresh venv (torch==2.13.0, the CPU build, installed first) gets each one with a plain
+`pip install --find-links dist <name>` line, its rlcore dependency resolved from the same folder,
+after which `rlcore plugins` lists every entry point with its distribution and version."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+CONSTRAINTS = ROOT / "scripts" / "constraints.txt"
+
+
+def _distribution_dirs() -> list[Path]:
+    dirs = [ROOT / "core", *sorted(p.parent for p in (ROOT / "plugins").glob("*/pyproject.toml"))]
+    return [*dirs, ROOT / "examples" / "third_party_plugin"]
+
+
+def _project(d: Path) -> dict:
+    return tomllib.loads((d / "pyproject.toml").read_text())["project"]
+
+
+DISTRIBUTIONS = {_project(d)["name"]: _project(d) for d in _distribution_dirs()}
+
+
+@pytest.fixture(scope="module")
+def wheel_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([str(ROOT / "bin" / "wheels"), str(out)], check=True, capture_output=True, text=True)
+    return out
+
+
+def _wheel_for(wheel_dir: Path, dist: str) -> Path:
+    stem = canonicalize_name(dist).replace("-", "_")
+    found = [w for w in wheel_dir.glob("*.whl") if canonicalize_name(w.name.split("-")[0]) == canonicalize_name(stem)]
+    assert len(found) == 1, f"expected one wheel for {dist} in {wheel_dir}, found {[w.name for w in found]}"
+    return found[0]
+
+
+def _metadata(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        return zf.read(name).decode()
+
+
+def test_every_distribution_builds_one_wheel_with_its_version(wheel_dir):
+    for dist, project in DISTRIBUTIONS.items():
+        meta = _metadata(_wheel_for(wheel_dir, dist))
+        assert f"\nVersion: {project['version']}\n" in meta, f"{dist}: wheel version differs from pyproject"
+
+
+def test_plugins_depend_on_an_rlcore_range_that_admits_this_rlcore(wheel_dir):
+    core_version = DISTRIBUTIONS["rlcore"]["version"]
+    for dist in DISTRIBUTIONS:
+        if dist == "rlcore":
+            continue
+        reqs = [Requirement(line.split(":", 1)[1].strip())
+                for line in _metadata(_wheel_for(wheel_dir, dist)).splitlines() if line.startswith("Requires-Dist:")]
+        on_core = [r for r in reqs if canonicalize_name(r.name) == "rlcore" and r.marker is None]
+        assert on_core, f"{dist} does not declare the rlcore versions it supports"
+        spec = on_core[0].specifier
+        assert spec.contains(core_version), f"{dist} requires rlcore{spec}, which excludes this rlcore {core_version}"
+        assert any(s.operator == "<" for s in spec), f"{dist}: rlcore{spec} has no upper bound (PLUGIN_API guards only the hooks)"
+
+
+def test_the_core_wheel_ships_no_stale_module(wheel_dir):
+    with zipfile.ZipFile(_wheel_for(wheel_dir, "rlcore")) as zf:
+        modules = [n for n in zf.namelist() if n.endswith(".py")]
+    tracked = set(subprocess.run(["git", "ls-files", "core/src"], cwd=ROOT, check=True, capture_output=True,
+                                 text=True).stdout.split())
+    untracked = [m for m in modules if f"core/src/{m}" not in tracked]
+    assert not untracked, f"the rlcore wheel ships modules that are not in core/src: {untracked}"
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "RLCORE_PLUGINS")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_pip_install_from_wheels_into_a_fresh_venv(wheel_dir, tmp_path):
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    py = str(venv / "bin" / "python")
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(CONSTRAINTS)]
+    _run([*pip, "torch==2.13.0"])                     # torch first, as the README says
+    # the pitch's line, then every other distribution's own line, each a separate pip call
+    lines = [["rlcore", "rlcore-fused"], *[[d] for d in DISTRIBUTIONS if d not in ("rlcore", "rlcore-fused")]]
+    for names in lines:
+        _run([*pip, "--find-links", str(wheel_dir), *names])
+    listed = {row["name"]: row for row in json.loads(_run([str(venv / "bin" / "rlcore"), "plugins", "--json"]).stdout)}
+    for dist, project in DISTRIBUTIONS.items():
+        for entry_point in project.get("entry-points", {}).get("rlcore", {}):
+            row = listed.get(entry_point)
+            assert row is not None, f"rlcore plugins does not list {entry_point!r} from {dist}: {sorted(listed)}"
+            assert (row["distribution"], row["version"]) == (dist, project["version"])
+    # installed from the wheels, not from this checkout
+    where = _run([py, "-c", "import rlcore, rlcore_fused; print(rlcore.__file__); print(rlcore_fused.__file__)"]).stdout
+    assert all(str(venv) in line for line in where.split()), where
+    _run([str(venv / "bin" / "rlcore"), "check", str(ROOT / "examples" / "tiny.yaml")], cwd=tmp_path)
