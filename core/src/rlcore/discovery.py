@@ -12,6 +12,8 @@ import importlib.metadata as md
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcore import errors
+
 ENTRY_POINT_GROUP = "rlcore"
 ENV_PLUGINS = "RLCORE_PLUGINS"
 ENV_DISABLED = "RLCORE_DISABLED_PLUGINS"
@@ -93,6 +95,24 @@ def discover_entry_points() -> dict[str, list[InstalledPlugin]]:
             InstalledPlugin(ep.name.lower(), ep.value, dname, dver, ep)
         )
     return found
+
+
+def core_entry_points() -> list[InstalledPlugin]:
+    """Core's built-in plugins: the ``rlcore`` entry points of the ``rlcore`` distribution itself,
+    by name. Built-ins are registered through them exactly like external plugins, so the manager
+    never imports :mod:`rlcore.builtin` by name."""
+    try:
+        dist = md.distribution(CORE_DISTRIBUTION)
+    except md.PackageNotFoundError as exc:
+        raise errors.PluginError(
+            f"rlcore's built-in plugins are entry points of the {CORE_DISTRIBUTION!r} distribution, "
+            f"which is not installed here (is rlcore only on PYTHONPATH?). Install it: pip install -e core"
+        ) from exc
+    eps = (ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP)
+    return sorted(
+        (InstalledPlugin(ep.name.lower(), ep.value, CORE_DISTRIBUTION, dist.version, ep) for ep in eps),
+        key=lambda p: p.name,
+    )
 
 
 def plugin_api_of(module: Any) -> int | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import inspect
 import os
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from rlcore.discovery import (
     KNOWN_DISTRIBUTIONS,
     InstalledPlugin,
     LoadedPlugin,
+    core_entry_points,
     core_version,
     discover_entry_points,
     install_hint,
@@ -213,12 +213,11 @@ class PluginManager:
             self._order.remove(name)
 
     def load_builtins(self) -> None:
-        """Register core's built-in plugins by module (for managers without autoload)."""
-        from rlcore.builtin import BUILTIN_PLUGINS
-
-        for name, modpath in BUILTIN_PLUGINS.items():
-            if name not in self._loaded:
-                self._register(importlib.import_module(modpath), name, CORE_DISTRIBUTION, core_version(), builtin=True)
+        """Register core's built-in plugins on a manager without autoload: the entry points of
+        the ``rlcore`` distribution, loaded exactly as :meth:`activate` loads them."""
+        for ep in core_entry_points():
+            if ep.name not in self._loaded:
+                self._load_entry_point(ep)
 
     def _register(self, module: Any, name: str, dist: str, version: str, *, builtin: bool) -> None:
         if name in self._loaded:
