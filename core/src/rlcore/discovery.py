@@ -19,14 +19,14 @@ ENV_PLUGINS = "RLCORE_PLUGINS"
 ENV_DISABLED = "RLCORE_DISABLED_PLUGINS"
 CORE_DISTRIBUTION = "rlcore"
 
-#: first-party plugins and the distribution that provides each (for "pip install" hints)
+#: first-party plugins (entry-point names) and the distribution of this repository that provides
+#: each, for "pip install" hints. Only distributions that exist: core/tests/test_manager_errors.py
+#: checks every one against the repository's pyproject.toml files.
 KNOWN_DISTRIBUTIONS = {
     "fused": "rlcore-fused",
-    "mtp": "rlcore-mtp",
-    "replay": "rlcore-replay",
-    "npu": "rlcore-npu",
-    "vllm": "rlcore-vllm",
+    "megatron": "rlcore-megatron",
     "sglang": "rlcore-sglang",
+    "vllm": "rlcore-vllm",
 }
 
 
@@ -38,6 +38,14 @@ def install_hint(name: str) -> str:
         f"no known distribution provides it; install the package that declares "
         f"[project.entry-points.{ENTRY_POINT_GROUP}] {name} = ..."
     )
+
+
+def first_party_plugin_of(provider: str) -> str | None:
+    """The first-party plugin that provides ``provider``, if one does: first-party plugins name
+    their providers after themselves (``fused``, ``megatron``) or ``<plugin>-<variant>``
+    (``sglang-nccl``)."""
+    plugin = provider.split("-", 1)[0]
+    return plugin if plugin in KNOWN_DISTRIBUTIONS else None
 
 
 def parse_plugin_list(value: str) -> list[str]:

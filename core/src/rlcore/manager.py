@@ -20,7 +20,7 @@ import dataclasses
 import difflib
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pluggy
@@ -37,6 +37,7 @@ from rlcore.discovery import (
     core_entry_points,
     core_version,
     discover_entry_points,
+    first_party_plugin_of,
     install_hint,
     parse_plugin_list,
     plugin_api_of,
@@ -112,13 +113,18 @@ class PluginManager:
     def builtin_names(self) -> list[str]:
         return sorted(n for n, eps in self.installed().items() if any(e.builtin for e in eps))
 
-    def _entry_point(self, name: str) -> InstalledPlugin:
+    def _entry_point(self, name: str, source: str | None = None) -> InstalledPlugin:
         eps = self.installed().get(name)
         if not eps:
             have = ", ".join(sorted(self.installed())) or "none"
+            close = _did_you_mean(name, [*self.installed(), *KNOWN_DISTRIBUTIONS])
+            if close and name not in KNOWN_DISTRIBUTIONS:
+                what = f"{close} If {name!r} is a plugin of its own: {install_hint(name)}"
+            else:
+                what = f"Install it with: {install_hint(name)}"
+            where = f"\n(the name comes from {source})" if source else ""
             raise errors.PluginNotInstalledError(
-                f"Plugin {name!r} is not installed. Install it with: {install_hint(name)}\n"
-                f"Installed rlcore plugins: {have}"
+                f"Plugin {name!r} is not installed. {what}\nInstalled rlcore plugins: {have}{where}"
             )
         if len(eps) > 1:
             both = " and ".join(e.label for e in eps)
@@ -143,8 +149,15 @@ class PluginManager:
     def disabled_plugins() -> set[str]:
         return set(parse_plugin_list(os.environ.get(ENV_DISABLED, "")))
 
-    def activate(self, names: Sequence[str], *, builtins: bool = True) -> None:
-        """Import and register core's built-ins and then ``names`` in order.
+    @staticmethod
+    def plugin_list_source() -> str:
+        """Where :meth:`requested_plugins` takes the names from, for error messages."""
+        env = os.environ.get(ENV_PLUGINS)
+        return f"{ENV_PLUGINS}={env}" if env is not None else "the config's plugins: list"
+
+    def activate(self, names: Sequence[str], *, builtins: bool = True, source: str | None = None) -> None:
+        """Import and register core's built-ins and then ``names`` in order. ``source`` says
+        where ``names`` come from (``plugin_list_source()``), for the not-installed error.
 
         Raises the errors in :mod:`rlcore.errors`: not installed, import failure, API
         mismatch, invalid hook implementations, unknown hooks, provider-name conflicts.
@@ -165,7 +178,7 @@ class PluginManager:
         for n in names:
             if n in self._loaded:
                 continue
-            ep = self._entry_point(n)
+            ep = self._entry_point(n, source)
             self._load_entry_point(ep)
             if not ep.builtin:
                 self._order.append(n)
@@ -278,8 +291,8 @@ class PluginManager:
                 impls = [i for i in hc.get_hookimpls() if i.plugin is loaded.module]
                 if impls and all(i.optionalhook for i in impls):
                     continue
-                close = difflib.get_close_matches(hc.name, known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
+                hint = _did_you_mean(hc.name, known)
+                hint = f" {hint}" if hint else ""
                 raise errors.PluginValidationError(
                     f"Plugin {name!r} ({loaded.label}) implements hook {hc.name!r}, which no "
                     f"rlcore hook spec defines.{hint} Known hooks: {', '.join(known)}."
@@ -368,15 +381,30 @@ class PluginManager:
         if norm in available:
             return available[norm]
         choices = ", ".join(available) or "none"
-        hint = ""
-        if norm in KNOWN_DISTRIBUTIONS and norm not in self._loaded:
-            hint = (
-                f" {hook} {norm!r} comes with the plugin {norm!r}: add it to plugins: "
-                f"(and {install_hint(norm)} if it is not installed)."
-            )
+        plugin = first_party_plugin_of(norm)
+        if plugin is not None and plugin not in self._loaded:
+            hint = f" {hook} {norm!r} comes with the plugin {plugin!r}" + self._activation_hint(plugin)
+        else:
+            # a misspelling of a provider here, or of a first-party plugin not yet active
+            inactive = [p for p in KNOWN_DISTRIBUTIONS if p not in self._loaded]
+            close = _closest(norm, [*available, *inactive])
+            hint = f" Did you mean {close!r}?" if close else ""
+            if close in inactive and close not in available:
+                hint += f" It comes with the plugin {close!r}" + self._activation_hint(close)
         raise errors.UnknownProviderError(
             f"{key}: {name!r} is not a known {hook}. Choose one of: {choices}.{hint}", key=key
         )
+
+    def _activation_hint(self, plugin: str) -> str:
+        """How to make first-party ``plugin`` active, given what this manager knows is installed."""
+        dist = KNOWN_DISTRIBUTIONS[plugin]
+        eps = self.installed().get(plugin)
+        if eps:
+            return f" ({eps[0].label}), which is installed but not active: add {plugin} to the config's plugins: list."
+        if self._autoload:
+            return (f", which is not installed. Install it with: pip install {dist}, and add {plugin} "
+                    f"to the config's plugins: list.")
+        return f": add it to plugins: (and pip install {dist} if it is not installed)."
 
     def check_provider_conflicts(self) -> None:
         for hook in PROVIDER_HOOKS:
@@ -479,6 +507,18 @@ class PluginManager:
                                 disabled=self.disabled_plugins())
 
 
+def _closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate a misspelled ``name`` most likely meant, if any is close."""
+    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1)
+    return close[0] if close else None
+
+
+def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """``Did you mean 'x'?`` for the closest of ``candidates`` to a misspelled ``name``, or ''."""
+    close = _closest(name, candidates)
+    return f"Did you mean {close!r}?" if close else ""
+
+
 def _with_source(spec: ProviderSpec, ld: LoadedPlugin) -> ProviderSpec:
     return dataclasses.replace(spec, distribution=ld.label, plugin=ld.name)
 
@@ -503,5 +543,5 @@ def _explain_validation(name: str, label: str, module: Any, exc: Exception) -> s
 def load_plugin_manager(config_plugins: Sequence[str] | None = None) -> PluginManager:
     """A manager with the built-ins and the requested plugins active."""
     pm = PluginManager()
-    pm.activate(PluginManager.requested_plugins(config_plugins))
+    pm.activate(PluginManager.requested_plugins(config_plugins), source=PluginManager.plugin_list_source())
     return pm
