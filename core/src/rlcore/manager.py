@@ -1,29 +1,49 @@
-"""The plugin manager: discovery, activation, conflicts, and a typed facade over pluggy.
+"""The plugin manager: activation, conflicts, and a typed facade over pluggy.
 
 Only this module touches ``pluggy.PluginManager.hook``. Everything else in core calls the typed
 methods of :class:`PluginManager` (``forward_fns()``, ``postprocess(...)``, ...), the way tox 4
 wraps its hooks.
 
-Plugins are found through the entry-point group ``rlcore``; the entry-point name is the name used
-in config. Only the plugins the config lists (or ``RLCORE_PLUGINS`` names) are imported and
-registered, in that order, after core's own built-ins, which are entry points of the ``rlcore``
-distribution registered exactly like external ones.
+Plugins are found through the entry-point group ``rlcore`` (:mod:`rlcore.discovery`); the
+entry-point name is the name used in config. Only the plugins the config lists (or
+``RLCORE_PLUGINS`` names) are imported and registered, in that order, after core's own
+built-ins, which are entry points of the ``rlcore`` distribution registered exactly like
+external ones. ``rlcore plugins`` is :meth:`PluginManager.describe` (:mod:`rlcore.listing`).
+
+The names of :mod:`rlcore.discovery` and :mod:`rlcore.listing` that this module used to define
+are importable from here too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import importlib
-import importlib.metadata as md
+import inspect
 import os
-from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import pluggy
 
 from rlcore import errors
+from rlcore.discovery import (
+    CORE_DISTRIBUTION,
+    ENTRY_POINT_GROUP,
+    ENV_DISABLED,
+    ENV_PLUGINS,
+    KNOWN_DISTRIBUTIONS,
+    InstalledPlugin,
+    LoadedPlugin,
+    core_entry_points,
+    core_version,
+    discover_entry_points,
+    first_party_plugin_of,
+    install_hint,
+    parse_plugin_list,
+    plugin_api_of,
+)
 from rlcore.hookspecs import CHAIN_HOOKS, DECLARATION_HOOKS, PROJECT, PROVIDER_HOOKS, RLCoreSpecs
+from rlcore.listing import PluginRecord, describe_plugins, module_hooks
 from rlcore.types import (
     PLUGIN_API,
     EngineSpec,
@@ -39,20 +59,24 @@ from rlcore.types import (
     WeightSyncSpec,
 )
 
-ENTRY_POINT_GROUP = "rlcore"
-ENV_PLUGINS = "RLCORE_PLUGINS"
-ENV_DISABLED = "RLCORE_DISABLED_PLUGINS"
-CORE_DISTRIBUTION = "rlcore"
-
-#: first-party plugins and the distribution that provides each (for "pip install" hints)
-KNOWN_DISTRIBUTIONS = {
-    "fused": "rlcore-fused",
-    "mtp": "rlcore-mtp",
-    "replay": "rlcore-replay",
-    "npu": "rlcore-npu",
-    "vllm": "rlcore-vllm",
-    "sglang": "rlcore-sglang",
-}
+__all__ = [
+    "ALL_HOOKS",
+    "CORE_DISTRIBUTION",
+    "ENTRY_POINT_GROUP",
+    "ENV_DISABLED",
+    "ENV_PLUGINS",
+    "KNOWN_DISTRIBUTIONS",
+    "InstalledPlugin",
+    "LoadedPlugin",
+    "PluginManager",
+    "PluginRecord",
+    "discover_entry_points",
+    "install_hint",
+    "load_plugin_manager",
+    "module_hooks",
+    "parse_plugin_list",
+    "plugin_api_of",
+]
 
 _SPEC_TYPES: dict[str, type[ProviderSpec]] = {
     "forward_fn": ForwardFnSpec,
@@ -62,104 +86,6 @@ _SPEC_TYPES: dict[str, type[ProviderSpec]] = {
 }
 
 ALL_HOOKS = PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS
-
-
-def install_hint(name: str) -> str:
-    dist = KNOWN_DISTRIBUTIONS.get(name)
-    if dist:
-        return f"pip install {dist}"
-    return (
-        f"no known distribution provides it; install the package that declares "
-        f"[project.entry-points.{ENTRY_POINT_GROUP}] {name} = ..."
-    )
-
-
-def parse_plugin_list(value: str) -> list[str]:
-    return [p.strip().lower() for p in value.split(",") if p.strip()]
-
-
-@dataclass(frozen=True)
-class InstalledPlugin:
-    """An entry point in the ``rlcore`` group (found without importing it)."""
-
-    name: str
-    value: str
-    distribution: str
-    version: str
-    entry_point: Any = field(compare=False, repr=False)
-
-    @property
-    def builtin(self) -> bool:
-        return self.distribution == CORE_DISTRIBUTION
-
-    @property
-    def label(self) -> str:
-        return f"{self.distribution} {self.version}"
-
-
-@dataclass
-class PluginRecord:
-    """One row of ``rlcore plugins``."""
-
-    name: str
-    distribution: str
-    version: str
-    status: str  # active | installed | blocked | broken
-    hooks: list[str] = field(default_factory=list)
-    provides: dict[str, list[str]] = field(default_factory=dict)
-    builtin: bool = False
-    module: str = ""
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "status": self.status,
-            "hooks": self.hooks,
-            "provides": self.provides,
-            "builtin": self.builtin,
-            "module": self.module,
-            "error": self.error,
-        }
-
-
-@dataclass
-class _Loaded:
-    name: str
-    module: Any
-    distribution: str
-    version: str
-    builtin: bool
-
-    @property
-    def label(self) -> str:
-        return f"{self.distribution} {self.version}"
-
-
-def discover_entry_points() -> dict[str, list[InstalledPlugin]]:
-    """Every entry point in the ``rlcore`` group, by name (a list: two distributions may
-    claim one name, which is a conflict reported when that name is used)."""
-    found: dict[str, list[InstalledPlugin]] = {}
-    seen: set[tuple[str, str, str]] = set()
-    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-        dist = getattr(ep, "dist", None)
-        dname = dist.metadata["Name"] if dist is not None else "<unknown>"
-        dver = dist.version if dist is not None else "?"
-        key = (ep.name, ep.value, dname)
-        if key in seen:  # the same distribution visible twice on sys.path
-            continue
-        seen.add(key)
-        found.setdefault(ep.name.lower(), []).append(
-            InstalledPlugin(ep.name.lower(), ep.value, dname, dver, ep)
-        )
-    return found
-
-
-def plugin_api_of(module: Any) -> int | None:
-    api = getattr(module, "PLUGIN_API", None)
-    return api if isinstance(api, int) else None
 
 
 class PluginManager:
@@ -174,7 +100,7 @@ class PluginManager:
         self._pm.add_hookspecs(RLCoreSpecs)
         self._autoload = autoload
         self._installed: dict[str, list[InstalledPlugin]] | None = None
-        self._loaded: dict[str, _Loaded] = {}
+        self._loaded: dict[str, LoadedPlugin] = {}
         self._order: list[str] = []  # config order of non-builtin plugins (chain order)
 
     # ------------------------------------------------------------------ discovery --------
@@ -187,13 +113,18 @@ class PluginManager:
     def builtin_names(self) -> list[str]:
         return sorted(n for n, eps in self.installed().items() if any(e.builtin for e in eps))
 
-    def _entry_point(self, name: str) -> InstalledPlugin:
+    def _entry_point(self, name: str, source: str | None = None) -> InstalledPlugin:
         eps = self.installed().get(name)
         if not eps:
             have = ", ".join(sorted(self.installed())) or "none"
+            close = _did_you_mean(name, [*self.installed(), *KNOWN_DISTRIBUTIONS])
+            if close and name not in KNOWN_DISTRIBUTIONS:
+                what = f"{close} If {name!r} is a plugin of its own: {install_hint(name)}"
+            else:
+                what = f"Install it with: {install_hint(name)}"
+            where = f"\n(the name comes from {source})" if source else ""
             raise errors.PluginNotInstalledError(
-                f"Plugin {name!r} is not installed. Install it with: {install_hint(name)}\n"
-                f"Installed rlcore plugins: {have}"
+                f"Plugin {name!r} is not installed. {what}\nInstalled rlcore plugins: {have}{where}"
             )
         if len(eps) > 1:
             both = " and ".join(e.label for e in eps)
@@ -218,8 +149,15 @@ class PluginManager:
     def disabled_plugins() -> set[str]:
         return set(parse_plugin_list(os.environ.get(ENV_DISABLED, "")))
 
-    def activate(self, names: Sequence[str], *, builtins: bool = True) -> None:
-        """Import and register core's built-ins and then ``names`` in order.
+    @staticmethod
+    def plugin_list_source() -> str:
+        """Where :meth:`requested_plugins` takes the names from, for error messages."""
+        env = os.environ.get(ENV_PLUGINS)
+        return f"{ENV_PLUGINS}={env}" if env is not None else "the config's plugins: list"
+
+    def activate(self, names: Sequence[str], *, builtins: bool = True, source: str | None = None) -> None:
+        """Import and register core's built-ins and then ``names`` in order. ``source`` says
+        where ``names`` come from (``plugin_list_source()``), for the not-installed error.
 
         Raises the errors in :mod:`rlcore.errors`: not installed, import failure, API
         mismatch, invalid hook implementations, unknown hooks, provider-name conflicts.
@@ -240,7 +178,7 @@ class PluginManager:
         for n in names:
             if n in self._loaded:
                 continue
-            ep = self._entry_point(n)
+            ep = self._entry_point(n, source)
             self._load_entry_point(ep)
             if not ep.builtin:
                 self._order.append(n)
@@ -288,12 +226,11 @@ class PluginManager:
             self._order.remove(name)
 
     def load_builtins(self) -> None:
-        """Register core's built-in plugins by module (for managers without autoload)."""
-        from rlcore.builtin import BUILTIN_PLUGINS
-
-        for name, modpath in BUILTIN_PLUGINS.items():
-            if name not in self._loaded:
-                self._register(importlib.import_module(modpath), name, CORE_DISTRIBUTION, _core_version(), builtin=True)
+        """Register core's built-in plugins on a manager without autoload: the entry points of
+        the ``rlcore`` distribution, loaded exactly as :meth:`activate` loads them."""
+        for ep in core_entry_points():
+            if ep.name not in self._loaded:
+                self._load_entry_point(ep)
 
     def _register(self, module: Any, name: str, dist: str, version: str, *, builtin: bool) -> None:
         if name in self._loaded:
@@ -306,20 +243,20 @@ class PluginManager:
         if api is None:
             raise errors.PluginAPIError(
                 f"Plugin {name!r} ({label}) does not declare PLUGIN_API; this rlcore "
-                f"({_core_version()}) speaks plugin API {PLUGIN_API}. Add `PLUGIN_API = "
+                f"({core_version()}) speaks plugin API {PLUGIN_API}. Add `PLUGIN_API = "
                 f"{PLUGIN_API}` to its module (from rlcore import PLUGIN_API)."
             )
         if api != PLUGIN_API:
             raise errors.PluginAPIError(
                 f"Plugin {name!r} ({label}) was built for rlcore plugin API {api}, but this "
-                f"rlcore ({_core_version()}) speaks plugin API {PLUGIN_API}. Install a version "
+                f"rlcore ({core_version()}) speaks plugin API {PLUGIN_API}. Install a version "
                 f"of {dist} built for API {PLUGIN_API}, or an rlcore that speaks API {api}."
             )
         try:
             self._pm.register(module, name=name)
         except pluggy.PluginValidationError as exc:
             raise errors.PluginValidationError(_explain_validation(name, label, module, exc)) from exc
-        self._loaded[name] = _Loaded(name, module, dist, version, builtin)
+        self._loaded[name] = LoadedPlugin(name, module, dist, version, builtin)
         self._check_chain_impl_options(name)
 
     def _check_chain_impl_options(self, name: str) -> None:
@@ -354,8 +291,8 @@ class PluginManager:
                 impls = [i for i in hc.get_hookimpls() if i.plugin is loaded.module]
                 if impls and all(i.optionalhook for i in impls):
                     continue
-                close = difflib.get_close_matches(hc.name, known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
+                hint = _did_you_mean(hc.name, known)
+                hint = f" {hint}" if hint else ""
                 raise errors.PluginValidationError(
                     f"Plugin {name!r} ({loaded.label}) implements hook {hc.name!r}, which no "
                     f"rlcore hook spec defines.{hint} Known hooks: {', '.join(known)}."
@@ -444,15 +381,30 @@ class PluginManager:
         if norm in available:
             return available[norm]
         choices = ", ".join(available) or "none"
-        hint = ""
-        if norm in KNOWN_DISTRIBUTIONS and norm not in self._loaded:
-            hint = (
-                f" {hook} {norm!r} comes with the plugin {norm!r}: add it to plugins: "
-                f"(and {install_hint(norm)} if it is not installed)."
-            )
+        plugin = first_party_plugin_of(norm)
+        if plugin is not None and plugin not in self._loaded:
+            hint = f" {hook} {norm!r} comes with the plugin {plugin!r}" + self._activation_hint(plugin)
+        else:
+            # a misspelling of a provider here, or of a first-party plugin not yet active
+            inactive = [p for p in KNOWN_DISTRIBUTIONS if p not in self._loaded]
+            close = _closest(norm, [*available, *inactive])
+            hint = f" Did you mean {close!r}?" if close else ""
+            if close in inactive and close not in available:
+                hint += f" It comes with the plugin {close!r}" + self._activation_hint(close)
         raise errors.UnknownProviderError(
             f"{key}: {name!r} is not a known {hook}. Choose one of: {choices}.{hint}", key=key
         )
+
+    def _activation_hint(self, plugin: str) -> str:
+        """How to make first-party ``plugin`` active, given what this manager knows is installed."""
+        dist = KNOWN_DISTRIBUTIONS[plugin]
+        eps = self.installed().get(plugin)
+        if eps:
+            return f" ({eps[0].label}), which is installed but not active: add {plugin} to the config's plugins: list."
+        if self._autoload:
+            return (f", which is not installed. Install it with: pip install {dist}, and add {plugin} "
+                    f"to the config's plugins: list.")
+        return f": add it to plugins: (and pip install {dist} if it is not installed)."
 
     def check_provider_conflicts(self) -> None:
         for hook in PROVIDER_HOOKS:
@@ -550,76 +502,24 @@ class PluginManager:
 
     def describe(self, selected: Sequence[str] = ()) -> list[PluginRecord]:
         """A record per installed plugin (and per registered one without an entry point),
-        without activating anything: each plugin module is imported into a scratch pluggy
-        manager to read its hooks and provider names. Plugin modules defer heavy imports to
-        their factories, so this stays cheap."""
-        selected = set(selected)
-        disabled = self.disabled_plugins()
-        records: list[PluginRecord] = []
-        for name, eps in sorted(self.installed().items()):
-            for ep in eps:
-                rec = PluginRecord(name, ep.distribution, ep.version, "installed", builtin=ep.builtin, module=ep.value)
-                if len(eps) > 1:
-                    rec.status = "broken"
-                    rec.error = "entry-point name claimed by " + " and ".join(e.label for e in eps)
-                    records.append(rec)
-                    continue
-                if name in disabled:
-                    rec.status = "blocked"
-                    rec.error = f"disabled by {ENV_DISABLED}"
-                    records.append(rec)
-                    continue
-                loaded = self._loaded.get(name)
-                try:
-                    module = loaded.module if loaded else ep.entry_point.load()
-                except Exception as exc:  # noqa: BLE001
-                    rec.status = "broken"
-                    rec.error = f"{type(exc).__name__}: {exc}"
-                    records.append(rec)
-                    continue
-                _fill_record(rec, module)
-                if rec.status != "blocked":
-                    if loaded is not None or ep.builtin or name in selected:
-                        rec.status = "active"
-                records.append(rec)
-        for name, ld in self._loaded.items():
-            if name not in self.installed():
-                rec = PluginRecord(name, ld.distribution, ld.version, "active", builtin=ld.builtin,
-                                   module=getattr(ld.module, "__name__", ""))
-                _fill_record(rec, ld.module)
-                records.append(rec)
-        return records
+        without activating anything (see :func:`rlcore.listing.describe_plugins`)."""
+        return describe_plugins(self.installed(), self._loaded, selected=selected,
+                                disabled=self.disabled_plugins())
 
 
-def _fill_record(rec: PluginRecord, module: Any) -> None:
-    api = plugin_api_of(module)
-    if api != PLUGIN_API:
-        rec.status = "blocked"
-        rec.error = f"built for plugin API {api}, this rlcore speaks {PLUGIN_API}"
-        return
-    scratch = pluggy.PluginManager(PROJECT)
-    scratch.add_hookspecs(RLCoreSpecs)
-    try:
-        scratch.register(module, name=rec.name)
-        rec.hooks = sorted(hc.name for hc in (scratch.get_hookcallers(module) or []))
-        for hook in PROVIDER_HOOKS:
-            if hook in rec.hooks:
-                names: list[str] = []
-                for res in getattr(scratch.hook, hook)():
-                    names.extend(spec.name for spec in (res or ()))
-                rec.provides[hook] = sorted(names)
-        if "plugin_settings" in rec.hooks:
-            ps = scratch.hook.plugin_settings()
-            if ps:
-                rec.provides["config_section"] = [p.section for p in ps if p is not None]
-    except Exception as exc:  # noqa: BLE001
-        rec.status = "broken"
-        rec.error = f"{type(exc).__name__}: {exc}"
+def _closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate a misspelled ``name`` most likely meant, if any is close."""
+    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1)
+    return close[0] if close else None
 
 
-def _with_source(spec: ProviderSpec, ld: _Loaded) -> ProviderSpec:
-    import dataclasses
+def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """``Did you mean 'x'?`` for the closest of ``candidates`` to a misspelled ``name``, or ''."""
+    close = _closest(name, candidates)
+    return f"Did you mean {close!r}?" if close else ""
 
+
+def _with_source(spec: ProviderSpec, ld: LoadedPlugin) -> ProviderSpec:
     return dataclasses.replace(spec, distribution=ld.label, plugin=ld.name)
 
 
@@ -635,29 +535,13 @@ def _explain_validation(name: str, label: str, module: Any, exc: Exception) -> s
     spec_args = ""
     if hook:
         spec = getattr(RLCoreSpecs, hook)
-        import inspect
-
         params = [p for p in inspect.signature(spec).parameters if p != "self"]
         spec_args = f" The spec {hook}({', '.join(params)}) provides: {', '.join(params) or 'no arguments'}."
     return f"Plugin {name!r} ({label}) has an invalid hook implementation: {text}.{spec_args}"
 
 
-def _core_version() -> str:
-    from rlcore import __version__
-
-    return __version__
-
-
 def load_plugin_manager(config_plugins: Sequence[str] | None = None) -> PluginManager:
     """A manager with the built-ins and the requested plugins active."""
     pm = PluginManager()
-    pm.activate(PluginManager.requested_plugins(config_plugins))
+    pm.activate(PluginManager.requested_plugins(config_plugins), source=PluginManager.plugin_list_source())
     return pm
-
-
-def module_hooks(module: ModuleType | Any) -> Iterable[str]:
-    """Hook names a plugin module implements (for docs and tests)."""
-    scratch = pluggy.PluginManager(PROJECT)
-    scratch.add_hookspecs(RLCoreSpecs)
-    scratch.register(module)
-    return sorted(hc.name for hc in (scratch.get_hookcallers(module) or []))

@@ -16,13 +16,14 @@ cache lives only inside ``generate``; ``release_memory({"kv_cache"})`` makes tha
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from rlcore.engines.hf import RouterSeam, _SeamState
 from rlcore.engines.hf_names import checkpoint_views
+from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.sync import Bucket, tensor_checksum
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
@@ -158,18 +159,16 @@ class LocalRollout:
         route_steps: list[torch.Tensor] = []
 
         def run(input_ids, attention_mask, position_ids, past):
-            if record:
-                n_rows = input_ids.numel()
-                self.seam.state = _SeamState(None, None, True, n_rows, lambda x: x, lambda x: x)
-            try:
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past, use_cache=True)
-                if record:
-                    route_steps.append(self.seam.collect().view(input_ids.shape[0], input_ids.shape[1], -1,
-                                                                self.seam.layout.topk))
-            finally:
-                if record:
-                    self.seam.state = None
+            def forward():
+                return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past, use_cache=True)
+
+            if not record:
+                return forward()
+            with self.seam.forward_pass(num_tokens=input_ids.numel(), record=True):
+                out = forward()
+                route_steps.append(self.seam.collect().view(input_ids.shape[0], input_ids.shape[1], -1,
+                                                            self.seam.layout.topk))
             return out
 
         out = run(ids, mask, pos, None)

@@ -79,7 +79,7 @@ def load_config(
     raw = cfgmod.read_raw(path, overrides)
     names = PluginManager.requested_plugins(cfgmod.raw_plugins(raw))
     pm = plugins or PluginManager()
-    pm.activate(names)
+    pm.activate(names, source=PluginManager.plugin_list_source())
     settings = pm.plugin_settings()
     cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm))
     cfg.plugins = names

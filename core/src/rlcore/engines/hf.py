@@ -6,137 +6,33 @@ view with an attention mask (transformers' eager/SDPA attention cannot take cu_s
 and the hidden states are scattered back onto the packed axis, so callers only ever see THD.
 
 MoE routers (transformers' ``*TopKRouter`` modules) get a forward hook — PyTorch's public
-API, no monkeypatching — that consults the ``router_hook`` chain and records the chosen experts.
+API, no monkeypatching — that consults the ``router_hook`` chain and records the chosen experts
+(:mod:`rlcore.engines.hf_routers`, shared with the ``local`` rollout backend).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from rlcore.batch import PackedBatch
 from rlcore.engines.hf_names import checkpoint_tensors
-from rlcore.engines.routing import apply_router_decision
-from rlcore.errors import BatchShapeError
+from rlcore.engines.hf_routers import RouterSeam
 from rlcore.types import (
     Cap,
     EngineOutput,
     HeadWeight,
     MicroBatchContext,
     ModelInfo,
-    RouteLayout,
     RouterCall,
     VocabShard,
 )
 
 HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES})
-
-
-def find_routers(model: Any) -> list[tuple[int, Any]]:
-    """``(layer_index, router_module)`` for every MoE router, ascending by layer."""
-    out = []
-    for name, mod in model.named_modules():
-        if type(mod).__name__.endswith("TopKRouter") and hasattr(mod, "top_k") and hasattr(mod, "num_experts"):
-            parts = name.split(".")
-            if "layers" not in parts:
-                raise BatchShapeError(f"cannot tell the layer of MoE router {name!r}")
-            out.append((int(parts[parts.index("layers") + 1]), mod))
-    return sorted(out, key=lambda x: x[0])
-
-
-def route_layout_of(model: Any) -> RouteLayout | None:
-    routers = find_routers(model)
-    if not routers:
-        return None
-    topk = {int(m.top_k) for _, m in routers}
-    experts = {int(m.num_experts) for _, m in routers}
-    if len(topk) != 1 or len(experts) != 1:
-        raise BatchShapeError(f"MoE layers disagree on top-k {topk} / experts {experts}")
-    return RouteLayout(
-        layers=tuple(i for i, _ in routers),
-        topk=topk.pop(),
-        num_experts=experts.pop(),
-        num_hidden_layers=int(model.config.num_hidden_layers),
-    )
-
-
-def routing_weights(router: Any, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """The weights a transformers top-k router gives the experts ``indices``: softmax over all
-    experts in fp32, gathered, renormalised over the top-k when the router does so."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = probs.gather(1, indices)
-    if getattr(router, "norm_topk_prob", True):
-        top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype)
-
-
-@dataclass
-class _SeamState:
-    dispatch: Callable[[RouterCall], Any] | None
-    micro_batch: MicroBatchContext | None
-    record: bool
-    num_tokens: int
-    to_rows: Callable[[torch.Tensor], torch.Tensor]  # packed [T, ...] -> router rows [N, ...]
-    from_rows: Callable[[torch.Tensor], torch.Tensor]  # router rows -> packed
-    recorded: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-class RouterSeam:
-    """Forward hooks on every MoE router of a transformers model (see module docstring)."""
-
-    def __init__(self, model: Any):
-        self.routers = find_routers(model)
-        self.layout = route_layout_of(model)
-        self.state: _SeamState | None = None
-        self._handles = [
-            mod.register_forward_hook(self._hook_for(pos, layer)) for pos, (layer, mod) in enumerate(self.routers)
-        ]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def _hook_for(self, routed_index: int, layer: int):
-        def hook(module, args, output):
-            st = self.state
-            if st is None:
-                return None
-            logits, scores, indices = output
-            if st.dispatch is not None:
-                call = RouterCall(
-                    layer=layer,
-                    routed_index=routed_index,
-                    is_mtp=False,
-                    num_experts=int(module.num_experts),
-                    topk=int(module.top_k),
-                    token_offset=0,
-                    num_tokens=st.num_tokens,
-                    micro_batch=st.micro_batch,
-                    scores=st.from_rows(logits.detach()),
-                )
-                decision = st.dispatch(call)
-                if decision is not None:
-                    indices = apply_router_decision(decision, indices, layer=layer, num_experts=call.num_experts,
-                                                    topk=call.topk, num_tokens=st.num_tokens, to_rows=st.to_rows)
-                    scores = routing_weights(module, logits, indices)
-                    output = (logits, scores, indices)
-            if st.record:
-                st.recorded[routed_index] = indices.detach()
-            return output
-
-        return hook
-
-    def collect(self) -> torch.Tensor | None:
-        """Recorded routes as ``[N, routed_layers, topk]`` int16 in layout order."""
-        st = self.state
-        if st is None or not st.recorded:
-            return None
-        return torch.stack([st.recorded[i] for i in range(len(self.routers))], dim=1).to(torch.int16)
 
 
 class HFEngine:
@@ -212,8 +108,8 @@ class HFEngine:
             out[packed_idx.to(x.device)] = x[flat_idx.to(x.device)]
             return out
 
-        self.seam.state = _SeamState(router, micro_batch, record_routes, T, to_rows, from_rows)
-        try:
+        with self.seam.forward_pass(num_tokens=T, record=record_routes, dispatch=router, micro_batch=micro_batch,
+                                    to_rows=to_rows, from_rows=from_rows):
             out = self.model.base_model(
                 input_ids=ids.view(B, Lmax),
                 attention_mask=attn.view(B, Lmax),
@@ -221,8 +117,6 @@ class HFEngine:
                 use_cache=False,
             )
             routes = self.seam.collect() if record_routes else None
-        finally:
-            self.seam.state = None
         h = out.last_hidden_state.reshape(B * Lmax, -1)
         hidden = h.new_zeros(T, h.shape[1]).index_copy(0, packed_idx, h.index_select(0, flat_idx))
         if routes is not None:

@@ -1,0 +1,233 @@
+"""Provider descriptors and the declarations plugins make.
+
+What a provider hook returns (:class:`ProviderSpec` and one subclass per provider hook), the
+capabilities providers declare (:class:`Cap`), a plugin's own config section
+(:class:`PluginSettings`), its constraints, and what a provider factory receives
+(:class:`BuildContext`). Import these from :mod:`rlcore.types`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlcore.types.forward import TrainingEngine
+
+PLUGIN_API = 1
+"""The integer version of the plugin contract. A plugin module declares the API it was built for
+as a module attribute ``PLUGIN_API``; core refuses a plugin built for another one. Adding an
+argument to a hook or a field to a dataclass here does not change it; removing or renaming one
+does."""
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+
+def normalise_name(name: str) -> str:
+    """Provider and plugin names are lower-case identifiers (``fused``, ``vllm``, ``sglang-nccl``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a provider name must be a str, got {type(name).__name__}")
+    norm = name.strip().lower()
+    if not _NAME_RE.match(norm):
+        raise ValueError(
+            f"invalid provider name {name!r}: use lower-case letters, digits, '-', '_' or '.'"
+        )
+    return norm
+
+
+# --------------------------------------------------------------------------------------------
+# Capabilities
+# --------------------------------------------------------------------------------------------
+
+
+class Cap:
+    """Named capabilities that providers declare and features require.
+
+    A capability a provider does not declare is a capability it does not have: core never
+    assumes one, and a feature that needs it fails before training starts (``rlcore check``
+    reports the gap). Runtime capabilities (:meth:`RolloutBackend.capabilities`) may be fewer
+    than the declared ones, e.g. vLLM on CPU cannot sleep.
+    """
+
+    # forward_fn
+    ENTROPY = "entropy"  #: returns entropy (and its gradient)
+    PER_TOKEN_TEMPERATURE = "per_token_temperature"  #: temperature may be a [T] tensor
+    VOCAB_PARALLEL = "vocab_parallel"  #: handles a vocab-sharded weight over a TP group
+    SEQUENCE_PARALLEL = "sequence_parallel"  #: accepts sequence-parallel hidden states
+    MASK_SKIPS_COMPUTE = "mask_skips_compute"  #: masked tokens cost no FLOPs
+
+    # rollout_backend
+    LOGPROBS = "logprobs"  #: behaviour log-probs of sampled tokens (processed)
+    ROUTED_EXPERTS = "routed_experts"  #: returns routed experts per token (R3)
+    PAUSE = "pause"  #: pause/resume generation
+    RELEASE_KV_CACHE = "release_kv_cache"  #: frees/restores the KV cache around a push
+    RELEASE_WEIGHTS = "release_weights"  #: offloads/restores weights (colocated training)
+    PREFIX_CACHE_RESET = "prefix_cache_reset"
+    SPECULATIVE = "speculative"  #: speculative decoding (MTP/EAGLE drafts)
+    RECEIVE_BUCKETS = "receive_buckets"  #: implements :class:`BucketReceiver` (inproc sync)
+    RECEIVE_DISK = "receive_disk"  #: implements :class:`DiskReceiver` (disk sync)
+    WEIGHT_CHECKSUMS = "weight_checksums"  #: can report checksums of the weights it holds
+
+    # weight_sync
+    VERIFIED = "verified"  #: every push is verified against what the receiver holds
+    BUCKETED = "bucketed"  #: moves flattened buckets, not one call per tensor
+    ATOMIC = "atomic"  #: a failed push leaves the receiver on its previous version
+    CUDA_IPC = "cuda_ipc"
+    NCCL = "nccl"
+    DRAFT_PHASE = "draft_phase"  #: also updates a speculative draft model (MTP)
+
+    # engine
+    PACKED_THD = "packed_thd"  #: runs packed sequences without padding
+    MOE = "moe"
+    MTP = "mtp"
+    ROUTER_HOOK = "router_hook"  #: consults the router_hook chain in every MoE router
+    RECORD_ROUTES = "record_routes"
+    TENSOR_PARALLEL = "tensor_parallel"
+    EXPERT_PARALLEL = "expert_parallel"
+    PIPELINE_PARALLEL = "pipeline_parallel"
+
+
+# --------------------------------------------------------------------------------------------
+# Descriptors returned by provider hooks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProviderSpec:
+    """A named implementation that a provider hook registers.
+
+    ``factory`` builds the implementation when the config selects ``name``; it must do all
+    heavy imports (engines, Triton) itself so that listing plugins stays cheap.
+    ``distribution`` and ``plugin`` are filled in by the plugin manager from the entry point
+    that registered the plugin; a plugin leaves them unset.
+    """
+
+    name: str
+    factory: Callable[..., Any]
+    capabilities: frozenset[str] = frozenset()
+    description: str = ""
+    distribution: str | None = None
+    plugin: str | None = None
+    #: optional, cheap (no engine import): ``platform_gaps(config) -> {capability: reason}`` for
+    #: declared capabilities this machine or config cannot deliver (vLLM's CPU build cannot
+    #: sleep). ``rlcore check`` reports them and core refuses configs that need them.
+    platform_gaps: Callable[[Any], Mapping[str, str]] | None = None
+
+    kind: str = field(default="provider", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", normalise_name(self.name))
+        object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        if not callable(self.factory):
+            raise TypeError(f"{type(self).__name__}({self.name!r}).factory must be callable")
+
+    def source(self) -> str:
+        """``dist version`` (or the plugin name) for error messages."""
+        return self.distribution or self.plugin or "<unregistered>"
+
+    def gaps(self, config: Any) -> dict[str, str]:
+        """Declared capabilities unavailable here, with reasons (see ``platform_gaps``)."""
+        if self.platform_gaps is None:
+            return {}
+        return {str(k): str(v) for k, v in dict(self.platform_gaps(config)).items() if k in self.capabilities}
+
+    def effective_capabilities(self, config: Any) -> frozenset[str]:
+        return self.capabilities - frozenset(self.gaps(config))
+
+
+@dataclass(frozen=True)
+class ForwardFnSpec(ProviderSpec):
+    """A policy head: ``factory(ctx: BuildContext) -> ForwardFn``."""
+
+    kind: str = field(default="forward_fn", init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class RolloutBackendSpec(ProviderSpec):
+    """A sampler: ``factory(ctx: BuildContext) -> RolloutBackend``."""
+
+    kind: str = field(default="rollout_backend", init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class WeightSyncSpec(ProviderSpec):
+    """A trainer→rollout weight transport: ``factory(ctx: BuildContext) -> WeightSync``.
+
+    ``requires_backend`` lists capabilities the selected rollout backend must declare (an
+    ``inproc`` push needs ``receive_buckets``); ``backends`` restricts the backends it can feed
+    by name (``None`` = any backend with the required capabilities).
+    """
+
+    requires_backend: frozenset[str] = frozenset()
+    backends: frozenset[str] | None = None
+    kind: str = field(default="weight_sync", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "requires_backend", frozenset(self.requires_backend))
+        if self.backends is not None:
+            object.__setattr__(self, "backends", frozenset(map(normalise_name, self.backends)))
+
+
+@dataclass(frozen=True)
+class EngineSpec(ProviderSpec):
+    """A training engine: ``factory(ctx: BuildContext) -> TrainingEngine``."""
+
+    kind: str = field(default="engine", init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """A plugin's own config section: ``section`` is the top-level YAML key, ``schema`` an
+    omegaconf-compatible dataclass whose defaults are the plugin's defaults. ``validate``
+    (optional) checks values types cannot express; it gets the merged section and raises
+    :class:`rlcore.errors.ConfigError` naming the key (``rlcore check`` runs it)."""
+
+    section: str
+    schema: type
+    plugin: str | None = None
+    validate: Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "section", normalise_name(self.section).replace("-", "_"))
+
+
+@dataclass(frozen=True)
+class IncompatibleWith:
+    """Declared by a plugin: it cannot be active together with plugin ``plugin``."""
+
+    plugin: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequiresCapability:
+    """Declared by a plugin: while it is active, the provider selected for ``role``
+    (``forward_fn``, ``rollout_backend``, ``weight_sync`` or ``engine``) must declare
+    ``capability``. ``when`` optionally limits the rule to configs where it returns True."""
+
+    role: Literal["forward_fn", "rollout_backend", "weight_sync", "engine"]
+    capability: str
+    reason: str
+    when: Callable[[Any], bool] | None = None
+
+
+Constraint = IncompatibleWith | RequiresCapability
+
+
+@dataclass
+class BuildContext:
+    """What a provider factory receives.
+
+    ``config`` is the whole resolved run config (an omegaconf ``DictConfig``); ``settings`` is
+    the providing plugin's own section (or ``None``); ``output_dir`` is where the run writes;
+    ``engine`` is the training engine once built (weight syncs and backends may need its model
+    info, e.g. the route layout).
+    """
+
+    config: Any
+    settings: Any = None
+    output_dir: str | None = None
+    engine: TrainingEngine | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
