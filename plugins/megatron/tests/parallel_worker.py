@@ -14,11 +14,11 @@ import torch
 def run(model_dir: str, result_path: str, tp: int, ep: int) -> None:
     import torch.distributed as dist
     from rlcore.batch import PackedBatch
-    from rlcore.engines.megatron.engine import HFSource, MegatronEngine
-    from rlcore.engines.megatron.settings import MegatronSettings
-    from rlcore.engines.megatron.weights import export_hf
     from rlcore.heads import reference_logprobs
     from rlcore.types import HeadInput
+    from rlcore_megatron.engine import HFSource, MegatronEngine
+    from rlcore_megatron.settings import MegatronSettings
+    from rlcore_megatron.weights import export_hf
 
     engine = MegatronEngine(HFSource.from_dir(model_dir),
                             MegatronSettings(tensor_parallel_size=tp, expert_parallel_size=ep))

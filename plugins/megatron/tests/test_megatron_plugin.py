@@ -1,14 +1,22 @@
-"""The ``megatron`` built-in plugin and the HF-config translation: no megatron-core needed (these
-run in the main venv too)."""
+"""The ``megatron`` plugin (registration, ``megatron:`` section, install hint) and the HF-config
+translation: no megatron-core needed (these run in the main venv too, where it is absent)."""
 
 from __future__ import annotations
 
+import importlib.metadata as md
+import importlib.util
+import json
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
-from rlcore.engines.megatron.hf_config import ModelSpec, model_spec_from_hf
 from rlcore.errors import ConfigError, PluginError
 from rlcore.testing.imports import modules_loaded_by
+from rlcore_megatron import plugin
+from rlcore_megatron.hf_config import ModelSpec, model_spec_from_hf
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _hf_config(arch: str, **overrides):
@@ -23,24 +31,61 @@ def _hf_config(arch: str, **overrides):
 
 def test_importing_the_plugin_imports_no_engine():
     # a megatron submodule would put "megatron" itself in sys.modules too
-    watched = ["megatron", "rlcore.engines.megatron.engine"]
-    assert modules_loaded_by("import rlcore.builtin.megatron", watched) == []
+    watched = ["megatron", "rlcore_megatron.engine"]
+    assert modules_loaded_by("import rlcore_megatron.plugin", watched) == []
 
 
-def test_engine_is_registered_with_settings(rlcore_plugin_manager, rlcore_config):
-    spec = rlcore_plugin_manager.engines()["megatron"]
-    assert {"moe", "mtp", "router_hook", "record_routes", "tensor_parallel", "expert_parallel"} <= spec.capabilities
+def test_core_has_no_megatron_engine():
+    assert importlib.util.find_spec("rlcore.engines.megatron") is None
+    assert importlib.util.find_spec("rlcore.builtin.megatron") is None
+    core_eps = [ep.name for ep in md.distribution("rlcore").entry_points if ep.group == "rlcore"]
+    assert "megatron" not in core_eps and "hf" in core_eps
+
+
+def test_plugin_is_found_through_its_entry_point():
+    from rlcore.manager import PluginManager
+
+    pm = PluginManager()
+    pm.activate(["megatron"])
+    spec = pm.select("engine", "megatron", key="engine.name")
+    assert spec.distribution.startswith("rlcore-megatron ")
+    assert spec.capabilities == {"moe", "mtp", "router_hook", "record_routes", "tensor_parallel", "expert_parallel"}
+
+
+def test_settings_section_validates(register_plugin, rlcore_config):
+    register_plugin(plugin, "megatron")
     cfg = rlcore_config("engine.name=megatron", "megatron.tensor_parallel_size=2")
     assert cfg.megatron.tensor_parallel_size == 2 and cfg.megatron.token_dispatcher == "allgather"
     with pytest.raises(ConfigError, match="megatron.tensor_paralel_size"):
         rlcore_config("megatron.tensor_paralel_size=2")
 
 
-def test_missing_megatron_core_names_the_install_command(rlcore_plugin_manager, monkeypatch):
+def test_rlcore_check_resolves_the_example_stack(capsys):
+    """`rlcore check` on the example config: the engine comes from this distribution and the
+    ``megatron:`` section is validated (no megatron-core needed: check builds no engine)."""
+    from rlcore.cli import main
+
+    example = str(ROOT / "examples" / "megatron_tiny.yaml")
+    assert main(["check", example, "--json"]) == 0
+    desc = json.loads(capsys.readouterr().out)
+    assert desc["engine"]["name"] == "megatron" and desc["engine"]["distribution"].startswith("rlcore-megatron ")
+    assert main(["check", example, "megatron.tensor_parallel_size=two"]) == 2
+    assert "megatron.tensor_parallel_size" in capsys.readouterr().err
+    assert main(["check", example, "megatron.tensor_paralel_size=2"]) == 2
+    assert "megatron.tensor_paralel_size" in capsys.readouterr().err
+
+
+def test_missing_megatron_core_names_an_install_line_that_exists(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron", None)  # as if megatron-core were not installed
-    spec = rlcore_plugin_manager.engines()["megatron"]
-    with pytest.raises(PluginError, match=r"pip install 'rlcore\[megatron\]'"):
+    spec = next(iter(plugin.engine()))
+    with pytest.raises(PluginError, match=r"Install it with: pip install 'rlcore-megatron\[megatron-core\]'"):
         spec.factory(None)
+    # the line names this distribution and one of its declared extras, which pulls megatron-core
+    requirement = shlex.split(plugin.INSTALL_HINT)[-1]
+    dist_name, extra = requirement.rstrip("]").split("[")
+    meta = md.metadata(dist_name)
+    assert extra in meta.get_all("Provides-Extra")
+    assert any(r.startswith("megatron-core") and f'extra == "{extra}"' in r for r in meta.get_all("Requires-Dist"))
 
 
 def test_dense_and_moe_configs_translate():

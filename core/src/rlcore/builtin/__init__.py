@@ -9,5 +9,4 @@ BUILTIN_PLUGINS = {
     "inproc": "rlcore.builtin.inproc",
     "disk": "rlcore.builtin.disk",
     "hf": "rlcore.builtin.hf",
-    "megatron": "rlcore.builtin.megatron",
 }

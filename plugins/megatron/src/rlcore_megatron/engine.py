@@ -42,15 +42,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from rlcore.batch import PackedBatch
-from rlcore.engines.megatron import compat
-from rlcore.engines.megatron.hf_config import ModelSpec, model_spec_from_hf
-from rlcore.engines.megatron.settings import MegatronSettings
-from rlcore.engines.megatron.weights import NameMap, Parallel, export_hf, load_hf_into
 from rlcore.errors import ConfigError, RLCoreError
 from rlcore.types import (
-    Cap,
     EngineOutput,
     HeadWeight,
     MicroBatchContext,
@@ -60,9 +54,10 @@ from rlcore.types import (
     VocabShard,
 )
 
-MEGATRON_ENGINE_CAPABILITIES = frozenset(
-    {Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL}
-)
+from rlcore_megatron import compat
+from rlcore_megatron.hf_config import ModelSpec, model_spec_from_hf
+from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings
+from rlcore_megatron.weights import NameMap, Parallel, export_hf, load_hf_into
 
 
 def settings_from_section(section: Any) -> MegatronSettings:
@@ -212,7 +207,7 @@ _MTP_LAYER_KWARGS = ("attention_mask", "rotary_pos_emb", "rotary_pos_cos", "rota
 class MegatronEngine:
     """See module docstring."""
 
-    capabilities = MEGATRON_ENGINE_CAPABILITIES
+    capabilities = ENGINE_CAPABILITIES
 
     def __init__(self, source: HFSource, settings: MegatronSettings | None = None, device: str = "cpu",
                  dtype: str = "float32", _weights_from: MegatronEngine | None = None):
@@ -224,7 +219,7 @@ class MegatronEngine:
         self.spec: ModelSpec = model_spec_from_hf(source.config)
         self._check_settings()
         if self.device.type == "cpu":
-            from rlcore.engines.megatron.cpu import install_cpu_shim
+            from rlcore_megatron.cpu import install_cpu_shim
 
             install_cpu_shim()
         init_parallel(s, self.device)
@@ -244,7 +239,7 @@ class MegatronEngine:
         self.sites = self._router_sites()
         self.seam = None
         if self.sites:
-            from rlcore.engines.megatron.routers import RouterSeam
+            from rlcore_megatron.routers import RouterSeam
 
             self.seam = RouterSeam(self.sites, self.config)
             self.seam.check_config()
@@ -411,8 +406,7 @@ class MegatronEngine:
         if not self.spec.is_moe:
             return []
         from megatron.core.transformer.moe.router import TopKRouter
-
-        from rlcore.engines.megatron.routers import RouterSite
+        from rlcore_megatron.routers import RouterSite
 
         sites = []
         for layer in self.model.decoder.layers:
@@ -460,7 +454,7 @@ class MegatronEngine:
             record_routes, router = False, None
         layout = self._layout(batch)
         if self.seam is not None:
-            from rlcore.engines.megatron.routers import RoutingState
+            from rlcore_megatron.routers import RoutingState
 
             self.seam.check_config()
             self.seam.state = RoutingState(router, micro_batch, record_routes, layout.router_tokens,

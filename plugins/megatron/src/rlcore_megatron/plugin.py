@@ -1,17 +1,22 @@
-"""Built-in plugin ``megatron``: the megatron-core training engine (``rlcore[megatron]``).
+"""Plugin ``megatron`` (distribution ``rlcore-megatron``): the megatron-core training engine.
 
-Importing this module is cheap: megatron-core is imported by the factory, only when the config
-selects ``engine.name: megatron``. The ``megatron:`` config section holds the engine's settings.
+Registered through the ``rlcore`` entry-point group (``megatron = "rlcore_megatron.plugin"``);
+select it with ``plugins: [megatron]`` and ``engine: {name: megatron}``. Importing this module is
+cheap: megatron-core is imported by the factory, only when the config selects the engine. The
+``megatron:`` config section holds the engine's settings.
 """
 
 from rlcore import PLUGIN_API, hookimpl
-from rlcore.engines.megatron.settings import MegatronSettings
 from rlcore.errors import PluginError
-from rlcore.types import Cap, EngineSpec, PluginSettings
+from rlcore.types import EngineSpec, PluginSettings
 
-__all__ = ["PLUGIN_API", "engine", "plugin_settings", "MegatronSettings"]
+from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings
 
-INSTALL_HINT = "pip install 'rlcore[megatron]'"
+__all__ = ["PLUGIN_API", "engine", "plugin_settings", "MegatronSettings", "INSTALL_HINT"]
+
+#: megatron-core is an extra, not a dependency: it is large, and on 0.12/0.13 its wheel declares
+#: megatron-LM's whole training stack (see README.md for the lean install of those versions)
+INSTALL_HINT = "pip install 'rlcore-megatron[megatron-core]'"
 
 
 def _build(ctx):
@@ -22,7 +27,7 @@ def _build(ctx):
             f"engine.name=megatron needs megatron-core, which is not installed ({exc}). "
             f"Install it with: {INSTALL_HINT}"
         ) from exc
-    from rlcore.engines.megatron.engine import build_megatron_engine
+    from rlcore_megatron.engine import build_megatron_engine
 
     return build_megatron_engine(ctx)
 
@@ -37,7 +42,6 @@ def engine():
     yield EngineSpec(
         name="megatron",
         factory=_build,
-        capabilities={Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.TENSOR_PARALLEL,
-                      Cap.EXPERT_PARALLEL},
+        capabilities=ENGINE_CAPABILITIES,
         description="megatron-core GPTModel (dense, MoE, MTP); needs " + INSTALL_HINT,
     )
