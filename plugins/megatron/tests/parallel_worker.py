@@ -37,7 +37,7 @@ def run(model_dir: str, result_path: str, tp: int, ep: int) -> None:
     norm = engine.optimizer_step(grad_clip=0.0)
     # the step corrected expert gradients for the EP replicas; the optimizer does not change .grad
     grads = {n: t.clone() for n, t in export_hf(
-        [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in engine._named_parameters()], engine.names)}
+        [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in engine.named_parameters()], engine.names)}
     after = {n: t.clone() for n, t in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         torch.save({"logprobs": lp.detach(), "grad_norm": norm, "grads": grads, "before": before, "after": after,
