@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A megatron-core engine suite: create or reuse .venvs/megatron-<X.Y> with megatron-core==VERSION
-# on the CPU build of torch, then run the megatron engine tests (core/tests/megatron) in it.
+# on the CPU build of torch, then run the rlcore-megatron plugin's tests (plugins/megatron/tests) in it.
 #   scripts/megatron_suite.sh VERSION          (scripts/suites/megatron-0.12.sh and -0.16.sh call it)
 # Idempotent: the venv is stamped with a hash of its inputs; an unchanged venv is reused at once.
 # Install order: torch==2.13.0 first (-c scripts/constraints.txt keeps the CPU build), then
-# megatron-core, then rlcore (editable) and the test tools.
+# megatron-core, then rlcore and rlcore-megatron (editable, without the plugin's `megatron-core`
+# extra: the version pinned here is already in) and the test tools.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -14,7 +15,8 @@ NAME="megatron-${MCORE%.*}"
 VENV="$ROOT/.venvs/$NAME"
 source scripts/lib/cpu_venv.sh
 
-inputs=(scripts/megatron_suite.sh scripts/lib/cpu_venv.sh "scripts/suites/$NAME.sh" scripts/constraints.txt core/pyproject.toml)
+inputs=(scripts/megatron_suite.sh scripts/lib/cpu_venv.sh "scripts/suites/$NAME.sh" scripts/constraints.txt core/pyproject.toml
+        plugins/megatron/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}" -- "megatron-core==$MCORE")"
 if ! venv_is_current "$VENV" "$hash"; then
   echo "[$NAME] preparing $VENV" >&2
@@ -29,7 +31,7 @@ if ! venv_is_current "$VENV" "$hash"; then
     *)
       "${PIP[@]}" "megatron-core==$MCORE" ;;
   esac
-  "${PIP[@]}" --no-build-isolation -e "core[test]" pytest hypothesis
+  "${PIP[@]}" --no-build-isolation -e "core[test]" -e plugins/megatron pytest hypothesis
   venv_stamp "$VENV" "$hash"
   echo "[$NAME] $VENV ready" >&2
 fi
@@ -38,7 +40,7 @@ figures="$(mktemp)"
 trap 'rm -f "$figures"' EXIT
 set +e
 RLCORE_MEGATRON_FIGURES="$figures" PYTHONWARNINGS=ignore OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" \
-  "$VENV/bin/python" -m pytest core/tests/megatron -q -p no:cacheprovider -W ignore::UserWarning "$@"
+  "$VENV/bin/python" -m pytest plugins/megatron/tests -q -p no:cacheprovider -W ignore::UserWarning "$@"
 rc=$?
 set -e
 if [ -s "$figures" ]; then

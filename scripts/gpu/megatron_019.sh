@@ -14,8 +14,8 @@ OUT="${OUT:-runs/gpu-megatron}"
 WORK="${WORK:-/tmp/rlcore-gpu-megatron}"
 mkdir -p "$OUT" "$WORK"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron/*.whl
-# rlcore itself, with its entry points (the built-in plugins are found through them)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site ./core
+# rlcore and the rlcore-megatron plugin, with their entry points (plugins are found through them)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site ./core ./plugins/megatron
 FORWARD="${FORWARD:-reference}"
 if [ "$FORWARD" = fused ]; then  # the rlcore-fused plugin, found through its entry point
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site ./plugins/fused
@@ -24,7 +24,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/log.txt"
 python3 -c "import megatron.core as m, torch, transformers; print('megatron-core', m.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/log.txt"
 set +e
-python3 -m rlcore.engines.megatron.gpu_smoke --out "$WORK" --device cuda --steps "${STEPS:-40}" --forward "$FORWARD" 2>&1 | tee -a "$OUT/log.txt"
+python3 plugins/megatron/bench/gpu_smoke.py --out "$WORK" --device cuda --steps "${STEPS:-40}" --forward "$FORWARD" 2>&1 | tee -a "$OUT/log.txt"
 rc=${PIPESTATUS[0]}
 set -e
 cp "$WORK/results.json" "$OUT/" 2>/dev/null || true

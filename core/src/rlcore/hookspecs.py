@@ -206,7 +206,8 @@ class RLCoreSpecs:
 
     @hookspec
     def engine(self) -> Iterable[EngineSpec]:
-        """Register training engines (``hf``, ``megatron``).
+        """Register training engines (built-in ``hf``; ``megatron`` from the ``rlcore-megatron``
+        plugin).
 
         **Kind:** provider; selected by ``engine.name``. **Called:** at plugin load; the
         selected spec's ``factory(ctx)`` is called once per run and returns a
@@ -224,6 +225,7 @@ class RLCoreSpecs:
 
         .. code-block:: python
 
+            # rlcore_megatron/plugin.py (distribution rlcore-megatron)
             @hookimpl
             def engine():
                 yield EngineSpec(name="megatron", factory=build_megatron_engine,

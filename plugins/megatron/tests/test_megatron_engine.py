@@ -34,7 +34,7 @@ class TestMegatronEngineConformance(EngineConformance):
     @pytest.fixture(scope="class")
     @classmethod
     def engine_factory(cls):
-        from rlcore.engines.megatron.engine import HFSource, MegatronEngine
+        from rlcore_megatron.engine import HFSource, MegatronEngine
 
         return lambda model_dir: MegatronEngine(HFSource.from_dir(model_dir))
 
@@ -204,7 +204,7 @@ def test_fused_router_is_refused_while_the_seam_is_active(engine_for):
 def test_mtp_layer_matches_megatrons_own_mtp_layer(engine_for):
     """Our MTP forward against megatron's MultiTokenPredictionLayer.forward, on one sequence
     (megatron's own shift is a plain roll, right for a single unpadded sequence)."""
-    from rlcore.engines.megatron import compat
+    from rlcore_megatron import compat
 
     engine = engine_for("moe_mtp")
     seq = [3, 4, 5, 13, 7, 7, 2]

@@ -27,8 +27,8 @@ def megatron_dirs(tmp_path_factory, tiny_model_dirs):
 def _mtp_model_dir(path: Path, tiny, words) -> Path:
     """An HF directory with MTP layers: transformers builds none, so they are created the way the
     engine creates them for a tiny model (HFSource.from_model) and saved with the rest."""
-    from rlcore.engines.megatron.engine import HFSource
     from rlcore.engines.tiny import make_tiny_model, make_tokenizer
+    from rlcore_megatron.engine import HFSource
     from safetensors.torch import save_file
 
     tok = make_tokenizer(words)
@@ -45,7 +45,7 @@ def _mtp_model_dir(path: Path, tiny, words) -> Path:
 @pytest.fixture(scope="session")
 def engine_for(megatron_dirs):
     """``engine_for(name)``: a MegatronEngine (TP=EP=1) for one of the directories, built once."""
-    from rlcore.engines.megatron.engine import HFSource, MegatronEngine
+    from rlcore_megatron.engine import HFSource, MegatronEngine
 
     cache: dict[str, object] = {}
 

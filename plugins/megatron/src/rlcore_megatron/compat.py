@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-
 from rlcore.errors import ConfigError
 
 

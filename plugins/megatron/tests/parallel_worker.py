@@ -14,11 +14,11 @@ import torch
 def run(model_dir: str, result_path: str, tp: int, ep: int) -> None:
     import torch.distributed as dist
     from rlcore.batch import PackedBatch
-    from rlcore.engines.megatron.engine import HFSource, MegatronEngine
-    from rlcore.engines.megatron.settings import MegatronSettings
-    from rlcore.engines.megatron.weights import export_hf
     from rlcore.heads import reference_logprobs
     from rlcore.types import HeadInput
+    from rlcore_megatron.engine import HFSource, MegatronEngine
+    from rlcore_megatron.settings import MegatronSettings
+    from rlcore_megatron.weights import export_hf
 
     engine = MegatronEngine(HFSource.from_dir(model_dir),
                             MegatronSettings(tensor_parallel_size=tp, expert_parallel_size=ep))
@@ -37,7 +37,7 @@ def run(model_dir: str, result_path: str, tp: int, ep: int) -> None:
     norm = engine.optimizer_step(grad_clip=0.0)
     # the step corrected expert gradients for the EP replicas; the optimizer does not change .grad
     grads = {n: t.clone() for n, t in export_hf(
-        [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in engine._named_parameters()], engine.names)}
+        [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in engine.named_parameters()], engine.names)}
     after = {n: t.clone() for n, t in engine.export_hf_weights()}
     if dist.get_rank() == 0:
         torch.save({"logprobs": lp.detach(), "grad_norm": norm, "grads": grads, "before": before, "after": after,

@@ -1,5 +1,8 @@
 """GPU smoke run of the megatron engine (scripts/gpu/megatron_019.sh runs it on the GPU machine).
 
+A benchmark script, not part of the ``rlcore_megatron`` package: it drives the whole stack (config,
+trainer) the way a user's run would, which the engine package itself never imports.
+
 Three checks on a tiny Qwen3-MoE-style model with one MTP layer, created locally:
 
 1. **log-probs vs the hf engine** on the same weights, fp32 (TF32 off): the max abs difference
@@ -13,7 +16,9 @@ Three checks on a tiny Qwen3-MoE-style model with one MTP layer, created locally
 
 Writes ``results.json`` and the training metrics under ``--out``. Usage::
 
-    python -m rlcore.engines.megatron.gpu_smoke --out DIR [--device cuda] [--steps 30]
+    python plugins/megatron/bench/gpu_smoke.py --out DIR [--device cuda] [--steps 30]
+
+with rlcore and rlcore-megatron installed (the script's own directory holds no package).
 """
 
 from __future__ import annotations
@@ -67,10 +72,10 @@ def _mtp_plugin(weight: float) -> types.ModuleType:
 
 def check_logprobs_and_replay(model_dir: Path, device: str) -> dict:
     from rlcore.batch import PackedBatch
-    from rlcore.engines.megatron.engine import HFSource, MegatronEngine
     from rlcore.heads import reference_logprobs
     from rlcore.testing.models import hf_model
     from rlcore.types import HeadInput, RouterDecision
+    from rlcore_megatron.engine import HFSource, MegatronEngine
 
     engine = MegatronEngine(HFSource.from_dir(model_dir), device=device)
     hf = hf_model(model_dir).to(device)
@@ -118,8 +123,9 @@ def train(out_dir: Path, device: str, steps: int, tiny: dict, forward: str = "re
         f"output.dir={out_dir}", "output.checkpoint_every=0", "output.plot=false", "output.tensorboard=false",
         f"forward.name={forward}",
     ]
-    if forward != "reference":  # a plugin's head (rlcore-fused): the policy loss and the MTP loss both use it
-        overrides.append(f"plugins=[{forward}]")
+    # the engine is a plugin; a plugin's head (rlcore-fused) serves the policy loss and the MTP loss alike
+    plugins = ["megatron"] + ([forward] if forward != "reference" else [])
+    overrides.append(f"plugins=[{','.join(plugins)}]")
     cfg, pm = load_config(None, overrides)
     pm.register(_mtp_plugin(0.1), "gpu-smoke-mtp")
     stack = resolve(cfg, pm)
@@ -157,11 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     import megatron.core as mc
-
-    from rlcore.engines.megatron.engine import HFSource
     from rlcore.engines.tiny import make_tiny_model, make_tokenizer
     from rlcore.tasks import successor
     from rlcore.testing.models import tiny_config
+    from rlcore_megatron.engine import HFSource
 
     tiny = dict(arch="qwen3_moe", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                 num_experts=8, topk=2, moe_intermediate_size=128, mtp_layers=1)
@@ -169,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
                      "model": tiny}
     # an HF directory of the same tiny model the trainer creates (same seed), MTP layer included
     from omegaconf import OmegaConf
-
     from rlcore.config import DataConfig
 
     words = successor(OmegaConf.structured(DataConfig)).vocab

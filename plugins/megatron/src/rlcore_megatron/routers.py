@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from rlcore.engines.routing import apply_router_decision
 from rlcore.errors import RLCoreError
 from rlcore.types import MicroBatchContext, RouterCall

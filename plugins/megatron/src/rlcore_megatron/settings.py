@@ -1,6 +1,14 @@
-"""The ``megatron:`` config section (pure Python: importing it imports no engine)."""
+"""The ``megatron:`` config section and the engine's declared capabilities (importing this
+module imports no engine)."""
 
 from dataclasses import dataclass
+
+from rlcore.types import Cap
+
+#: what the ``megatron`` engine declares (its EngineSpec) and what the engine object reports
+ENGINE_CAPABILITIES = frozenset(
+    {Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL}
+)
 
 
 @dataclass

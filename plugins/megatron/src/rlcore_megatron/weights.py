@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from rlcore.engines.megatron.hf_config import ModelSpec
 from rlcore.errors import RLCoreError
+
+from rlcore_megatron.hf_config import ModelSpec
 
 #: checkpoint tensors the engine knowingly does not load (DeepSeek-V3 MTP layers repeat the
 #: embedding and output head, which megatron shares with the main model; rotary caches)

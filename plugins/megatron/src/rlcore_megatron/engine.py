@@ -1,0 +1,371 @@
+"""The ``megatron`` training engine: a megatron-core ``GPTModel`` under rlcore.
+
+**Model.** Built (:mod:`.model`) from an HF config (:mod:`.hf_config`) with megatron-core's own layer specs:
+Transformer Engine's when it is importable on a CUDA device, else the local (pure PyTorch) spec.
+MTP layers (``num_nextn_predict_layers``) are megatron-core ``MultiTokenPredictionLayer``\\ s in a
+``MultiTokenPredictionBlock`` the engine holds next to the ``GPTModel`` (not inside it), so the
+model's own forward never computes megatron's MTP loss — rlcore's MTP loss is a ``postprocess``
+plugin on the same head as the policy loss — and the engine runs them only when a forward asks
+for MTP hidden states.
+
+**Packed forward.** A :class:`~rlcore.batch.PackedBatch` runs one of two ways
+(:attr:`MegatronEngine.attention_path` says which; :mod:`.layout`):
+
+* ``thd`` (Transformer Engine present): input ``[1, T]`` with ``PackedSeqParams(qkv_format="thd")``
+  built from the batch's raw and padded ``cu_seqlens``; RoPE restarts per sequence inside TE.
+* ``padded`` (no TE: CI, and the GPU machine this project tests on): megatron's local attention
+  rejects ``PackedSeqParams``, and megatron computes RoPE from positions ``0..s-1`` of its input,
+  so each sequence becomes a row of a ``[B, L]`` batch (``L`` = the longest padded sequence),
+  which restarts positions per sequence; a causal mask keeps every real token from seeing the
+  right padding. Hidden states are gathered back onto the packed axis, so callers only see THD.
+
+**Head seam.** The engine returns final hidden states; the forward_fn computes log-probs from
+them and :meth:`MegatronEngine.head`'s vocab-parallel weight rows (see :func:`.compat.head_seam`).
+
+**Routers.** See :mod:`.routers`. **Weights.** See :mod:`.weights` (names, gathers) and
+:mod:`.hf_dir` (HF directories read and written).
+
+**Distributed runs.** Every rank runs the whole rlcore step on the same batch (the trainer is
+replicated; tensor/expert parallelism split the model, not the data). Expert gradients are
+therefore summed over the EP replicas of each token by megatron's dispatcher and are divided by
+the EP size before the optimizer step; the gradient norm sums each shard once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rlcore.batch import PackedBatch
+from rlcore.errors import ConfigError
+from rlcore.types import (
+    EngineOutput,
+    HeadWeight,
+    MicroBatchContext,
+    ModelInfo,
+    RouteLayout,
+    RouterCall,
+    VocabShard,
+)
+
+from rlcore_megatron import compat
+from rlcore_megatron.hf_config import ModelSpec, model_spec_from_hf
+from rlcore_megatron.hf_dir import HFSource, write_hf_dir
+from rlcore_megatron.layout import PackedLayout, make_layout
+from rlcore_megatron.model import (
+    build_model,
+    check_settings,
+    choose_attention_path,
+    init_parallel,
+    padded_vocab_size,
+    router_sites,
+)
+from rlcore_megatron.routers import RouterSeam, RoutingState
+from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings
+from rlcore_megatron.weights import NameMap, Parallel, export_hf, load_hf_into
+
+__all__ = ["MegatronEngine", "HFSource", "build_megatron_engine", "settings_from_section"]
+
+
+def settings_from_section(section: Any) -> MegatronSettings:
+    """The ``megatron:`` config section (validated by its schema) as :class:`MegatronSettings`."""
+    if section is None:
+        return MegatronSettings()
+    names = {f.name for f in dataclasses.fields(MegatronSettings)}
+    return MegatronSettings(**{k: section[k] for k in section.keys() if k in names})
+
+
+#: what the decoder got that an MTP layer's transformer layer needs too (every version has them)
+_MTP_LAYER_KWARGS = ("attention_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
+                     "packed_seq_params", "sequence_len_offset")
+
+
+class MegatronEngine:
+    """See module docstring."""
+
+    capabilities = ENGINE_CAPABILITIES
+
+    def __init__(self, source: HFSource, settings: MegatronSettings | None = None, device: str = "cpu",
+                 dtype: str = "float32", _weights_from: MegatronEngine | None = None):
+        self.settings = s = settings or MegatronSettings()
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self.source = source
+        self.tokenizer = source.tokenizer
+        self.spec: ModelSpec = model_spec_from_hf(source.config)
+        check_settings(s, self.spec, self.device)
+        if self.device.type == "cpu":
+            from rlcore_megatron.cpu import install_cpu_shim
+
+            install_cpu_shim()
+        init_parallel(s, self.device)
+        self.par = Parallel.from_megatron()
+        self.padded_vocab = padded_vocab_size(self.spec.vocab_size, s.vocab_size_divisible_by, self.par.tp_size)
+        self.attention_path = choose_attention_path(s, self.device)
+        built = build_model(self.spec, s, self.par, self.padded_vocab, self.attention_path, self.device, self.dtype)
+        self.config, self.model, self.mtp = built.config, built.model, built.mtp
+        self.names = NameMap(self.spec, self.par)
+        if _weights_from is None:
+            load_hf_into(self.named_parameters(), self.names, self.padded_vocab, source.names, source.get,
+                         tied=self.spec.tie_word_embeddings)
+        else:
+            with torch.no_grad():
+                for (_, dst), (_, src) in zip(self.named_parameters(), _weights_from.named_parameters(), strict=True):
+                    dst.copy_(src)
+        self.sites = router_sites(self.model, self.mtp, self.spec)
+        self.seam = None
+        if self.sites:
+            self.seam = RouterSeam(self.sites, self.config)
+            self.seam.check_config()
+        self.sequence_alignment = self.par.tp_size if (self.attention_path == "thd" and s.sequence_parallel) else 1
+        self.info = ModelInfo(
+            vocab_size=self.spec.vocab_size,
+            hidden_size=self.spec.hidden_size,
+            num_hidden_layers=self.spec.num_layers,
+            eos_token_id=(self.tokenizer.eos_token_id if self.tokenizer is not None else self.spec.eos_token_id),
+            pad_token_id=((self.tokenizer.pad_token_id if self.tokenizer is not None else self.spec.pad_token_id) or 0),
+            route_layout=self._route_layout(),
+            mtp_layers=self.spec.mtp_layers,
+            architecture=self.spec.model_type,
+        )
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ----------------------------------------------------------------- construction ------
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Megatron-named parameters of this rank: the model's, then the MTP block's (``mtp.``)."""
+        out = list(self.model.named_parameters())
+        if self.mtp is not None:
+            out += [(f"mtp.{n}", p) for n, p in self.mtp.named_parameters()]
+        return out
+
+    def _route_layout(self) -> RouteLayout | None:
+        if not self.sites:
+            return None
+        return RouteLayout(layers=tuple(s.layer for s in self.sites), topk=self.spec.topk,
+                           num_experts=self.spec.num_experts, num_hidden_layers=self.spec.num_layers)
+
+    # ----------------------------------------------------------------- forward -----------
+
+    def forward(
+        self,
+        batch: PackedBatch,
+        *,
+        record_routes: bool = False,
+        router: Callable[[RouterCall], Any] | None = None,
+        micro_batch: MicroBatchContext | None = None,
+        mtp_hidden: bool = False,
+    ) -> EngineOutput:
+        if mtp_hidden and self.mtp is None:
+            raise ConfigError(
+                "MTP hidden states were requested, but the model has no MTP layers (the HF config's "
+                "num_nextn_predict_layers is 0 or absent)", key="engine.model"
+            )
+        if self.seam is None:  # a dense model: no router to consult, no routes (as the hf engine)
+            record_routes, router = False, None
+        layout = make_layout(batch, self.attention_path, self.device, self.par, self.settings.sequence_parallel)
+        if self.seam is not None:
+            self.seam.check_config()
+            self.seam.state = RoutingState(router, micro_batch, record_routes, layout.router_tokens,
+                                           layout.router_offset, layout.to_rows, layout.from_rows)
+        try:
+            hidden, mtp_out = self._run(layout, mtp_hidden)
+            routes = self.seam.collect(batch.num_tokens) if record_routes else None
+            if routes is not None and layout.router_tokens != batch.num_tokens:
+                # sequence parallel: each rank recorded its slice of the token axis
+                full = routes.to(device=self.device, dtype=torch.int32)
+                dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.par.tp_group)
+                routes = full.to("cpu", torch.int16)
+        finally:
+            if self.seam is not None:
+                self.seam.state = None
+        sp = self.attention_path == "thd" and self.settings.sequence_parallel
+        return EngineOutput(hidden=hidden, mtp_hidden=mtp_out, routes=routes, sequence_parallel=sp)
+
+    def _run(self, layout: PackedLayout, want_mtp: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        captured: dict[str, Any] = {}
+        handle = None
+        if want_mtp:
+            def keep_decoder_kwargs(module, args, kwargs):
+                captured.update(kwargs)
+
+            handle = self.model.decoder.register_forward_pre_hook(keep_decoder_kwargs, with_kwargs=True)
+        try:
+            with compat.head_seam(self.model) as run:
+                hidden_sbh = run(layout.input_ids, layout.position_ids, layout.attention_mask, **layout.model_kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        hidden = layout.to_packed(hidden_sbh)
+        if not want_mtp:
+            return hidden, None
+        return hidden, self._run_mtp(layout, hidden_sbh, captured)
+
+    def _run_mtp(self, layout: PackedLayout, hidden_sbh: torch.Tensor, decoder_kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """MTP depths 1..D: ``h_d = norm_d(layer_d(eh_proj_d([enorm_d(emb(x_{t+d})), hnorm_d(h_{d-1})])))``
+        with the token stream shifted within each sequence (never across a boundary)."""
+        from megatron.core import tensor_parallel
+
+        outs = []
+        prev = hidden_sbh
+        for d, mtp_layer in enumerate(self.mtp.layers, start=1):
+            emb = self.model.embedding(input_ids=layout.shifted_input_ids(d), position_ids=layout.position_ids)
+            x = torch.cat([mtp_layer.enorm(emb), mtp_layer.hnorm(prev)], dim=-1)
+            x, _ = mtp_layer.eh_proj(x)
+            if self.par.tp_size > 1:
+                x = tensor_parallel.gather_from_tensor_model_parallel_region(x)
+            if self.config.sequence_parallel:
+                x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+            inner = compat.mtp_inner_layer(mtp_layer)
+            kwargs = {k: decoder_kwargs.get(k) for k in _MTP_LAYER_KWARGS}
+            x = compat.call_with_supported(inner, hidden_states=x, **kwargs)
+            if isinstance(x, tuple):
+                x = x[0]
+            prev = mtp_layer.final_layernorm(x)
+            outs.append(layout.to_packed(prev))
+        return outs
+
+    def head(self) -> HeadWeight:
+        if self.spec.tie_word_embeddings:
+            w = self.model.shared_embedding_or_output_weight()
+        else:
+            w = self.model.output_layer.weight
+        rows = w.shape[0]
+        start = self.par.tp_rank * rows
+        group = self.par.tp_group if self.par.tp_size > 1 else None
+        return HeadWeight(weight=w, vocab=VocabShard(start, start + rows, self.spec.vocab_size, group))
+
+    # ----------------------------------------------------------------- training ----------
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def train(self, mode: bool = True) -> MegatronEngine:
+        self.model.train(mode)
+        if self.mtp is not None:
+            self.mtp.train(mode)
+        return self
+
+    def setup_optimizer(self, training: Any) -> None:
+        betas = tuple(float(b) for b in training.betas)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.parameters() if p.requires_grad],
+            lr=float(training.lr), betas=betas, weight_decay=float(training.weight_decay),
+        )
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in self.parameters():
+                p.grad = None
+
+    def grad_norm(self) -> float:
+        """Total L2 norm of the gradient over every rank's shard, each shard counted once."""
+        par = self.par
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        tp_sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum()
+            pm = self.names(name)  # megatron leaves its own TP attributes unset without initialisation
+            if pm.expert:
+                expert += sq
+            elif pm.tp_dim is not None and par.tp_size > 1:
+                tp_sharded += sq
+            else:
+                replicated += sq
+        if par.tp_size > 1:
+            dist.all_reduce(tp_sharded, group=par.tp_group)
+        if par.ep_size * par.etp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
+        return float((replicated + tp_sharded + expert).sqrt())
+
+    def optimizer_step(self, grad_clip: float) -> float:
+        if self.optimizer is None:
+            raise RuntimeError("setup_optimizer() was not called")
+        if self.par.ep_size > 1:
+            # every EP rank fed the same tokens; the dispatcher summed their gradients
+            for name, p in self.named_parameters():
+                if p.grad is not None and self.names(name).expert:
+                    p.grad.div_(self.par.ep_size)
+        norm = self.grad_norm()
+        if grad_clip > 0 and norm > grad_clip:
+            scale = grad_clip / (norm + 1e-6)
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.optimizer.step()
+        return norm
+
+    def make_reference(self) -> MegatronEngine:
+        """A frozen copy of the current policy, built afresh (megatron modules hold process
+        groups, which do not deep-copy)."""
+        ref = MegatronEngine(self.source, self.settings, str(self.device), str(self.dtype).replace("torch.", ""),
+                             _weights_from=self)
+        ref.train(False)
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ----------------------------------------------------------------- weights -----------
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors, gathered per tensor (every rank must consume the stream)."""
+        skip_mtp = not self.settings.export_mtp
+
+        def skip(name: str) -> bool:
+            return skip_mtp and name.startswith("mtp.")
+
+        return export_hf(self.named_parameters(), self.names, skip)
+
+    def save_hf(self, path: str | Path, shard_bytes: int = 2 << 30) -> None:
+        """Config, tokenizer and safetensors shards (with an index when there are several);
+        rank 0 writes, every rank takes part in the gathers."""
+        write_hf_dir(self.export_hf_weights(), path, self.source.config, self.tokenizer,
+                     writer=dist.get_rank() == 0, shard_bytes=shard_bytes)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "mtp": self.mtp.state_dict() if self.mtp is not None else None,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.mtp is not None and state.get("mtp") is not None:
+            self.mtp.load_state_dict(state["mtp"])
+        if state.get("optimizer") is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def build_megatron_engine(ctx: Any) -> MegatronEngine:
+    """Factory of the ``megatron`` engine: from ``engine.model.path`` (an HF directory) or a
+    tiny model created locally for the task, exactly as the ``hf`` engine creates it."""
+    ecfg = ctx.config.engine
+    device = ecfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    settings = settings_from_section(ctx.settings)
+    if ecfg.model.path:
+        source = HFSource.from_dir(ecfg.model.path)
+    else:
+        from rlcore.engines.tiny import make_tiny_model, make_tokenizer
+
+        task = ctx.extras.get("task")
+        words = task.vocab if task is not None else [str(i) for i in range(10)]
+        tok = make_tokenizer(words)
+        tiny = ecfg.model.tiny
+        source = HFSource.from_model(make_tiny_model(tiny, tok, ecfg.model.dtype), tok,
+                                     init_std=float(tiny.init_std), seed=int(tiny.seed))
+    return MegatronEngine(source, settings, device=device, dtype=ecfg.model.dtype)

@@ -1,0 +1,47 @@
+"""Plugin ``megatron`` (distribution ``rlcore-megatron``): the megatron-core training engine.
+
+Registered through the ``rlcore`` entry-point group (``megatron = "rlcore_megatron.plugin"``);
+select it with ``plugins: [megatron]`` and ``engine: {name: megatron}``. Importing this module is
+cheap: megatron-core is imported by the factory, only when the config selects the engine. The
+``megatron:`` config section holds the engine's settings.
+"""
+
+from rlcore import PLUGIN_API, hookimpl
+from rlcore.errors import PluginError
+from rlcore.types import EngineSpec, PluginSettings
+
+from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings
+
+__all__ = ["PLUGIN_API", "engine", "plugin_settings", "MegatronSettings", "INSTALL_HINT"]
+
+#: megatron-core is an extra, not a dependency: it is large, and on 0.12/0.13 its wheel declares
+#: megatron-LM's whole training stack (see README.md for the lean install of those versions)
+INSTALL_HINT = "pip install 'rlcore-megatron[megatron-core]'"
+
+
+def _build(ctx):
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise PluginError(
+            f"engine.name=megatron needs megatron-core, which is not installed ({exc}). "
+            f"Install it with: {INSTALL_HINT}"
+        ) from exc
+    from rlcore_megatron.engine import build_megatron_engine
+
+    return build_megatron_engine(ctx)
+
+
+@hookimpl
+def plugin_settings():
+    return PluginSettings(section="megatron", schema=MegatronSettings)
+
+
+@hookimpl
+def engine():
+    yield EngineSpec(
+        name="megatron",
+        factory=_build,
+        capabilities=ENGINE_CAPABILITIES,
+        description="megatron-core GPTModel (dense, MoE, MTP); needs " + INSTALL_HINT,
+    )
