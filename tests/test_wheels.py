@@ -73,13 +73,15 @@ def test_plugins_depend_on_an_rlcore_range_that_admits_this_rlcore(wheel_dir):
         assert any(s.operator == "<" for s in spec), f"{dist}: rlcore{spec} has no upper bound (PLUGIN_API guards only the hooks)"
 
 
-def test_the_core_wheel_ships_no_stale_module(wheel_dir):
+def test_the_core_wheel_ships_no_engine_and_no_stale_module(wheel_dir):
     with zipfile.ZipFile(_wheel_for(wheel_dir, "rlcore")) as zf:
         modules = [n for n in zf.namelist() if n.endswith(".py")]
     tracked = set(subprocess.run(["git", "ls-files", "core/src"], cwd=ROOT, check=True, capture_output=True,
                                  text=True).stdout.split())
     untracked = [m for m in modules if f"core/src/{m}" not in tracked]
     assert not untracked, f"the rlcore wheel ships modules that are not in core/src: {untracked}"
+    engine_code = [m for m in modules if any(e in m for e in ("megatron", "vllm", "sglang"))]
+    assert not engine_code, f"the rlcore wheel ships engine code: {engine_code}"
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
