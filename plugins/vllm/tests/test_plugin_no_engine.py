@@ -153,16 +153,19 @@ def test_launched_server_listens_on_loopback_by_default():
     assert exposed[exposed.index("--host") + 1] == "0.0.0.0"
 
 
-def test_host_and_owned_server_flags_are_checked_at_config_time(register_plugin, rlcore_config):
+@pytest.mark.parametrize("override, message", [
+    ("vllm.host=http://0.0.0.0", "vllm.host.*neither an IP address nor a host name"),
+    ("vllm.host=127.0.0.1:8000", "vllm.host.*neither an IP address nor a host name"),
+    ("vllm.host=''", "vllm.host.*expected an IP address or host name"),
+    ("vllm.port=70000", "vllm.port.*1..65535"),
+    ("vllm.engine_args.host=0.0.0.0", "engine_args sets 'host', which rlcore sets itself from vllm.host"),
+    ("vllm.engine_args.port=9", "engine_args sets 'port'.*vllm.port"),
+])
+def test_server_address_settings_are_checked_at_config_time(register_plugin, rlcore_config, override, message):
     register_plugin(vllm_plugin, "vllm")
     assert rlcore_config("vllm.host=0.0.0.0").vllm.host == "0.0.0.0"
-    for bad in ("http://0.0.0.0", "127.0.0.1:8000", "''"):
-        with pytest.raises(ConfigError, match="vllm.host"):
-            rlcore_config(f"vllm.host={bad}")
-    with pytest.raises(ConfigError, match="vllm.port"):
-        rlcore_config("vllm.port=70000")
-    with pytest.raises(ConfigError, match="engine_args sets 'host'.*vllm.host"):
-        rlcore_config("vllm.engine_args.host=0.0.0.0")
+    with pytest.raises(ConfigError, match=message):
+        rlcore_config(override)
 
 
 def _reader(path, capacity, offset, nbytes, q):
