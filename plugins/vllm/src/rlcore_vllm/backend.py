@@ -5,7 +5,9 @@ Samples carry the token ids vLLM sampled, their behaviour log-probs under
 trainer recomputes), the weight version that produced them and, where the engine can return
 them, the routed experts. Capabilities are those of the running platform
 (:func:`~rlcore_vllm.platform.runtime_backend_capabilities`); a call that needs a missing one
-raises and says why, it is never skipped silently.
+raises and says why, it is never skipped silently. The engine itself (offline or server) is one of
+:mod:`rlcore_vllm.engines`; routed experts are decoded by :mod:`rlcore.routed_experts`, and seeds
+follow :mod:`rlcore.rollout_seeds` like every other backend.
 
 Weight pushes (:mod:`rlcore_vllm.sync`) bracket their work with :meth:`VLLMBackend.begin_push`
 and :meth:`~VLLMBackend.commit_push` / :meth:`~VLLMBackend.fail_push`: after a failed push the
