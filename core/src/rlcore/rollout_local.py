@@ -15,7 +15,6 @@ cache lives only inside ``generate``; ``release_memory({"kv_cache"})`` makes tha
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import RolloutError, WeightSyncError
+from rlcore.rollout_seeds import CallSeeds, base_seed
 from rlcore.sync import Bucket, tensor_checksum
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
@@ -66,8 +66,7 @@ class LocalRollout:
     def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0):
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
-        self._seed = seed
-        self._calls = itertools.count()
+        self._seeds = CallSeeds(seed)
         self.model: Any = None
         self.seam: RouterSeam | None = None
         self._views: dict[str, torch.Tensor] = {}
@@ -150,8 +149,7 @@ class LocalRollout:
             ids[i, P - len(p.ids):] = torch.tensor(p.ids, dtype=torch.long, device=dev)
             mask[i, P - len(p.ids):] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        seed = params.seed if params.seed is not None else self._seed * 1_000_003 + next(self._calls)
-        gen = torch.Generator(device=dev).manual_seed(int(seed))
+        gen = torch.Generator(device=dev).manual_seed(self._seeds.next(params.seed))
         stop = set(params.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=dev) if stop else None
 
@@ -295,5 +293,4 @@ def build_local_rollout(ctx: Any) -> LocalRollout:
     device = cfg.engine.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.training.seed
-    return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=int(seed))
+    return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=base_seed(cfg))

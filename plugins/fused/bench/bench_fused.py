@@ -25,223 +25,37 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import gc
-import importlib
 import json
 import math
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
-import types
-import zipfile
 from pathlib import Path
 
 import torch
-from rlcore.types import HeadInput, VocabShard
+
+# the benchmark's own modules, next to this script (which Python puts first on sys.path)
+from bench_measure import (
+    LOG,
+    GiB,
+    float64_reference,
+    free_memory,
+    log,
+    make_inputs,
+    peak_extra,
+    rel_err,
+    sync,
+    time_fn,
+)
+from bench_methods import CCE, Fused, Liger, Method, Naive, Verl
+from rlcore.types import HeadInput
 from rlcore_fused.head import FusedHead
 from rlcore_fused.tuning import TileConfig, TritonConfig
 
-GiB = 2**30
-LOG: list[str] = []
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-
-
-# --------------------------------------------------------------------------- helpers ------
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def time_fn(fn, device, budget_s: float = 1.5, min_reps: int = 3, max_reps: int = 25) -> dict:
-    """Median wall time of ``fn`` (CUDA events on GPU) after one warm-up call."""
-    fn()
-    sync(device)
-    times = []
-
-    def once():
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    first = once()
-    times.append(first)
-    reps = max(min_reps, min(max_reps, int(budget_s * 1e3 / max(first, 1e-3))))
-    for _ in range(reps - 1):
-        times.append(once())
-    return {"ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": len(times)}
-
-
-def peak_extra(fn, device) -> float | None:
-    """GiB allocated at peak during ``fn()`` beyond what was allocated before it and beyond the
-    tensors it returns (the gradients every method must produce)."""
-    if device.type != "cuda":
-        return None
-    free_memory(device)
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    result = fn()
-    sync(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    kept = sum(t.numel() * t.element_size() for t in result if isinstance(t, torch.Tensor)) if result else 0
-    del result
-    return (peak - base - kept) / GiB
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-300))
-
-
-def float64_reference(x, w, labels, temp, vocab_chunk=32768):
-    """log-prob and entropy in float64 for the rows of ``x`` (weights upcast chunk by chunk)."""
-    z = torch.empty(x.shape[0], w.shape[0], dtype=torch.float64, device=x.device)
-    xd = x.double()
-    for lo in range(0, w.shape[0], vocab_chunk):
-        z[:, lo:lo + vocab_chunk] = xd @ w[lo:lo + vocab_chunk].double().t()
-    t = temp.double()[:, None] if isinstance(temp, torch.Tensor) else float(temp)
-    z /= t
-    lp_all = torch.log_softmax(z, dim=-1)
-    del z
-    lp = lp_all.gather(1, labels[:, None]).squeeze(1)
-    ent = -(lp_all.exp() * lp_all).sum(-1)
-    return lp, ent
-
-
-# --------------------------------------------------------------------------- methods ------
-
-
-class Method:
-    """A head under test: ``forward(h, w, labels) -> (logprob, entropy or None)`` in fp32."""
-
-    name = "?"
-    has_entropy = True
-
-    def forward(self, h, w, labels):  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-class Fused(Method):
-    name = "fused"
-
-    def __init__(self, head=None, mask=None, temperature=1.0):
-        self.head = head or FusedHead(backend="triton")
-        self.mask = mask
-        self.temperature = temperature
-
-    def forward(self, h, w, labels):
-        out = self.head(HeadInput(hidden=h, weight=w, labels=labels, vocab=VocabShard.full(w.shape[0]),
-                                  loss_mask=self.mask, temperature=self.temperature))
-        return out.logprobs, out.entropy
-
-
-class Naive(Method):
-    name = "naive"
-
-    def forward(self, h, w, labels):
-        logits = (h @ w.t()).float()
-        logp = torch.log_softmax(logits, dim=-1)
-        del logits
-        lp = logp.gather(1, labels[:, None]).squeeze(1)
-        ent = -(logp.exp() * logp).sum(-1)
-        return lp, ent
-
-
-class Liger(Method):
-    name = "liger"
-    has_entropy = False
-
-    def __init__(self):
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-
-        self.fn = LigerFusedLinearCrossEntropyFunction
-
-    def forward(self, h, w, labels):
-        loss = self.fn.apply(h, w, labels, None, None, -100, 0.0, 0.0, "none")[0]
-        return -loss.float(), None
-
-
-class CCE(Method):
-    has_entropy = False
-
-    def __init__(self, filter_eps):
-        from cut_cross_entropy import linear_cross_entropy
-
-        self.fn = linear_cross_entropy
-        self.filter_eps = filter_eps
-        self.name = "cce" if filter_eps == "high" else "cce-exact"
-
-    def forward(self, h, w, labels):
-        return -self.fn(h, w, labels, reduction="none", filter_eps=self.filter_eps).float(), None
-
-
-class Verl(Method):
-    name = "verl"
-
-    def __init__(self, wheel: Path):
-        self.fn = load_verl_linear_cross_entropy(wheel)
-
-    def forward(self, h, w, labels):
-        lp, ent = self.fn(h, w, labels, 1.0, "none", None)
-        return lp, ent
-
-
-def load_verl_linear_cross_entropy(wheel: Path):
-    """verl's kernel files, loaded from its wheel with a stub ``verl.utils.device`` (importing the
-    real ``verl`` package pulls in ray, tensordict and transformers)."""
-    root = Path(tempfile.mkdtemp(prefix="verl-kernel-"))
-    with zipfile.ZipFile(wheel) as zf:
-        for name in ("verl/utils/kernel/kernels.py", "verl/utils/kernel/linear_cross_entropy.py"):
-            zf.extract(name, root)
-    for pkg in ("verl", "verl.utils", "verl.utils.kernel"):
-        mod = types.ModuleType(pkg)
-        mod.__path__ = [str(root / pkg.replace(".", "/"))]
-        sys.modules[pkg] = mod
-    device = types.ModuleType("verl.utils.device")
-    device.is_cuda_available = torch.cuda.is_available()
-    device.get_device_capability = lambda *a: torch.cuda.get_device_capability(*a)
-    device.get_device_name = lambda: "cuda"
-    device.get_torch_device = lambda: torch.cuda
-    sys.modules["verl.utils.device"] = device
-    lce = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
-    return lce.linear_cross_entropy
-
-
 # --------------------------------------------------------------------------- runs ---------
-
-
-def make_inputs(T, H, V, device, seed=0, dtype=torch.bfloat16):
-    g = torch.Generator(device=device).manual_seed(seed)
-    # logits of standard deviation ~3 (peaked, as in RL fine-tuning)
-    h = torch.randn(T, H, device=device, generator=g).to(dtype)
-    w = (torch.randn(V, H, device=device, generator=g) * (3.0 / math.sqrt(H))).to(dtype)
-    labels = torch.randint(0, V, (T,), device=device, generator=g)
-    g_lp = torch.randn(T, device=device, generator=g)
-    g_ent = torch.randn(T, device=device, generator=g)
-    return h, w, labels, g_lp, g_ent
 
 
 def run_method(method: Method, h, w, labels, g_lp, g_ent, subset, ref, device, with_backward=True) -> dict:

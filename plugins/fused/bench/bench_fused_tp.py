@@ -28,7 +28,7 @@ from rlcore.types import HeadInput, VocabShard
 from rlcore_fused.head import FusedHead
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fused import float64_reference, make_inputs, rel_err, time_fn  # noqa: E402
+from bench_measure import float64_reference, make_inputs, rel_err, time_fn  # noqa: E402
 
 
 def _worker(rank: int, world: int, init_file: str, args, queue) -> None:

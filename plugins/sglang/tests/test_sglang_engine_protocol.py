@@ -143,7 +143,7 @@ def test_backend_start_generate_and_generation_control(standin, policy_dir, tmp_
     assert samples[0].response_ids.tolist() == [6, 13] and samples[0].finish_reason == "stop"
     assert samples[2].response_ids.tolist() == [13] and samples[2].finish_reason == "stop"
     assert torch.allclose(samples[0].logprobs, torch.tensor([-0.1, -0.2]))
-    assert samples[0].weight_version == 0 and samples[0].routed_experts.dtype == torch.int32
+    assert samples[0].weight_version == 0 and samples[0].routed_experts.dtype == torch.int16  # rlcore's route dtype
     assert samples[0].routed_experts.shape == (3 + 2 - 1, LAYERS, TOPK)  # prompt + response - 1 rows
     assert samples[2].routed_experts.shape == (2 + 1 - 1, LAYERS, TOPK)
     assert samples[0].routed_experts.reshape(-1).tolist() == [i % 8 for i in range(4 * LAYERS * TOPK)]

@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rlcore.routed_experts import decode_routed_experts
 from rlcore.sync import TensorMeta, iter_buckets
 from rlcore_sglang import protocol, wire
 from rlcore_sglang.protocol import ServerFeatures
@@ -214,8 +215,8 @@ def test_routed_experts_decoder_matches_sglangs_encoding(sglang):
     host_rows = torch.randint(-1, 64, (prompt + response - 1, layers, topk), dtype=torch.int32)  # host cache rows
     encoded = DetokenizerManager._b64_encode_per_request([host_rows, None])
     assert encoded[1] is None
-    ours = wire.decode_routed_experts(encoded[0], layers, topk, expected_rows=prompt + response - 1)
-    assert ours.dtype == torch.int32 and torch.equal(ours, host_rows)
+    ours = decode_routed_experts(encoded[0], rows=prompt + response - 1, layers=layers, topk=topk, packing="int32")
+    assert ours.dtype == torch.int16 and torch.equal(ours, host_rows.to(torch.int16))
     theirs = extract_routed_experts_from_meta_info({"meta_info": {"routed_experts": encoded[0]}})
     assert np.array_equal(theirs, ours.reshape(-1).numpy())
 

@@ -90,3 +90,25 @@ def test_factories_refuse_a_run_without_the_section():
         build_backend(ctx)
     with pytest.raises(ConfigError, match="plugins: \\[sglang\\]"):
         build_tensor_sync(ctx)
+
+
+def test_launched_server_listens_on_loopback_by_default(tmp_path):
+    from rlcore_sglang.backend import SGLangBackend
+    from rlcore_sglang.settings import SGLangSettings
+
+    args = SGLangBackend(SGLangSettings(), output_dir=str(tmp_path)).launch_args("/models/p", 0)
+    assert args[args.index("--host") + 1] == "127.0.0.1" and args.count("--host") == 1
+    exposed = SGLangBackend(SGLangSettings(host="0.0.0.0"), output_dir=str(tmp_path)).launch_args("/models/p", 0)
+    assert exposed[exposed.index("--host") + 1] == "0.0.0.0"
+
+
+def test_host_and_port_are_checked_at_config_time(register_plugin, rlcore_config):
+    register_plugin(sglang_plugin, "sglang")
+    assert rlcore_config("sglang.host=0.0.0.0").sglang.host == "0.0.0.0"
+    for bad in ("http://0.0.0.0", "127.0.0.1:30000", "''"):
+        with pytest.raises(ConfigError, match="sglang.host"):
+            rlcore_config(f"sglang.host={bad}")
+    with pytest.raises(ConfigError, match="sglang.port"):
+        rlcore_config("sglang.port=0")
+    with pytest.raises(ConfigError, match="which rlcore sets itself"):
+        rlcore_config("sglang.launch_args=[--host,0.0.0.0]")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from rlcore.serving import answer_message
 from rlcore_sglang import protocol
 from rlcore_sglang.protocol import ServerFeatures, parse_version
 
@@ -128,4 +129,4 @@ def test_parse_generate_item_refuses_inconsistent_answers():
 def test_answers():
     assert protocol.is_success(None) and protocol.is_success({"success": True})
     assert not protocol.is_success({"success": False, "message": "must run between begin_weight_update()"})
-    assert protocol.answer_message({"error": {"message": "boom"}}) == "boom"
+    assert answer_message({"error": {"message": "boom"}}) == "boom"

@@ -5,12 +5,10 @@ deserializer and bucket classes."""
 
 from __future__ import annotations
 
-import base64
 import inspect
 import io
 import pickle
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing.reductions as torch_reductions
@@ -108,17 +106,3 @@ def test_nccl_metadata_is_the_contiguous_layout_sglang_recomputes():
 
 def test_dtype_names():
     assert wire.dtype_name(torch.bfloat16) == "bfloat16" and wire.dtype_name(torch.float8_e4m3fn) == "float8_e4m3fn"
-
-
-def test_routed_experts_decoder():
-    routes = np.random.default_rng(0).integers(0, 64, size=(9, 4, 2), dtype=np.int32)
-    encoded = base64.b64encode(routes.tobytes()).decode()
-    out = wire.decode_routed_experts(encoded, num_layers=4, topk=2, expected_rows=9)
-    assert out.dtype == torch.int32 and torch.equal(out, torch.from_numpy(routes))
-    assert wire.decode_routed_experts("", 4, 2, expected_rows=0).shape == (0, 4, 2)
-    with pytest.raises(ValueError, match="expected 10"):
-        wire.decode_routed_experts(encoded, 4, 2, expected_rows=10)
-    with pytest.raises(ValueError, match="not a whole number"):
-        wire.decode_routed_experts(encoded, 5, 2)
-    with pytest.raises(ValueError, match="not valid base64"):
-        wire.decode_routed_experts("@@@", 4, 2)

@@ -4,14 +4,11 @@ the vllm venv."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import rlcore_vllm.plugin as vllm_plugin
 import torch
@@ -19,14 +16,14 @@ from rlcore.errors import ConfigError, IncompatiblePluginsError
 from rlcore.sync import iter_buckets
 from rlcore.testing.imports import modules_loaded_by
 from rlcore.types import Cap, SamplingSettings
-from rlcore_vllm.backend import VLLMBackend, engine_environment, engine_kwargs, sampling_kwargs, serve_command
+from rlcore_vllm.backend import VLLMBackend, sampling_kwargs
+from rlcore_vllm.engines import engine_environment, engine_kwargs, serve_command
 from rlcore_vllm.platform import (
     CPU_LIMITS,
     DECLARED_BACKEND_CAPABILITIES,
     missing_reasons,
     runtime_backend_capabilities,
 )
-from rlcore_vllm.routes import decode_routed_experts
 from rlcore_vllm.settings import VLLMSettings, check_settings
 from rlcore_vllm.shm import SharedBucketPool, map_segment
 from rlcore_vllm.sync import bucket_request
@@ -147,26 +144,28 @@ def test_serve_command_uses_vllm_flags():
     assert cmd[cmd.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl"})
 
 
-def _npy_b64(arr):
-    buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode()
+def test_launched_server_listens_on_loopback_by_default():
+    settings = VLLMSettings(mode="http")
+    kw = engine_kwargs(settings, "/models/p", "float32", is_cpu=True, routed_experts=False, transport="shm")
+    cmd = serve_command(kw, port=settings.port, host=settings.host)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd.count("--host") == 1
+    exposed = serve_command(kw, port=9000, host="0.0.0.0")
+    assert exposed[exposed.index("--host") + 1] == "0.0.0.0"
 
 
-def test_routed_experts_decode_from_array_and_npy():
-    arr = np.random.default_rng(0).integers(0, 8, size=(6, 2, 2)).astype(np.uint8)
-    a = decode_routed_experts(arr, num_tokens=7, num_layers=2, topk=2)
-    b = decode_routed_experts(_npy_b64(arr), num_tokens=7, num_layers=2, topk=2)
-    assert a.dtype == torch.int16 and torch.equal(a, b) and torch.equal(a, torch.from_numpy(arr.astype(np.int16)))
-    wide = (np.arange(12).reshape(3, 2, 2) + 300).astype(np.uint16)
-    assert int(decode_routed_experts(_npy_b64(wide), 4).max()) == 311
-    with pytest.raises(ValueError, match="every token but the last"):
-        decode_routed_experts(arr, num_tokens=6)
-    with pytest.raises(ValueError, match="layers"):
-        decode_routed_experts(arr, num_tokens=7, num_layers=3)
-    with pytest.raises(ValueError, match="dtype"):
-        decode_routed_experts(arr.astype(np.float32), num_tokens=7)
-    assert decode_routed_experts(None, 3) is None
+@pytest.mark.parametrize("override, message", [
+    ("vllm.host=http://0.0.0.0", "vllm.host.*neither an IP address nor a host name"),
+    ("vllm.host=127.0.0.1:8000", "vllm.host.*neither an IP address nor a host name"),
+    ("vllm.host=''", "vllm.host.*expected an IP address or host name"),
+    ("vllm.port=70000", "vllm.port.*1..65535"),
+    ("vllm.engine_args.host=0.0.0.0", "engine_args sets 'host', which rlcore sets itself from vllm.host"),
+    ("vllm.engine_args.port=9", "engine_args sets 'port'.*vllm.port"),
+])
+def test_server_address_settings_are_checked_at_config_time(register_plugin, rlcore_config, override, message):
+    register_plugin(vllm_plugin, "vllm")
+    assert rlcore_config("vllm.host=0.0.0.0").vllm.host == "0.0.0.0"
+    with pytest.raises(ConfigError, match=message):
+        rlcore_config(override)
 
 
 def _reader(path, capacity, offset, nbytes, q):

@@ -14,7 +14,10 @@ answers into :class:`~rlcore.types.Sample`\\ s:
   server: ``--weight-version`` at launch, ``weight_version`` on the last bucket of each push),
   with ``weight_versions`` spans when the version changed inside one sample;
 * routed experts (R3) decoded from SGLang's base64 int32 ``[prompt + response - 1, layers,
-  topk]``.
+  topk]`` by core's :func:`rlcore.routed_experts.decode_routed_experts`.
+
+A server this backend launches listens on ``sglang.host`` (loopback by default: its weight-update
+routes have no authentication); core's :mod:`rlcore.serving` launches it and polls its health.
 
 Capabilities are read from the running server (``/server_info``): releasing memory needs
 ``--enable-memory-saver``, releasing weights also ``--weight-cache-mode off``, routed experts
@@ -30,33 +33,21 @@ from typing import Any
 
 import torch
 from rlcore.errors import ConfigError, RolloutError
+from rlcore.routed_experts import MoEShape, decode_routed_experts, moe_shape
+from rlcore.serving import EngineServerError, ServerProcess, answer_message, launch_server, local_url
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
 from rlcore_sglang import protocol
 from rlcore_sglang.protocol import OLDEST_SUPPORTED, ServerFeatures, version_text
 from rlcore_sglang.settings import SGLangSettings, check_settings
-from rlcore_sglang.transport import (
-    EngineTransport,
-    HTTPTransport,
-    ServerProcess,
-    Transport,
-    TransportError,
-    server_cli_args,
-)
-from rlcore_sglang.wire import decode_routed_experts
+from rlcore_sglang.transport import EngineTransport, HTTPTransport, Transport, server_cli_args, server_command
 
 MEMORY_TAGS = frozenset({"kv_cache", "weights", "cuda_graph"})
 
 
-def moe_shape(model_dir: str | Path) -> tuple[int, int] | None:
-    """``(num_hidden_layers, num_experts_per_tok)`` from the model's config.json (the text config
-    of a multimodal model, as SGLang reads it), or None for a dense model."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    topk = text.get("num_experts_per_tok")
-    if not topk:
-        return None
-    return int(text["num_hidden_layers"]), int(topk)
+def model_moe_shape(model_dir: str | Path) -> MoEShape | None:
+    """The route shape from the model's config.json (None for a dense model)."""
+    return moe_shape(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
 class SGLangBackend:
@@ -72,7 +63,7 @@ class SGLangBackend:
         self.server: ServerProcess | None = None
         self.features: ServerFeatures | None = None
         self.model_dir: str | None = None
-        self._moe: tuple[int, int] | None = None
+        self._moe: MoEShape | None = None
         self._version = -1
         self._paused = False
         self._released: set[str] = set()
@@ -115,25 +106,22 @@ class SGLangBackend:
     def start(self, model_dir: str, version: int = 0) -> None:
         s = self.settings
         self.model_dir = str(model_dir)
-        self._moe = moe_shape(model_dir)
+        self._moe = model_moe_shape(model_dir)
         try:
             if s.mode == "engine":
                 self.transport = EngineTransport.launch(self.launch_args(model_dir, version))
             elif s.url:
                 self.transport = HTTPTransport(s.url, timeout=float(s.request_timeout_s))
             else:
-                client = HTTPTransport(f"http://{s.host}:{int(s.port)}", timeout=float(s.request_timeout_s))
-                if client.healthy():
-                    raise RolloutError(
-                        f"something already answers at http://{s.host}:{s.port}; set sglang.url to use that "
-                        "server, or sglang.port to launch rlcore's own"
-                    )
-                self.server = ServerProcess(s.python, self.launch_args(model_dir, version),
-                                            self.output_dir / "sglang_server.log")
-                self.server.wait_healthy(client, float(s.startup_timeout_s))
-                self.transport = client
+                http = HTTPTransport(local_url(s.host, int(s.port)), timeout=float(s.request_timeout_s))
+                self.server = launch_server(
+                    server_command(s.python, self.launch_args(model_dir, version)), http.client,
+                    log_path=self.output_dir / "sglang_server.log", name="SGLang server",
+                    start_timeout=float(s.startup_timeout_s), timeout_setting="sglang.startup_timeout_s",
+                    port_setting="sglang.port", poll_s=2.0)
+                self.transport = http
             self.features = ServerFeatures.from_server_info(self.transport.server_info())
-        except TransportError as exc:
+        except EngineServerError as exc:
             self.shutdown()
             raise RolloutError(f"cannot start the sglang rollout backend: {exc}") from exc
         if self.features.version < OLDEST_SUPPORTED:
@@ -191,10 +179,10 @@ class SGLangBackend:
         transport = self._require()
         try:
             answer = transport.call(route, body)
-        except TransportError as exc:
+        except EngineServerError as exc:
             raise RolloutError(f"{what} failed: {exc}") from exc
         if not protocol.is_success(answer):
-            raise RolloutError(f"{what} failed: {transport.describe()} answered {protocol.answer_message(answer)}")
+            raise RolloutError(f"{what} failed: {transport.describe()} answered {answer_message(answer)}")
         return answer
 
     def pause(self) -> None:
@@ -237,8 +225,8 @@ class SGLangBackend:
             else:
                 out = transport.engine.flush_cache()
                 if not getattr(out, "success", True):
-                    raise TransportError(f"flush_cache refused: {getattr(out, 'message', out)}")
-        except TransportError as exc:
+                    raise EngineServerError(f"flush_cache refused: {getattr(out, 'message', out)}")
+        except EngineServerError as exc:
             raise RolloutError(f"flushing SGLang's prefix cache failed: {exc}") from exc
 
     # ------------------------------------------------------------------ sampling ---------
@@ -275,7 +263,7 @@ class SGLangBackend:
         body, seqs = self.generate_request(prompts, params)
         try:
             answer = transport.call("/generate", body)
-        except TransportError as exc:
+        except EngineServerError as exc:
             raise RolloutError(f"SGLang generate failed: {exc}") from exc
         items = answer if isinstance(answer, list) else [answer]
         if len(items) != len(seqs):
@@ -301,16 +289,12 @@ class SGLangBackend:
             raise RolloutError(f"cannot read SGLang's answer for prompt {prompt.index}: {exc}") from exc
         routes = None
         if routed:
-            if out.routed_experts_b64 is None:
-                raise RolloutError("SGLang returned no routed experts although they were asked for")
             if self._moe is None:
                 raise RolloutError(f"routed experts asked for, but {self.model_dir}/config.json is not an MoE config")
-            layers, topk = self._moe
-            try:
-                routes = decode_routed_experts(out.routed_experts_b64, layers, topk,
-                                               expected_rows=len(prompt.ids) + len(out.output_ids) - 1)
-            except ValueError as exc:
-                raise RolloutError(f"SGLang's routed experts for prompt {prompt.index}: {exc}") from exc
+            routes = decode_routed_experts(
+                out.routed_experts_b64, rows=len(prompt.ids) + len(out.output_ids) - 1, layers=self._moe.layers,
+                topk=self._moe.topk, num_experts=self._moe.num_experts, packing="int32",
+                source=f"SGLang's answer for prompt {prompt.index}")
         spans = None
         if out.weight_versions and len(out.weight_versions) > 1:
             spans = tuple((self._version_of(v), start) for v, start in out.weight_versions)

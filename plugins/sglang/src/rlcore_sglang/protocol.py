@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlcore.serving import answer_message
+
 SESSION_VERSION = (0, 5, 21)
 OLDEST_SUPPORTED = (0, 5, 16)
 
@@ -278,15 +280,6 @@ def is_success(answer: Mapping[str, Any] | None) -> bool:
     if answer is None:
         return True
     return bool(answer.get("success", True))
-
-
-def answer_message(answer: Any) -> str:
-    if isinstance(answer, Mapping):
-        for key in ("message", "error", "detail"):
-            if key in answer:
-                value = answer[key]
-                return value.get("message", str(value)) if isinstance(value, Mapping) else str(value)
-    return str(answer)
 
 
 @dataclass

@@ -5,10 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcore.serving import LOOPBACK, check_bind_host
+
 MODES = ("server", "engine")
 PAUSE_MODES = ("abort", "retract", "in_place")
 SELECTORS = ("all", "target", "draft")
 KEEP_TOGETHER = ("auto", "none", "layer")
+#: ``launch_server`` flags rlcore sets itself, and the setting each comes from
+OWNED_LAUNCH_FLAGS = {"--model-path": "the trainer's policy directory", "--host": "sglang.host",
+                      "--port": "sglang.port", "--weight-version": "rlcore's weight versions"}
 
 
 @dataclass
@@ -22,6 +27,12 @@ class SGLangSettings:
       The plugin adds ``--model-path``, ``--host``, ``--port``, ``--weight-version``, and
       ``--enable-memory-saver`` / ``--enable-return-routed-experts`` / the speculative flags
       below when they apply.
+    * ``host`` / ``port``: where a server this plugin launches listens. ``host`` is loopback
+      (``127.0.0.1``) by default: SGLang's weight-update, memory and pause routes have no
+      authentication unless the server runs with an API key, so only this machine may reach
+      them. ``0.0.0.0`` exposes them to every host that can reach this one; do that only on a
+      network you trust, with ``--api-key KEY`` in ``launch_args`` and ``SGLANG_API_KEY=KEY``
+      in rlcore's environment (its client sends that key).
     * ``load_policy_on_start``: with ``url`` (a server rlcore did not launch), load the trainer's
       initial policy directory into it at start (the server must be able to read that path), so
       it serves exactly weight version 0; ``false`` trusts that it already serves those weights
@@ -48,7 +59,7 @@ class SGLangSettings:
     mode: str = "server"
     url: str = ""
     load_policy_on_start: bool = True
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK
     port: int = 30000
     launch_args: list[str] = field(default_factory=list)
     python: str = ""
@@ -97,6 +108,15 @@ def check_settings(s: Any) -> None:
     if s.url and not s.url.startswith(("http://", "https://")):
         raise ConfigError(f"bad value for config key 'sglang.url': {s.url!r} must start with http:// or https://",
                           key="sglang.url")
+    clash = [a for a in s.launch_args if str(a).split("=", 1)[0] in OWNED_LAUNCH_FLAGS]
+    if clash:
+        flag = str(clash[0]).split("=", 1)[0]
+        raise ConfigError(f"sglang.launch_args sets {flag}, which rlcore sets itself (from "
+                          f"{OWNED_LAUNCH_FLAGS[flag]}); remove it from launch_args", key="sglang.launch_args")
+    check_bind_host(s.host, "sglang.host")
+    if not 0 < s.port < 65536:
+        raise ConfigError(f"bad value for config key 'sglang.port': {s.port}; expected a TCP port in 1..65535",
+                          key="sglang.port")
     for key in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "nccl_master_port"):
         if getattr(s, key) < 0:
             raise ConfigError(f"bad value for config key 'sglang.{key}': must be >= 0", key=f"sglang.{key}")

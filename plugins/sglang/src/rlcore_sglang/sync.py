@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 import torch
 from rlcore.errors import ConfigError, WeightSyncError
+from rlcore.serving import EngineServerError, answer_message
 from rlcore.sync import Bucket, iter_buckets
 from rlcore.types import SyncReport
 from rlcore.weight_sync import prune_versions
@@ -56,7 +57,6 @@ from rlcore.weight_sync import prune_versions
 from rlcore_sglang import protocol, wire
 from rlcore_sglang.backend import SGLangBackend
 from rlcore_sglang.settings import check_settings
-from rlcore_sglang.transport import TransportError
 
 MB = 1 << 20
 T = TypeVar("T")
@@ -144,7 +144,7 @@ class _SGLangSync(ABC):
               timeout: float | None = None) -> Any:
         try:
             answer = backend.transport.call(route, body, timeout=timeout)
-        except TransportError as exc:
+        except EngineServerError as exc:
             if exc.status == 404:
                 raise WeightSyncError(
                     f"{what}: {backend.transport.describe()} has no route {route} "
@@ -152,7 +152,7 @@ class _SGLangSync(ABC):
                 ) from exc
             raise WeightSyncError(f"{what} failed: {exc}", receiver_version=None) from exc
         if not protocol.is_success(answer):
-            raise WeightSyncError(f"{what} failed: {protocol.answer_message(answer)}", receiver_version=None)
+            raise WeightSyncError(f"{what} failed: {answer_message(answer)}", receiver_version=None)
         return answer
 
     def _keep_together(self, backend: SGLangBackend) -> Callable[[str], str] | None:

@@ -1,40 +1,29 @@
 """How rlcore reaches SGLang: over HTTP (a server it launched or one already running), or in
 process through ``sglang.Engine``. Both carry the same request bodies (:mod:`.protocol`).
 
-* :class:`HTTPTransport` POSTs JSON to SGLang's routes with the standard library only (no
-  requests/httpx dependency in the trainer's environment); ``bytes`` values become base64.
+* :class:`HTTPTransport` POSTs JSON to SGLang's routes through core's client
+  (:class:`rlcore.serving.JSONClient`, standard library only); ``bytes`` values become base64.
 * :class:`EngineTransport` builds SGLang's request struct from the same body and awaits the
   ``TokenizerManager`` coroutine that SGLang's own ``Engine`` methods and HTTP routes call, so
   fields the ``Engine`` convenience methods do not expose (``weight_version``, ``selector``,
   ``return_sampling_mask``) work in process too.
-* :class:`ServerProcess` launches ``python -m sglang.launch_server`` and owns that process only.
+* :func:`server_command` is the ``python -m sglang.launch_server`` command line; core's
+  :func:`rlcore.serving.launch_server` starts it and polls its health.
+
+Every failure to reach SGLang or a refusal is a :class:`rlcore.serving.EngineServerError`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections import deque
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
-from rlcore_sglang.protocol import REQUEST_STRUCTS, answer_message, json_default
+from rlcore.serving import EngineServerError, JSONClient
 
-
-class TransportError(RuntimeError):
-    """SGLang could not be reached or refused a request. ``status`` is the HTTP status (None when
-    nothing answered)."""
-
-    def __init__(self, message: str, status: int | None = None, answer: Any = None):
-        super().__init__(message)
-        self.status = status
-        self.answer = answer
+from rlcore_sglang.protocol import REQUEST_STRUCTS, json_default
+from rlcore_sglang.settings import OWNED_LAUNCH_FLAGS
 
 
 class Transport(Protocol):
@@ -51,73 +40,39 @@ class Transport(Protocol):
 
 
 class HTTPTransport:
-    """JSON over HTTP to an SGLang server at ``base_url``."""
+    """JSON over HTTP to an SGLang server at ``base_url`` (``SGLANG_API_KEY`` as bearer token)."""
 
     def __init__(self, base_url: str, timeout: float = 1800.0, api_key: str | None = None):
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
-        self.api_key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
+        self.client = JSONClient(base_url, timeout=timeout, name="SGLang server", json_default=json_default,
+                                 api_key=api_key if api_key is not None else os.environ.get("SGLANG_API_KEY"))
+
+    @property
+    def base_url(self) -> str:
+        return self.client.base_url
 
     def describe(self) -> str:
-        return f"SGLang server {self.base_url}"
-
-    def _request(self, method: str, route: str, body: Mapping[str, Any] | None, timeout: float | None) -> Any:
-        url = self.base_url + route
-        data = None
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            data = json.dumps(body, default=json_default).encode()
-            headers["Content-Type"] = "application/json"
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(url, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            answer = _decode(raw)
-            raise TransportError(
-                f"{method} {url} answered HTTP {exc.code}: {answer_message(answer)}", status=exc.code, answer=answer
-            ) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise TransportError(f"{method} {url} failed: {reason} (is the SGLang server running?)") from None
-        return _decode(raw)
+        return self.client.describe()
 
     def call(self, route: str, body: Mapping[str, Any] | None = None, *, timeout: float | None = None) -> Any:
-        return self._request("POST", route, {} if body is None else body, timeout)
+        return self.client.post(route, {} if body is None else body, timeout=timeout)
 
     def get(self, route: str, *, timeout: float | None = None) -> Any:
-        return self._request("GET", route, None, timeout)
+        return self.client.get(route, timeout=timeout)
 
     def server_info(self) -> dict[str, Any]:
         # /server_info since 0.5.16; /get_server_info is the deprecated spelling of older servers
         try:
             return self.get("/server_info", timeout=60)
-        except TransportError as exc:
+        except EngineServerError as exc:
             if exc.status != 404:
                 raise
         return self.get("/get_server_info", timeout=60)
 
     def healthy(self) -> bool:
-        try:
-            self.get("/health", timeout=5)
-            return True
-        except TransportError:
-            return False
+        return self.client.healthy()
 
     def close(self) -> None:
         pass
-
-
-def _decode(raw: bytes) -> Any:
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return {"message": raw.decode(errors="replace").strip()}
 
 
 # ------------------------------------------------------------------------------ Engine -----
@@ -148,7 +103,7 @@ def engine_request(route: str, body: Mapping[str, Any]) -> Any:
 
     name = REQUEST_STRUCTS.get(route)
     if name is None:
-        raise TransportError(f"no in-process equivalent of SGLang route {route}")
+        raise EngineServerError(f"no in-process equivalent of SGLang route {route}")
     return getattr(io_struct, name)(**body)
 
 
@@ -222,8 +177,7 @@ def server_cli_args(
     """``sglang.launch_server`` flags; the tests parse them with SGLang's own ``ServerArgs``
     parser. ``extra`` (the user's ``launch_args``) comes last and may not repeat a flag the
     plugin sets."""
-    owned = {"--model-path", "--host", "--port", "--weight-version"}
-    clash = sorted(a for a in extra if a.split("=", 1)[0] in owned)
+    clash = sorted(a for a in extra if a.split("=", 1)[0] in OWNED_LAUNCH_FLAGS)
     if clash:
         raise ValueError(
             f"sglang.launch_args sets {', '.join(clash)}, which rlcore sets itself "
@@ -244,46 +198,7 @@ def server_cli_args(
     return args + list(extra)
 
 
-class ServerProcess:
-    """A ``python -m sglang.launch_server`` child process and its log."""
-
-    def __init__(self, python: str, cli_args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None):
-        self.cmd = [python or sys.executable, "-m", "sglang.launch_server", *cli_args]
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env or os.environ))
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return "".join(deque(fh, maxlen=lines))
-        except OSError:
-            return ""
-
-    def wait_healthy(self, client: HTTPTransport, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise TransportError(
-                    f"the SGLang server exited with code {self.proc.returncode} while starting "
-                    f"({' '.join(self.cmd)}); last lines of {self.log_path}:\n{self.log_tail()}"
-                )
-            if client.healthy():
-                return
-            time.sleep(2.0)
-        self.stop()
-        raise TransportError(
-            f"the SGLang server did not become healthy within {timeout:.0f} s (sglang.startup_timeout_s); "
-            f"last lines of {self.log_path}:\n{self.log_tail()}"
-        )
-
-    def stop(self, grace: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+def server_command(python: str, cli_args: Sequence[str]) -> list[str]:
+    """``python -m sglang.launch_server`` with ``cli_args`` (:func:`server_cli_args`); an empty
+    ``python`` is this interpreter."""
+    return [python or sys.executable, "-m", "sglang.launch_server", *cli_args]

@@ -31,8 +31,6 @@ own receiving code accepts:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 from functools import cache
 from multiprocessing.reduction import ForkingPickler
@@ -190,31 +188,3 @@ def serialize_per_rank(obj: Any, tp_size: int) -> list[bytes]:
     if tp_size < 1:
         raise ValueError("tp_size must be >= 1")
     return [serialize(obj) for _ in range(tp_size)]
-
-
-# ------------------------------------------------------------------------ routed experts ---
-
-
-def decode_routed_experts(encoded: str, num_layers: int, topk: int, expected_rows: int | None = None) -> torch.Tensor:
-    """SGLang's ``meta_info["routed_experts"]`` → int32 ``[rows, num_layers, topk]``.
-
-    ``rows`` is ``prompt + response - 1 - routed_experts_start_len``: the last sampled token has
-    no forward pass, so it has no row."""
-    try:
-        raw = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"routed experts are not valid base64: {exc}") from exc
-    per_row = num_layers * topk * 4
-    if per_row <= 0:
-        raise ValueError(f"num_layers ({num_layers}) and topk ({topk}) must be positive")
-    if len(raw) % per_row:
-        raise ValueError(
-            f"{len(raw)} bytes of routed experts are not a whole number of [{num_layers} layers x {topk}] int32 rows"
-        )
-    rows = len(raw) // per_row
-    if expected_rows is not None and rows != expected_rows:
-        raise ValueError(f"routed experts have {rows} rows, expected {expected_rows} (prompt + response - 1)")
-    if rows == 0:
-        return torch.empty((0, num_layers, topk), dtype=torch.int32)
-    return torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(rows, num_layers, topk)
-

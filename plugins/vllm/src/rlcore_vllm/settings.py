@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.errors import ConfigError
+from rlcore.serving import LOOPBACK, check_bind_host
 
 MODES = ("offline", "http")
 TRANSPORTS = ("auto", "shm", "nccl", "ipc")
+#: server flags rlcore sets from its own settings; ``engine_args`` may not set them again
+OWNED_SERVER_ARGS = {"host": "vllm.host", "port": "vllm.port", "served_model_name": "(rlcore's own name)"}
 
 
 @dataclass
@@ -17,8 +20,12 @@ class VLLMSettings:
 
     * ``mode``: ``offline`` runs ``vllm.LLM`` under this process (its engine core and workers are
       child processes unless ``multiprocessing`` is false); ``http`` talks to a vLLM OpenAI server
-      at ``url``, or launches ``vllm serve`` on ``port`` of this machine when ``url`` is empty.
-      The server must run with ``VLLM_SERVER_DEV_MODE=1`` (the RL, sleep and RPC routes).
+      at ``url``, or launches ``vllm serve`` on ``host:port`` of this machine when ``url`` is
+      empty. The server must run with ``VLLM_SERVER_DEV_MODE=1`` (the RL, sleep and RPC routes).
+    * ``host``: the address a server rlcore launches listens on. Loopback (``127.0.0.1``) by
+      default: the dev-mode routes replace the weights and run RPCs in the workers without
+      authentication, so only this machine may reach them. ``0.0.0.0`` exposes them to every
+      host that can reach this one; do that only on a network you trust.
     * ``multiprocessing``: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``. False keeps engine and
       worker in this process (seconds to start instead of ~20 s on a small CPU machine).
     * ``dtype``: ``auto`` serves in the training engine's dtype (``engine.model.dtype``).
@@ -38,6 +45,7 @@ class VLLMSettings:
 
     mode: str = "offline"
     url: str | None = None
+    host: str = LOOPBACK
     port: int = 8765
     multiprocessing: bool = True
     dtype: str = "auto"
@@ -76,3 +84,25 @@ def check_settings(settings: Any) -> None:
                           key="vllm.gpu_memory_utilization")
     if settings.kv_cache_gib < 0:
         raise ConfigError("bad value for config key 'vllm.kv_cache_gib': must be >= 0", key="vllm.kv_cache_gib")
+    check_bind_host(settings.host, "vllm.host")
+    if not 0 < settings.port < 65536:
+        raise ConfigError(f"bad value for config key 'vllm.port': {settings.port}; expected a TCP port in 1..65535",
+                          key="vllm.port")
+    for arg, setting in OWNED_SERVER_ARGS.items():
+        if arg in (settings.engine_args or {}):
+            raise ConfigError(f"vllm.engine_args sets {arg!r}, which rlcore sets itself from {setting}",
+                              key=f"vllm.engine_args.{arg}")
+
+
+def choose_transport(settings: Any, config: Any = None) -> str:
+    """``vllm.transport`` resolved: ``auto`` is ``ipc`` when the trainer runs on a GPU and the engine
+    is offline (colocated), else ``shm``."""
+    if settings.transport != "auto":
+        return settings.transport
+    device = str(config.engine.device) if config is not None else "cpu"
+    if settings.mode == "offline" and device in ("cuda", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return "ipc"
+    return "shm"

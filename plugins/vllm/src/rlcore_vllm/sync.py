@@ -30,26 +30,13 @@ from rlcore.sync import Bucket, iter_buckets, verify_checksums
 from rlcore.types import SyncReport
 
 from rlcore_vllm import native
-from rlcore_vllm.settings import VLLMSettings, check_settings
+from rlcore_vllm.backend import VLLMBackend
+from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
 from rlcore_vllm.shm import SharedBucketPool
 
 MB = 1 << 20
 #: probe tolerance of the native transports' log-prob check, by serving dtype
 PROBE_ATOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
-
-
-def choose_transport(settings: Any, config: Any = None) -> str:
-    """``auto``: ``ipc`` when the trainer runs on a GPU and the engine is offline (colocated),
-    else ``shm``."""
-    if settings.transport != "auto":
-        return settings.transport
-    device = str(config.engine.device) if config is not None else "cpu"
-    if settings.mode == "offline" and device in ("cuda", "auto"):
-        import torch
-
-        if torch.cuda.is_available():
-            return "ipc"
-    return "shm"
 
 
 def bucket_request(bucket: Bucket, path: str, capacity: int, verify: bool) -> dict[str, Any]:
@@ -80,8 +67,6 @@ class VLLMWeightSync:
     # ------------------------------------------------------------------------ push -----
 
     def push(self, weights: Iterable[tuple[str, Any]], target: Any, version: int) -> SyncReport:
-        from rlcore_vllm.backend import VLLMBackend
-
         if not isinstance(target, VLLMBackend):
             raise WeightSyncError(f"sync 'vllm' feeds only the 'vllm' rollout backend, got {type(target).__name__}")
         before = target.weight_version

