@@ -81,7 +81,7 @@ def load_config(
     pm = plugins or PluginManager()
     pm.activate(names)
     settings = pm.plugin_settings()
-    cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm))
+    cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm), algorithms=pm.algorithms())
     cfg.plugins = names
     return cfg, pm
 

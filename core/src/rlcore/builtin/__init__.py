@@ -10,4 +10,5 @@ BUILTIN_PLUGINS = {
     "disk": "rlcore.builtin.disk",
     "hf": "rlcore.builtin.hf",
     "megatron": "rlcore.builtin.megatron",
+    "algorithms": "rlcore.builtin.algorithms",
 }
