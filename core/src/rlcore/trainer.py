@@ -120,7 +120,7 @@ class Trainer:
         self.engine.setup_optimizer(cfg.training)
         self.reference = self.engine.make_reference() if cfg.algorithm.kl_coef > 0 else None
         a = cfg.algorithm
-        self.algorithm_spec = self.pm.select("algorithm", a.name, key="algorithm.name")
+        self.algorithm_spec = stack.algorithm or self.pm.select("algorithm", a.name, key="algorithm.name")
         self.algorithm = self.algorithm_spec.factory(a)
         self.objective = TokenObjective(
             self.algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
