@@ -294,3 +294,11 @@ def test_algorithm_names_conflict_across_plugins(rlcore_plugin_manager, register
     mod.algorithm = hookimpl(lambda: [AlgorithmSpec(name="grpo", factory=lambda s: None)])
     with pytest.raises(PluginConflictError, match="grpo"):
         register_plugin(mod, "dup")
+
+
+def test_listing_algorithms_imports_no_torch():
+    from rlcore.testing.imports import modules_loaded_by
+
+    loaded = modules_loaded_by("import rlcore.builtin.algorithms, rlcore.algorithms, rlcore.config\n"
+                               "list(rlcore.builtin.algorithms.algorithm())", ["torch"])
+    assert loaded == []
