@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = {
+#: one run per loss (PPO-clip, GSPO, CISPO); --estimators adds the other advantage estimators
+LOSSES = {
     "grpo (PPO-clip)": ["algorithm.name=grpo"],
     "gspo": ["algorithm.name=gspo"],
     "cispo": ["algorithm.name=cispo"],
+}
+ESTIMATORS = {
     "dr_grpo (PPO-clip)": ["algorithm.name=dr_grpo"],
     "rloo (PPO-clip)": ["algorithm.name=rloo"],
     "reinforce_pp (PPO-clip)": ["algorithm.name=reinforce_pp"],
@@ -29,17 +34,24 @@ def main() -> int:
     ap.add_argument("--out", default="runs/curves")
     ap.add_argument("--plot", default="docs/algorithms/curves.png")
     ap.add_argument("--only", nargs="*", default=None, help="run these labels only (others are read from --out)")
+    ap.add_argument("--estimators", action="store_true", help="also dr_grpo, rloo, reinforce_pp")
+    ap.add_argument("--updates", type=int, default=1, help="algorithm.updates_per_step (PPO epochs per step)")
     args = ap.parse_args()
+    runs = {**LOSSES, **(ESTIMATORS if args.estimators else {})}
     out = ROOT / args.out
     rlcore = str(Path(sys.executable).parent / "rlcore")
     summary = {}
-    for label, overrides in RUNS.items():
+    for label, overrides in runs.items():
         run_dir = out / overrides[0].split("=")[1]
         if args.only is None or any(o in label for o in args.only):
             t0 = time.time()
+            shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends across runs
             cmd = [rlcore, "train", "examples/tiny.yaml", "--output", str(run_dir), f"training.steps={args.steps}",
-                   "output.plot=false", "output.checkpoint_every=0", "output.progress=false", *overrides]
-            subprocess.run(cmd, cwd=ROOT, check=True)
+                   "output.plot=false", "output.checkpoint_every=0", "output.progress=false",
+                   f"algorithm.updates_per_step={args.updates}", *overrides]
+            # one intra-op thread: on a small shared CPU, oversubscribed torch threads cost ~10x
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            subprocess.run(cmd, cwd=ROOT, check=True, env=env)
             print(f"{label}: {time.time() - t0:.0f} s", flush=True)
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         summary[label] = {
@@ -61,7 +73,7 @@ def main() -> int:
         ax.plot(range(len(r)), smooth, label=f"{label}: {s['reward_first5']:.2f} -> {s['reward_last5']:.2f}")
     ax.set_xlabel("step")
     ax.set_ylabel("reward_mean (5-step moving average)")
-    ax.set_title(f"examples/tiny.yaml (successor task), {args.steps} steps, one run per algorithm")
+    ax.set_title(f"examples/tiny.yaml (successor task), {args.steps} steps, {args.updates} update(s) per step")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     plot = ROOT / args.plot

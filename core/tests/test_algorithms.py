@@ -232,6 +232,7 @@ def test_algorithm_config_selects_and_validates(tmp_path):
     (["algorithm.mismatch.tis_cap=0.5"], "algorithm.mismatch.tis_cap"),
     (["algorithm.mismatch.tis_cap=2", "algorithm.old_logprobs=rollout"], "algorithm.old_logprobs"),
     (["algorithm.clip_high=lots"], "algorithm.clip_high"),
+    (["algorithm.updates_per_step=0"], "algorithm.updates_per_step"),
 ])
 def test_algorithm_config_errors_name_the_field(overrides, key):
     with pytest.raises(ConfigError) as err:

@@ -36,7 +36,7 @@ def test_default_reproduces_the_trainer_before_the_algorithm_hook(tmp_path, case
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ["algorithm.name=gspo"],
-    ["algorithm.name=cispo", "algorithm.entropy_coef=0.01"],
+    ["algorithm.name=cispo", "algorithm.entropy_coef=0.01", "algorithm.updates_per_step=2"],
     ["algorithm.name=reinforce_pp", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward", "algorithm.kl_estimator=k1"],
     ["algorithm.name=rloo", "algorithm.mismatch.tis_cap=2", "algorithm.mismatch.mask_high=5",
      "algorithm.mismatch.level=sequence"],
@@ -54,5 +54,7 @@ def test_builtin_algorithms_train(tmp_path, overrides):
         assert "mismatch/kl_k3" in row and "mismatch/ratio_mean" in row
     if any("tis_cap" in o for o in overrides):
         assert "mismatch/truncated_frac" in full[0] and "mismatch/masked_frac" in full[0]
+    if any("updates_per_step=2" in o for o in overrides):  # the second update sees ratios != 1
+        assert any(row["ratio"] != 1.0 for row in full)
     if any("kl_in=reward" in o for o in overrides):
         assert "kl_reward_penalty" in full[0]

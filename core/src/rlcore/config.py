@@ -120,7 +120,8 @@ class AlgorithmConfig:
     term (``kl_in: loss``) or as a per-token reward penalty (``kl_in: reward``).
     ``entropy_coef``: entropy bonus. ``old_logprobs``: the ratio's denominator, the rollout
     engine's log-probs (``rollout``) or the trainer's recomputation (``recompute``); ``auto``
-    is ``recompute`` when ``mismatch`` corrects, else ``rollout``.
+    is ``recompute`` when ``mismatch`` corrects, else ``rollout``. ``updates_per_step``:
+    optimizer steps over each step's batch (PPO epochs; metrics are the last update's).
     """
 
     name: str = "grpo"
@@ -361,6 +362,9 @@ def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
     ``validate``."""
     a = cfg.algorithm
     a.name = spec.name
+    if a.updates_per_step < 1:
+        raise ConfigError("bad value for config key 'algorithm.updates_per_step': must be >= 1",
+                          key="algorithm.updates_per_step")
     for key in ("kl_coef", "entropy_coef", "norm_tokens"):
         if a[key] < 0:
             raise ConfigError(f"bad value for config key 'algorithm.{key}': must be >= 0", key=f"algorithm.{key}")

@@ -330,9 +330,12 @@ class Trainer:
             self._forward_pass(batch, "ref_logprob", self.reference, totals, grad=False)
         metrics.update(self._algorithm_inputs(batch, samples, rewards))
         self.engine.train(True)
-        self.engine.zero_grad()
-        train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
-        grad_norm = self.engine.optimizer_step(cfg.training.grad_clip)
+        # algorithm.updates_per_step > 1: PPO-style epochs over the step's batch; from the second
+        # update on the ratio moves away from 1 and the losses' clipping rules differ
+        for _update in range(int(cfg.algorithm.updates_per_step)):
+            self.engine.zero_grad()
+            train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
+            grad_norm = self.engine.optimizer_step(cfg.training.grad_clip)
         t_train = time.perf_counter() - t0 - t_gen
 
         resp_lens = [len(s.response_ids) for s in samples]
