@@ -1,7 +1,6 @@
 """Every built-in algorithm passes the algorithm conformance suite."""
 
 import pytest
-
 from rlcore.builtin.algorithms import algorithm
 from rlcore.testing.algorithm_conformance import AlgorithmConformance
 

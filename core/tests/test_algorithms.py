@@ -6,7 +6,6 @@ import types
 
 import pytest
 import torch
-
 from rlcore import hookimpl
 from rlcore.algorithms import advantages as adv
 from rlcore.algorithms import objective as objmod
@@ -23,7 +22,7 @@ def _inp(rewards, groups, lens=None, token_rewards=None):
     lens = lens or [2] * len(rewards)
     if token_rewards is None:
         token_rewards = []
-        for r, n in zip(rewards, lens):
+        for r, n in zip(rewards, lens, strict=False):
             t = torch.zeros(n)
             t[-1] = r
             token_rewards.append(t)

@@ -18,7 +18,7 @@ STD_MODES = ("population", "unbiased", "none")
 
 
 def _broadcast(per_sample: torch.Tensor, inp: AdvantageInput) -> list[torch.Tensor]:
-    return [torch.full((n,), float(a)) for a, n in zip(per_sample.tolist(), inp.response_lengths)]
+    return [torch.full((n,), float(a)) for a, n in zip(per_sample.tolist(), inp.response_lengths, strict=False)]
 
 
 def group_normalised(rewards: torch.Tensor, groups: torch.Tensor, std: str = "population",
@@ -148,5 +148,5 @@ class ReinforcePPBaselineAdvantage:
         for gid in torch.unique(inp.groups):
             sel = inp.groups == gid
             baseline[sel] = r[sel].mean()
-        centred = [_returns(tr, 1.0) - b for tr, b in zip(inp.token_rewards, baseline.tolist())]
+        centred = [_returns(tr, 1.0) - b for tr, b in zip(inp.token_rewards, baseline.tolist(), strict=False)]
         return _whiten(centred, self.eps)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcore.algorithms.spec import TokenInputs, TokenLoss
+from rlcore.algorithms.spec import PolicyLoss, TokenInputs, TokenLoss
 
 
 def _log_ratio(logprobs: torch.Tensor, x: TokenInputs) -> torch.Tensor:
@@ -200,7 +200,7 @@ class TokenObjective:
     both as a differentiable value (``value``, the plain autograd path the trainer uses) and in
     closed form (``closed_form``, what a head that computes the loss gradient itself uses)."""
 
-    loss: object
+    loss: PolicyLoss
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0

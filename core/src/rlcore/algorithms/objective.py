@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.algorithms.losses import TokenObjective
+from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.spec import TokenInputs, TokenLoss
 
 #: the step-batch fields the trainer fills before the train pass
@@ -51,8 +51,6 @@ def micro_batch_loss(mb, logprobs: torch.Tensor, entropy: torch.Tensor | None, o
         stats = {k: float((v * m).sum()) for k, v in objective.loss.metrics(logprobs, x, slr).items()}
         stats["entropy"] = float((entropy * m).sum()) if entropy is not None else 0.0
         if x.ref_logprobs is not None:
-            from rlcore.algorithms.losses import kl_penalty
-
             stats["kl"] = float((kl_penalty(logprobs, x.ref_logprobs, objective.kl_estimator) * m).sum())
         else:
             stats["kl"] = 0.0

@@ -31,8 +31,9 @@ stays fast; the built-in implementations live in :mod:`rlcore.algorithms.losses`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rlcore.types import ProviderSpec
 

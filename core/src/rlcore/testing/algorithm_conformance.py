@@ -23,7 +23,8 @@ step loss built on it is exact under any micro-batch split for every aggregation
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def random_step(seed: int = 0, num_seqs: int = 7, max_prompt: int = 4, max_respo
     g = torch.Generator().manual_seed(seed)
     seqs, starts, tf = [], [], {k: [] for k in ("old_logprobs", RECOMPUTED, "advantages", "ref_logprobs",
                                                "logprobs", "entropy", objmod.CORRECTION)}
-    for i in range(num_seqs):
+    for _ in range(num_seqs):
         p = int(torch.randint(1, max_prompt + 1, (1,), generator=g))
         r = int(torch.randint(1, max_response + 1, (1,), generator=g))
         seqs.append(torch.randint(0, vocab, (p + r,), generator=g))
@@ -109,7 +110,7 @@ def _advantage_input(seed: int, num_samples: int = 9, group: int = 3) -> Advanta
     lens = torch.randint(1, 6, (num_samples,), generator=g).tolist()
     rewards = torch.randint(0, 3, (num_samples,), generator=g).float()
     token_rewards = []
-    for n, r in zip(lens, rewards.tolist()):
+    for n, r in zip(lens, rewards.tolist(), strict=False):
         tr = -0.01 * torch.rand(n, generator=g)
         tr[-1] += r
         token_rewards.append(tr)
@@ -164,7 +165,7 @@ class AlgorithmConformance:
         inp = _advantage_input(1)
         adv = built.advantages(inp)
         assert len(adv) == len(inp.token_rewards)
-        for a, tr in zip(adv, inp.token_rewards):
+        for a, tr in zip(adv, inp.token_rewards, strict=False):
             assert tuple(a.shape) == tuple(tr.shape)
             assert bool(torch.isfinite(a).all())
 

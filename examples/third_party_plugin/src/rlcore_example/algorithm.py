@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from rlcore.algorithms import AdvantageInput, Algorithm, TokenInputs
 
 
@@ -28,7 +27,7 @@ class GroupBaselineAdvantage:
             for gid in torch.unique(inp.groups):
                 sel = inp.groups == gid
                 b[sel] = r[sel].mean()
-        return [torch.full((n,), float(a)) for a, n in zip((r - b).tolist(), inp.response_lengths)]
+        return [torch.full((n,), float(a)) for a, n in zip((r - b).tolist(), inp.response_lengths, strict=False)]
 
 
 @dataclass(frozen=True)
