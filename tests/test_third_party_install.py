@@ -32,6 +32,7 @@ def test_pip_install_makes_the_plugin_listed():
     ex = listed["example"]
     assert ex["distribution"] == "rlcore-example-plugin" and ex["version"] == "0.3.0"
     assert ex["status"] == "installed"
-    assert ex["hooks"] == ["forward_fn", "plugin_settings", "postprocess", "step_end"]
-    assert ex["provides"] == {"forward_fn": ["example-naive"], "config_section": ["example"]}
+    assert ex["hooks"] == ["algorithm", "forward_fn", "plugin_settings", "postprocess", "step_end"]
+    assert ex["provides"] == {"forward_fn": ["example-naive"], "algorithm": ["example-reinforce"],
+                              "config_section": ["example"]}
     assert listed["reference"]["status"] == "active"  # beside the built-ins

@@ -73,6 +73,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         s = desc[role]
         caps = escape("[" + ", ".join(s["capabilities"]) + "]")
         con.print(f"  {role:16s} {s['name']:14s} from {s['distribution']}  {caps}")
+    if desc.get("algorithm"):
+        a = desc["algorithm"]
+        con.print(f"  {'algorithm':16s} {a['name']:14s} from {a['distribution']}  loss_agg {a['loss_agg']}")
     for hook, names in desc["chains"].items():
         con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
     for note in desc["notes"]:

@@ -10,6 +10,7 @@ that name the full key.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -17,6 +18,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
+from rlcore.algorithms.spec import LOSS_AGGREGATIONS
 from rlcore.errors import ConfigError
 
 
@@ -92,23 +94,46 @@ class SyncConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    """GRPO: group-normalised advantages, PPO-clip loss against the behaviour log-probs.
+class MismatchConfig:
+    """Rollout–trainer mismatch correction (docs/algorithms.md). ``level``: ``token``,
+    ``sequence`` (product of the token ratios) or ``geometric`` (their geometric mean);
+    ``tis_cap`` > 0: truncated importance weights ``min(ρ, tis_cap)``; ``mask_low`` /
+    ``mask_high`` > 0: tokens (or sequences) whose ratio is below / above get weight 0. All 0:
+    no correction (the metrics ``mismatch/*`` are reported every step anyway)."""
 
-    ``loss_agg``: ``token-mean`` (every response token weighs the same), ``seq-mean-token-mean``
-    (every sequence weighs the same), ``seq-mean-token-sum``. ``kl_coef`` > 0 adds a KL penalty
-    (``kl_estimator`` k1/k2/k3) to a frozen copy of the initial policy.
+    level: str = "token"
+    tis_cap: float = 0.0
+    mask_low: float = 0.0
+    mask_high: float = 0.0
+
+
+@dataclass
+class AlgorithmConfig:
+    """Core's part of the ``algorithm:`` section; the selected algorithm provider (``name``,
+    hook ``algorithm``) adds its own keys next to these (``clip_low``, ``clip_high`` ... for
+    the built-ins; docs/algorithms.md lists them).
+
+    ``loss_agg``: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+    ``token-sum``, ``seq-mean-token-sum-norm`` (divides by ``norm_tokens``, 0 =
+    ``rollout.max_new_tokens``) or ``auto`` (the algorithm's published choice). ``kl_coef``
+    > 0 adds KL to a frozen copy of the initial policy (``kl_estimator`` k1/k2/k3), as a loss
+    term (``kl_in: loss``) or as a per-token reward penalty (``kl_in: reward``).
+    ``entropy_coef``: entropy bonus. ``old_logprobs``: the ratio's denominator, the rollout
+    engine's log-probs (``rollout``) or the trainer's recomputation (``recompute``); ``auto``
+    is ``recompute`` when ``mismatch`` corrects, else ``rollout``. ``updates_per_step``:
+    optimizer steps over each step's batch (PPO epochs; metrics are the last update's).
     """
 
     name: str = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    loss_agg: str = "auto"
+    norm_tokens: int = 0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_in: str = "loss"
     entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"
-    normalize_std: bool = True
+    old_logprobs: str = "auto"
     updates_per_step: int = 1
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
 
 
 @dataclass
@@ -187,11 +212,56 @@ def raw_plugins(raw: DictConfig) -> list[str]:
     return [str(p).strip().lower() for p in plugins]
 
 
-def schema_with_plugins(settings: Sequence[Any]) -> type:
-    """:class:`RunConfig` extended with one field per plugin section."""
-    if not settings:
+def algorithm_schema(spec: Any) -> type:
+    """:class:`AlgorithmConfig` extended with the selected algorithm's own settings."""
+    own = getattr(spec, "settings", None)
+    if own is None:
+        return AlgorithmConfig
+    if not dataclasses.is_dataclass(own):
+        raise ConfigError(f"algorithm {spec.name!r} ({spec.source()}): its settings must be a dataclass")
+    core = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    hints = typing.get_type_hints(own)
+    extra = []
+    for f in dataclasses.fields(own):
+        if f.name in core:
+            raise ConfigError(
+                f"algorithm {spec.name!r} ({spec.source()}) declares setting {f.name!r}, which is one of core's "
+                f"algorithm keys ({', '.join(sorted(core))})"
+            )
+        default = (field(default=f.default) if f.default is not dataclasses.MISSING
+                   else field(default_factory=f.default_factory))  # type: ignore[arg-type]
+        extra.append((f.name, hints[f.name], default))
+    return dataclasses.make_dataclass(f"AlgorithmConfig_{spec.name.replace('-', '_').replace('.', '_')}", extra,
+                                      bases=(AlgorithmConfig,))
+
+
+def builtin_algorithms() -> dict[str, Any]:
+    """Core's built-in algorithm specs (for validation without a plugin manager)."""
+    from rlcore.builtin.algorithms import algorithm
+
+    return {spec.name: spec for spec in algorithm()}
+
+
+def selected_algorithm(raw: DictConfig, algorithms: dict[str, Any]) -> Any:
+    name = str(OmegaConf.select(raw, "algorithm.name", default="grpo") or "grpo").strip().lower()
+    if name not in algorithms:
+        raise ConfigError(
+            f"algorithm.name: {name!r} is not a known algorithm. Choose one of: {', '.join(sorted(algorithms))} "
+            f"(or install the plugin that provides it and add it to plugins:)",
+            key="algorithm.name",
+        )
+    return algorithms[name]
+
+
+def schema_with_plugins(settings: Sequence[Any], algorithm: Any = None) -> type:
+    """:class:`RunConfig` extended with one field per plugin section (and the selected
+    algorithm's settings in ``algorithm:``)."""
+    if not settings and algorithm is None:
         return RunConfig
     extra = []
+    if algorithm is not None:
+        alg_cls = algorithm_schema(algorithm)
+        extra.append(("algorithm", alg_cls, field(default_factory=alg_cls)))
     for ps in settings:
         if ps.section in CORE_SECTIONS:
             raise ConfigError(
@@ -203,9 +273,12 @@ def schema_with_plugins(settings: Sequence[Any]) -> type:
     return dataclasses.make_dataclass("RunConfigWithPlugins", extra, bases=(RunConfig,))
 
 
-def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sections: dict[str, str] | None = None) -> DictConfig:
-    """Merge ``raw`` into the structured schema. Errors name the full key."""
-    schema = schema_with_plugins(settings)
+def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sections: dict[str, str] | None = None,
+             algorithms: dict[str, Any] | None = None) -> DictConfig:
+    """Merge ``raw`` into the structured schema. Errors name the full key. ``algorithms``: the
+    registered algorithm specs by name (default: core's built-ins)."""
+    algo = selected_algorithm(raw, algorithms if algorithms is not None else builtin_algorithms())
+    schema = schema_with_plugins(settings, algo)
     active_sections = {ps.section for ps in settings}
     for key in raw.keys():
         key = str(key)
@@ -239,6 +312,7 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
         raise ConfigError(f"bad value for config key {key!r}: {msg}", key=key) from exc
     OmegaConf.set_readonly(merged, False)
     _check_values(merged)
+    _resolve_algorithm(merged, algo)
     for ps in settings:
         if ps.validate is not None:
             ps.validate(merged[ps.section])
@@ -254,9 +328,11 @@ def _known_keys(base: DictConfig, parent: str) -> list[str]:
 
 _CHOICES = {
     "rollout.release_kv_cache": ("auto", "always", "never"),
-    "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "algorithm.loss_agg": (*LOSS_AGGREGATIONS, "auto"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
-    "algorithm.name": ("grpo",),
+    "algorithm.kl_in": ("loss", "reward"),
+    "algorithm.old_logprobs": ("auto", "rollout", "recompute"),
+    "algorithm.mismatch.level": ("token", "sequence", "geometric"),
 }
 
 
@@ -279,6 +355,44 @@ def _check_values(cfg: DictConfig) -> None:
         val = OmegaConf.select(cfg, key)
         if ":" not in val:
             raise ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key)
+
+
+def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
+    """Check core's algorithm values, resolve the ``auto``\\ s, then run the algorithm's own
+    ``validate``."""
+    a = cfg.algorithm
+    a.name = spec.name
+    if a.updates_per_step < 1:
+        raise ConfigError("bad value for config key 'algorithm.updates_per_step': must be >= 1",
+                          key="algorithm.updates_per_step")
+    for key in ("kl_coef", "entropy_coef", "norm_tokens"):
+        if a[key] < 0:
+            raise ConfigError(f"bad value for config key 'algorithm.{key}': must be >= 0", key=f"algorithm.{key}")
+    mm = a.mismatch
+    for key in ("tis_cap", "mask_low", "mask_high"):
+        if mm[key] < 0:
+            raise ConfigError(f"bad value for config key 'algorithm.mismatch.{key}': must be >= 0 (0 = off)",
+                              key=f"algorithm.mismatch.{key}")
+    if mm.mask_high and mm.mask_low and mm.mask_low >= mm.mask_high:
+        raise ConfigError("bad value for config key 'algorithm.mismatch.mask_low': must be below mask_high",
+                          key="algorithm.mismatch.mask_low")
+    if mm.tis_cap and mm.tis_cap < 1:
+        raise ConfigError("bad value for config key 'algorithm.mismatch.tis_cap': must be >= 1 (weights are "
+                          "truncated at it) or 0 (off)", key="algorithm.mismatch.tis_cap")
+    corrects = bool(mm.tis_cap or mm.mask_low or mm.mask_high)
+    if a.old_logprobs == "auto":
+        a.old_logprobs = "recompute" if corrects else "rollout"
+    elif corrects and a.old_logprobs == "rollout":
+        raise ConfigError(
+            "bad value for config key 'algorithm.old_logprobs': 'rollout' cannot be combined with algorithm.mismatch "
+            "correction (its weights are trainer/rollout ratios; the PPO ratio must then be against the trainer's "
+            "recomputed log-probs): use 'recompute' or 'auto'", key="algorithm.old_logprobs")
+    if a.loss_agg == "auto":
+        a.loss_agg = spec.loss_agg or "token-mean"
+    if a.loss_agg == "seq-mean-token-sum-norm" and not a.norm_tokens:
+        a.norm_tokens = int(cfg.rollout.max_new_tokens)
+    if spec.validate is not None:
+        spec.validate(a)
 
 
 def to_yaml(cfg: DictConfig) -> str:

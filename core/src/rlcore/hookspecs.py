@@ -2,7 +2,8 @@
 
 There are two kinds of hook (docs/hooks.md has the lifecycle diagram):
 
-* **Provider hooks** (``forward_fn``, ``rollout_backend``, ``weight_sync``, ``engine``) return
+* **Provider hooks** (``forward_fn``, ``rollout_backend``, ``weight_sync``, ``engine``,
+  ``algorithm``) return
   typed descriptors (:mod:`rlcore.types`) naming implementations. Every name must be unique
   across installed distributions; the config selects one by name.
 * **Chain hooks** (``forward_request``, ``postprocess``, ``router_hook``, ``step_end``) run every
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Iterable
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
+    from rlcore.algorithms.spec import AlgorithmSpec
     from rlcore.types import (
         Constraint,
         EngineSpec,
@@ -45,7 +47,7 @@ PROJECT = "rlcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-PROVIDER_HOOKS = ("forward_fn", "rollout_backend", "weight_sync", "engine")
+PROVIDER_HOOKS = ("forward_fn", "rollout_backend", "weight_sync", "engine", "algorithm")
 CHAIN_HOOKS = ("forward_request", "postprocess", "router_hook", "step_end")
 DECLARATION_HOOKS = ("plugin_settings", "constraints")
 
@@ -230,6 +232,48 @@ class RLCoreSpecs:
             def engine():
                 yield EngineSpec(name="megatron", factory=build_megatron_engine,
                                  capabilities={Cap.MOE, Cap.MTP, Cap.TENSOR_PARALLEL})
+        """
+
+    @hookspec
+    def algorithm(self) -> Iterable[AlgorithmSpec]:
+        """Register RL algorithms: an advantage estimator and a policy loss in closed form.
+
+        **Kind:** provider; selected by ``algorithm.name``. **Called:** at plugin load (to
+        list names) and when the config is validated (the selected spec's ``settings``
+        dataclass becomes part of the ``algorithm:`` section's schema, its ``validate`` runs);
+        the selected spec's ``factory(settings)`` is called once per run with the validated
+        ``algorithm:`` section and returns a :class:`~rlcore.algorithms.spec.Algorithm`.
+
+        ``Algorithm.advantages(inp: AdvantageInput) -> list[Tensor]`` runs once per step after
+        the no-grad passes: per-sample rewards and groups, per-token rewards and rollout
+        log-probs in, per-token advantages per sample out. ``Algorithm.loss`` is a
+        :class:`~rlcore.algorithms.spec.PolicyLoss`: per token, the policy-gradient term
+        ``value(logp, x, seq_log_ratio)`` (differentiable) and ``grad(...)`` → ``(value,
+        ∂value/∂logp)`` in closed form, given the token's old and rollout log-probs and
+        advantage (:class:`~rlcore.algorithms.spec.TokenInputs`); ``sequence_level`` losses
+        (GSPO) also get the sequence's mean log-ratio. Core owns aggregation weights, KL to a
+        reference, the entropy bonus and mismatch correction, identical for every algorithm.
+        ``rlcore.testing.algorithm_conformance.AlgorithmConformance`` checks a provider.
+
+        :return: an iterable of :class:`~rlcore.algorithms.spec.AlgorithmSpec` (``settings``:
+            the algorithm's own keys under ``algorithm:``; ``loss_agg``: its published
+            aggregation, used for ``loss_agg: auto``; ``source``: the paper it implements).
+
+        **Example:**
+
+        .. code-block:: python
+
+            @dataclass
+            class MySettings:
+                clip: float = 0.2
+
+            @hookimpl
+            def algorithm():
+                def build(settings):
+                    from my_plugin.algo import MyAdvantage, MyLoss   # torch only when selected
+                    return Algorithm(advantages=MyAdvantage(), loss=MyLoss(settings.clip))
+                yield AlgorithmSpec(name="my-po", factory=build, settings=MySettings,
+                                    loss_agg="token-mean", source="Me et al. 2026, eq. 3")
         """
 
     # ---------------------------------------------------------------------- chains -------

@@ -26,6 +26,7 @@ from typing import Any
 import pluggy
 
 from rlcore import errors
+from rlcore.algorithms.spec import AlgorithmSpec
 from rlcore.discovery import (
     CORE_DISTRIBUTION,
     ENTRY_POINT_GROUP,
@@ -83,6 +84,7 @@ _SPEC_TYPES: dict[str, type[ProviderSpec]] = {
     "rollout_backend": RolloutBackendSpec,
     "weight_sync": WeightSyncSpec,
     "engine": EngineSpec,
+    "algorithm": AlgorithmSpec,
 }
 
 ALL_HOOKS = PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS
@@ -367,6 +369,10 @@ class PluginManager:
 
     def engines(self) -> dict[str, EngineSpec]:
         return self._providers("engine")  # type: ignore[return-value]
+
+    def algorithms(self) -> dict[str, AlgorithmSpec]:
+        """Registered algorithms (advantage estimator + policy loss), by name."""
+        return self._providers("algorithm")  # type: ignore[return-value]
 
     def providers(self, hook: str) -> dict[str, ProviderSpec]:
         if hook not in _SPEC_TYPES:

@@ -38,6 +38,8 @@ class Stack:
     notes: list[str] = field(default_factory=list)
     #: per role, declared capabilities unavailable here, with reasons
     gaps: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: the selected algorithm (``algorithm.name``)
+    algorithm: Any = None
 
     def has(self, role: str, cap: str) -> bool:
         """Declared by the selected provider and available on this platform."""
@@ -64,6 +66,10 @@ class Stack:
             "forward_fn": spec(self.forward_fn),
             "rollout_backend": spec(self.rollout_backend),
             "weight_sync": spec(self.weight_sync),
+            "algorithm": (None if self.algorithm is None else
+                          {"name": self.algorithm.name, "plugin": self.algorithm.plugin,
+                           "distribution": self.algorithm.distribution, "source": self.algorithm.source,
+                           "loss_agg": self.config.algorithm.loss_agg}),
             "chains": self.chains,
             "notes": self.notes,
         }
@@ -81,7 +87,7 @@ def load_config(
     pm = plugins or PluginManager()
     pm.activate(names, source=PluginManager.plugin_list_source())
     settings = pm.plugin_settings()
-    cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm))
+    cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm), algorithms=pm.algorithms())
     cfg.plugins = names
     return cfg, pm
 
@@ -105,6 +111,7 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
     rollout = pm.select("rollout_backend", cfg.rollout.backend, key="rollout.backend")
     sync = pm.select("weight_sync", cfg.sync.name, key="sync.name")
     stack = Stack(cfg, pm, engine, forward, rollout, sync)  # type: ignore[arg-type]
+    stack.algorithm = pm.select("algorithm", cfg.algorithm.name, key="algorithm.name")
     stack.chains = {hook: pm.implementers(hook) for hook in CHAIN_HOOKS}
 
     # the weight sync must be able to feed the backend

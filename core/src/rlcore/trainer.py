@@ -2,11 +2,12 @@
 
 One step::
 
-    prompts ─ rollout_backend.generate ─▶ samples ─ reward ─▶ GRPO advantages
-      ─ pack ─▶ PackedBatch ─ micro-batches by token budget ─▶
+    prompts ─ rollout_backend.generate ─▶ samples ─ reward ─ pack ─▶ PackedBatch ─
+      micro-batches by token budget ─▶
         old_logprob pass (no grad)  [forward_request, engine.forward, forward_fn, postprocess]
         ref_logprob pass (KL only)
-        train pass: policy loss + postprocess loss terms ─ backward ─ optimizer step
+        mismatch weights, advantages (the algorithm's estimator), aggregation weights
+        train pass: the algorithm's policy loss + postprocess loss terms ─ backward ─ optimizer step
       ─ step_end chain ─ pause, release KV ─ weight_sync.push (verified) ─ resume ─ metrics, checkpoint
 """
 
@@ -22,7 +23,11 @@ from typing import Any
 import torch
 
 from rlcore import __version__
-from rlcore.algo import StepTotals, grpo_advantages, policy_loss
+from rlcore.algorithms import objective as objmod
+from rlcore.algorithms.aggregation import step_weights
+from rlcore.algorithms.losses import TokenObjective, kl_penalty
+from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
+from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import PackedBatch
 from rlcore.errors import ConfigError, RolloutError, WeightSyncError
 from rlcore.run_output import MetricsWriter, load_checkpoint, plot_rewards, read_metrics, save_checkpoint
@@ -56,6 +61,16 @@ def _quiet_transformers() -> None:
 #: rollout engine's behaviour log-probs, which the importance ratio uses)
 RECOMPUTED = "recomputed_logprobs"
 PHASE_OUTPUT = {"old_logprob": RECOMPUTED, "ref_logprob": "ref_logprobs"}
+
+
+@dataclass
+class StepTotals:
+    """Normalisers over the whole step (all micro-batches)."""
+
+    loss_tokens: int
+    num_seqs: int
+    #: the aggregation divisor (see rlcore.algorithms.aggregation)
+    divisor: float = 1.0
 
 
 @dataclass
@@ -104,6 +119,17 @@ class Trainer:
         self.sync = stack.weight_sync.factory(ctx_for(stack.weight_sync, self.engine))
         self.engine.setup_optimizer(cfg.training)
         self.reference = self.engine.make_reference() if cfg.algorithm.kl_coef > 0 else None
+        a = cfg.algorithm
+        self.algorithm_spec = stack.algorithm or self.pm.select("algorithm", a.name, key="algorithm.name")
+        self.algorithm = self.algorithm_spec.factory(a)
+        self.objective = TokenObjective(
+            self.algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
+            kl_estimator=a.kl_estimator, entropy_coef=float(a.entropy_coef),
+        )
+        self.correction = MismatchCorrection(a.mismatch.level, float(a.mismatch.tis_cap), float(a.mismatch.mask_low),
+                                             float(a.mismatch.mask_high))
+        #: the field the ratio's denominator comes from
+        self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
         self.router = self.pm.router_hook if self.pm.has_router_hooks() else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.output.tensorboard)
         self.step = 0
@@ -119,7 +145,8 @@ class Trainer:
         self.console.print(f"[bold]rlcore {__version__}[/] | plugins: {plugins}")
         self.console.print(
             f"engine {s.engine.name} | forward {s.forward_fn.name} | rollout {s.rollout_backend.name} | "
-            f"sync {s.weight_sync.name} | output {self.out}"
+            f"sync {s.weight_sync.name} | algorithm {self.algorithm_spec.name} ({self.cfg.algorithm.loss_agg}) | "
+            f"output {self.out}"
         )
         for note in s.notes:
             self.console.print(f"[yellow]note:[/] {note}")
@@ -193,22 +220,16 @@ class Trainer:
         return out
 
     def _pack(self, samples: list[Sample], rewards: list[float]) -> PackedBatch:
-        algo = self.cfg.algorithm
-        adv = grpo_advantages(rewards, [s.prompt_index for s in samples], algo.normalize_std)
         seqs = [list(s.prompt_ids) + s.response_ids.tolist() for s in samples]
         starts = [len(s.prompt_ids) for s in samples]
-        target = {
-            "old_logprobs": [s.logprobs.float() for s in samples],
-            "advantages": [torch.full((len(s.response_ids),), float(a)) for s, a in zip(samples, adv)],
-        }
+        target = {"old_logprobs": [s.logprobs.float() for s in samples]}
         inputs = {}
         layout = self.engine.info.route_layout
         if layout is not None and all(s.routed_experts is not None for s in samples):
             inputs["routes"] = [layout.select(torch.as_tensor(s.routed_experts)).to(torch.int16) for s in samples]
         return PackedBatch.pack(
             seqs, starts, target_fields=target, input_fields=inputs,
-            seq_fields={"reward": torch.tensor(rewards), "group": torch.tensor([s.prompt_index for s in samples]),
-                        "advantage": adv},
+            seq_fields={"reward": torch.tensor(rewards), "group": torch.tensor([s.prompt_index for s in samples])},
             align=int(getattr(self.engine, "sequence_alignment", 1)),
             pad_id=self.engine.info.pad_token_id,
         )
@@ -242,8 +263,8 @@ class Trainer:
                     for k, v in res.batch_updates.items():
                         batch.write_back(mb, k, v.detach())
                 if phase == "train":
-                    ref = mb.fields.get("ref_logprobs")
-                    loss, stats = policy_loss(mb, head.logprobs, head.entropy, cfg.algorithm, totals, ref)
+                    loss, stats = objmod.micro_batch_loss(mb, head.logprobs, head.entropy, self.objective,
+                                                          totals.divisor, self.proximal)
                     for plugin, res in results:
                         for name, term in res.loss_terms.items():
                             loss = loss + term
@@ -263,7 +284,7 @@ class Trainer:
                     logprob_out[start: start + mb.num_tokens] = head.logprobs.detach().float()
         if phase == "train":
             n = max(sums.pop("_tokens", 0.0), 1.0)
-            for k in ("clipfrac", "ratio", "approx_kl_behaviour", "entropy", "kl"):
+            for k in objmod.TOKEN_MEAN_METRICS:
                 if k in sums:
                     sums[k] /= n
                     counts.pop(k, None)
@@ -292,7 +313,10 @@ class Trainer:
         device = getattr(self.engine, "device", None)
         if device is not None:  # one host-to-device copy per step; micro-batches are views of it
             batch = batch.to(device)
-        totals = StepTotals(loss_tokens=batch.num_loss_tokens, num_seqs=batch.num_seqs)
+        a = cfg.algorithm
+        weights = step_weights(a.loss_agg, batch.loss_mask, batch.seq_index(), batch.num_seqs, int(a.norm_tokens))
+        batch.fields[objmod.AGG_NUMERATOR] = weights.numerator
+        totals = StepTotals(loss_tokens=batch.num_loss_tokens, num_seqs=batch.num_seqs, divisor=weights.divisor)
 
         metrics: dict[str, Any] = {}
         self.engine.train(False)
@@ -304,10 +328,14 @@ class Trainer:
         metrics["logprob_mismatch_max"] = float(d.max()) if d.numel() else 0.0
         if self.reference is not None:
             self._forward_pass(batch, "ref_logprob", self.reference, totals, grad=False)
+        metrics.update(self._algorithm_inputs(batch, samples, rewards))
         self.engine.train(True)
-        self.engine.zero_grad()
-        train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
-        grad_norm = self.engine.optimizer_step(cfg.training.grad_clip)
+        # algorithm.updates_per_step > 1: PPO-style epochs over the step's batch; from the second
+        # update on the ratio moves away from 1 and the losses' clipping rules differ
+        for _update in range(int(cfg.algorithm.updates_per_step)):
+            self.engine.zero_grad()
+            train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
+            grad_norm = self.engine.optimizer_step(cfg.training.grad_clip)
         t_train = time.perf_counter() - t0 - t_gen
 
         resp_lens = [len(s.response_ids) for s in samples]
@@ -324,6 +352,54 @@ class Trainer:
         })
         metrics.update(self.pm.step_end(StepContext(self.step, batch, metrics, cfg)))
         return StepResult(metrics, batch)
+
+    def _algorithm_inputs(self, batch: PackedBatch, samples: list[Sample], rewards: list[float]) -> dict[str, float]:
+        """Fill the step batch's mismatch weights and advantages (after the no-grad passes:
+        both may need the trainer's and the reference's log-probs)."""
+        a = self.cfg.algorithm
+        mask = batch.loss_mask
+        seq_index = batch.seq_index()
+        mm = mismatch(batch.fields[RECOMPUTED], batch.fields[objmod.ROLLOUT], mask, seq_index, batch.num_seqs,
+                      self.correction)
+        if mm.correction is not None:
+            batch.fields[objmod.CORRECTION] = mm.correction.to(batch.fields[RECOMPUTED].device)
+        counts = batch.seq_sum(mask.to(torch.long)).tolist()
+        lens = [len(s.response_ids) for s in samples]
+        if counts != lens:
+            raise RuntimeError(f"loss tokens per sequence {counts} differ from the response lengths {lens}")
+
+        def per_sample(x: torch.Tensor) -> list[torch.Tensor]:
+            return list(torch.split(x[mask].detach().float().cpu(), counts))
+
+        token_rewards = [torch.zeros(n) for n in counts]
+        for tr, r in zip(token_rewards, rewards):
+            if tr.numel():
+                tr[-1] = r
+        seq_rewards = torch.tensor(rewards, dtype=torch.float32)
+        out: dict[str, float] = {}
+        if a.kl_in == "reward" and a.kl_coef > 0:
+            penalty = per_sample(-float(a.kl_coef) * kl_penalty(batch.fields[RECOMPUTED], batch.fields["ref_logprobs"],
+                                                                 a.kl_estimator))
+            token_rewards = [tr + p for tr, p in zip(token_rewards, penalty)]
+            if not self.algorithm.token_level_rewards:  # outcome estimators see the summed penalty
+                seq_rewards = seq_rewards + torch.tensor([float(p.sum()) for p in penalty])
+            out["kl_reward_penalty"] = float(sum(float(p.sum()) for p in penalty)) / max(len(penalty), 1)
+        inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
+                             token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]))
+        adv = self.algorithm.advantages(inp)
+        if len(adv) != len(samples) or [int(x.shape[0]) for x in adv] != counts:
+            raise RuntimeError(
+                f"algorithm {self.algorithm_spec.name!r} ({self.algorithm_spec.source()}) returned advantages of lengths "
+                f"{[tuple(x.shape) for x in adv]}, expected one [n_i] tensor per sample with n_i = {counts}"
+            )
+        flat = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        if adv:
+            flat[mask.cpu()] = torch.cat([x.float().cpu() for x in adv])
+        batch.fields[objmod.ADVANTAGES] = flat.to(mask.device)
+        batch.seq_fields["advantage"] = torch.stack([x.mean() if x.numel() else torch.zeros(()) for x in adv]).to(mask.device)
+        out["advantage_abs_mean"] = float(flat[mask.cpu()].abs().mean()) if bool(mask.any()) else 0.0
+        out.update(mm.metrics)
+        return out
 
     def _push(self, version: int) -> Any:
         caps = self.backend.capabilities()

@@ -60,3 +60,42 @@ def test_step_end_reports_and_resets_head_calls():
                    vocab=VocabShard.full(6), loss_mask=batch.loss_mask))
     assert plugin.step_end(StepContext(0, batch, {})) == {"example/forward_calls": 1.0}
     assert plugin.step_end(StepContext(1, batch, {})) == {"example/forward_calls": 0.0}
+
+
+# ---------------------------------------------------------------------------- algorithm -----
+
+from rlcore.testing.algorithm_conformance import AlgorithmConformance  # noqa: E402
+
+ALGORITHM = next(iter(plugin.algorithm()))
+
+
+class TestExampleReinforce(AlgorithmConformance):
+    @pytest.fixture
+    def spec(self):
+        return ALGORITHM
+
+
+class TestExampleReinforceWithoutBaseline(AlgorithmConformance):
+    overrides = ["algorithm.baseline=none"]
+
+    @pytest.fixture
+    def spec(self):
+        return ALGORITHM
+
+
+def test_algorithm_is_selected_by_config_with_its_settings(rlcore_plugin_manager, register_plugin):
+    from rlcore.errors import ConfigError
+    from rlcore.stack import load_config
+
+    register_plugin(plugin, "example")
+    cfg, _ = load_config(None, ["algorithm.name=example-reinforce", "algorithm.baseline=none"],
+                         plugins=rlcore_plugin_manager)
+    assert cfg.algorithm.baseline == "none" and cfg.algorithm.loss_agg == "token-mean"
+    with pytest.raises(ConfigError, match="algorithm.baseline"):
+        load_config(None, ["algorithm.name=example-reinforce", "algorithm.baseline=median"], plugins=rlcore_plugin_manager)
+    built = rlcore_plugin_manager.algorithms()["example-reinforce"].factory(cfg.algorithm)
+    from rlcore.algorithms import AdvantageInput
+
+    inp = AdvantageInput(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), [torch.zeros(2), torch.zeros(1)],
+                         [torch.zeros(2), torch.zeros(1)])
+    assert [a.tolist() for a in built.advantages(inp)] == [[1.0, 1.0], [0.0]]

@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlcore import PLUGIN_API, hookimpl
+from rlcore.algorithms import AlgorithmSpec
+from rlcore.errors import ConfigError
 from rlcore.types import Cap, ForwardFnSpec, PluginSettings, PostprocessResult
 
-__all__ = ["PLUGIN_API", "forward_fn", "plugin_settings", "postprocess", "step_end"]
+__all__ = ["PLUGIN_API", "algorithm", "forward_fn", "plugin_settings", "postprocess", "step_end"]
 
 #: how many times the naive head ran since the last step_end (shows which head a run used)
 CALLS = {"forward": 0}
@@ -39,6 +41,36 @@ def forward_fn():
         factory=_build_head,
         capabilities={Cap.ENTROPY, Cap.PER_TOKEN_TEMPERATURE},
         description="full-logits torch.log_softmax head (the naive baseline)",
+    )
+
+
+@dataclass
+class ReinforceSettings:
+    """``algorithm: {name: example-reinforce, baseline: mean}``; ``baseline``: ``mean`` (the
+    group's mean reward) or ``none``."""
+
+    baseline: str = "mean"
+
+
+def _validate_reinforce(section) -> None:
+    if section.baseline not in ("mean", "none"):
+        raise ConfigError(f"bad value for config key 'algorithm.baseline': {section.baseline!r}; choose one of: mean, none",
+                          key="algorithm.baseline")
+
+
+def _build_reinforce(settings):
+    from rlcore_example.algorithm import build
+
+    return build(settings)
+
+
+@hookimpl
+def algorithm():
+    yield AlgorithmSpec(
+        name="example-reinforce", factory=_build_reinforce, settings=ReinforceSettings,
+        validate=_validate_reinforce, loss_agg="token-mean",
+        description="REINFORCE with a group-mean baseline (no ratio, no clipping)",
+        source="Williams 1992, eq. 11",
     )
 
 

@@ -1,0 +1,238 @@
+"""The built-in policy losses and core's per-token terms (KL to a reference, entropy bonus), each
+with its value and its derivative with respect to the token's log-prob in closed form.
+
+Notation per token ``t``: ``r_t = exp(logp_t − old_t)`` the importance ratio against the
+proximal (old) policy, ``A_t`` the advantage, ``ε_l, ε_h`` the lower and upper clip ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlcore.algorithms.spec import PolicyLoss, TokenInputs, TokenLoss
+
+
+def _log_ratio(logprobs: torch.Tensor, x: TokenInputs) -> torch.Tensor:
+    old = x.old_logprobs.to(logprobs.device, logprobs.dtype)
+    return torch.where(x.mask, logprobs - old, torch.zeros_like(logprobs))
+
+
+def _clip_branch(adv: torch.Tensor, ratio: torch.Tensor, low: float, high: float, ratio_c: float):
+    """PPO's pessimistic clipped surrogate and which branch is active (shared by PPO-clip and
+    GSPO, which differ only in what ``ratio`` is)."""
+    unclipped = -adv * ratio
+    clipped_ratio = ratio.clamp(1.0 - low, 1.0 + high)
+    clipped = -adv * clipped_ratio
+    pg = torch.maximum(unclipped, clipped)
+    # the gradient flows only where the unclipped branch is (weakly) the maximum
+    flows = unclipped >= clipped
+    dual = None
+    if ratio_c > 0:
+        bound = -adv * ratio_c
+        dual = (adv < 0) & (bound < pg)
+        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
+        flows = flows & ~dual
+    return pg, clipped_ratio, flows, dual
+
+
+@dataclass(frozen=True)
+class PPOClip:
+    """PPO's clipped surrogate with asymmetric clipping and dual-clip.
+
+    ``pg_t = max(−A·r, −A·clip(r, 1−ε_l, 1+ε_h))``, and for ``A < 0`` with dual-clip
+    ``pg_t = min(pg_t, −A·c)``. ``∂pg_t/∂logp_t = −A·r`` where the unclipped branch is active,
+    else 0.
+
+    Sources: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (L^CLIP);
+    asymmetric ranges ("clip-higher"): Yu et al. 2025, "DAPO", eq. 10; dual-clip: Ye et al.
+    2020, "Mastering Complex Control in MOBA Games with Deep RL", eq. 5 (``c = clip_ratio_c``,
+    ``c > 1``; 0 turns it off).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    sequence_level: bool = False
+
+    def value(self, logprobs, x, seq_log_ratio=None):
+        adv = x.advantages.to(logprobs.device, logprobs.dtype)
+        ratio = torch.exp(_log_ratio(logprobs, x))
+        return _clip_branch(adv, ratio, self.clip_low, self.clip_high, self.clip_ratio_c)[0]
+
+    def grad(self, logprobs, x, seq_log_ratio=None):
+        adv = x.advantages.to(logprobs.device, logprobs.dtype)
+        ratio = torch.exp(_log_ratio(logprobs, x))
+        pg, _, flows, _ = _clip_branch(adv, ratio, self.clip_low, self.clip_high, self.clip_ratio_c)
+        return pg, torch.where(flows & x.mask, -adv * ratio, torch.zeros_like(ratio))
+
+    def metrics(self, logprobs, x, seq_log_ratio=None):
+        adv = x.advantages.to(logprobs.device, logprobs.dtype)
+        log_ratio = _log_ratio(logprobs, x)
+        ratio = torch.exp(log_ratio)
+        _, clipped, _, dual = _clip_branch(adv, ratio, self.clip_low, self.clip_high, self.clip_ratio_c)
+        out = {
+            "clipfrac": (((ratio - clipped).abs() > 1e-6) & x.mask).to(ratio.dtype),
+            "ratio": ratio,
+            "approx_kl_behaviour": -log_ratio,
+        }
+        if dual is not None:
+            out["dual_clipfrac"] = (dual & x.mask).to(ratio.dtype)
+        return out
+
+
+@dataclass(frozen=True)
+class GSPO:
+    """Group Sequence Policy Optimization: the clipped surrogate on the sequence's
+    length-normalised ratio ``s_i = exp(mean_{t∈i}(logp_t − old_t))``, in its per-token form
+    (GSPO-token): ``s_{i,t} = sg[s_i]·π(y_t)/sg[π(y_t)]``, so the value of every token of
+    sequence ``i`` is ``max(−A·s_i, −A·clip(s_i, 1−ε_l, 1+ε_h))`` and
+    ``∂pg_t/∂logp_t = −A·s_i`` where unclipped, else 0. With ``seq-mean-token-mean``
+    aggregation and one advantage per sequence this is exactly the gradient of the sequence
+    objective ``(1/G)·Σ_i max(−A_i·s_i, −A_i·clip(s_i))``.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071), eqs. 5-7
+    (GSPO) and 11-13 (GSPO-token); clip ranges there are 3e-4 / 4e-4.
+    """
+
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    sequence_level: bool = True
+
+    def _seq_ratio(self, logprobs, x, seq_log_ratio):
+        if seq_log_ratio is None:
+            raise ValueError("GSPO is a sequence-level loss: seq_log_ratio (the sequence's mean log-ratio) is required")
+        srl = seq_log_ratio.to(logprobs.device, logprobs.dtype)
+        # value s_i, derivative w.r.t. logp_t equal to s_i (GSPO-token's stop-gradient form)
+        return torch.exp(srl.detach() + logprobs - logprobs.detach())
+
+    def value(self, logprobs, x, seq_log_ratio=None):
+        adv = x.advantages.to(logprobs.device, logprobs.dtype)
+        return _clip_branch(adv, self._seq_ratio(logprobs, x, seq_log_ratio), self.clip_low, self.clip_high, 0.0)[0]
+
+    def grad(self, logprobs, x, seq_log_ratio=None):
+        adv = x.advantages.to(logprobs.device, logprobs.dtype)
+        s = torch.exp(seq_log_ratio.to(logprobs.device, logprobs.dtype))
+        pg, _, flows, _ = _clip_branch(adv, s, self.clip_low, self.clip_high, 0.0)
+        return pg, torch.where(flows & x.mask, -adv * s, torch.zeros_like(s))
+
+    def metrics(self, logprobs, x, seq_log_ratio=None):
+        s = torch.exp(seq_log_ratio.to(logprobs.device, logprobs.dtype))
+        clipped = s.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+        return {
+            "clipfrac": (((s - clipped).abs() > 0) & x.mask).to(s.dtype),
+            "ratio": s,
+            "approx_kl_behaviour": -_log_ratio(logprobs, x),
+        }
+
+
+@dataclass(frozen=True)
+class CISPO:
+    """Clipped IS-weight Policy Optimization: REINFORCE with the importance weight clipped and
+    detached, so no token's gradient is dropped: ``pg_t = −sg[clip(r, 1−ε_l, 1+ε_h)]·A·logp_t``,
+    ``∂pg_t/∂logp_t = −clip(r, 1−ε_l, 1+ε_h)·A``.
+
+    Source: MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention" (arXiv:2506.13585), eqs. 4-5 (the paper sets no lower bound, i.e. ε_l ≥ 1, and
+    tunes ε_h).
+    """
+
+    clip_low: float = 1.0
+    clip_high: float = 0.28
+    sequence_level: bool = False
+
+    def _weight(self, logprobs, x):
+        return torch.exp(_log_ratio(logprobs, x)).detach().clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+
+    def value(self, logprobs, x, seq_log_ratio=None):
+        adv = x.advantages.to(logprobs.device, logprobs.dtype)
+        lp = torch.where(x.mask, logprobs, torch.zeros_like(logprobs))
+        return -self._weight(logprobs, x) * adv * lp
+
+    def grad(self, logprobs, x, seq_log_ratio=None):
+        adv = x.advantages.to(logprobs.device, logprobs.dtype)
+        w = self._weight(logprobs, x)
+        lp = torch.where(x.mask, logprobs, torch.zeros_like(logprobs))
+        return -w * adv * lp, torch.where(x.mask, -w * adv, torch.zeros_like(w))
+
+    def metrics(self, logprobs, x, seq_log_ratio=None):
+        log_ratio = _log_ratio(logprobs, x)
+        ratio = torch.exp(log_ratio)
+        w = ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+        return {
+            "clipfrac": (((ratio - w).abs() > 1e-6) & x.mask).to(ratio.dtype),
+            "ratio": ratio,
+            "approx_kl_behaviour": -log_ratio,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# core's terms
+# ---------------------------------------------------------------------------------------------
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_value_and_grad(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token estimate of KL(π‖π_ref) from the sampled token and its derivative w.r.t.
+    ``logp``. With ``d = ref − logp``: k1 ``−d`` (∂: 1), k2 ``d²/2`` (∂: ``−d``), k3
+    ``e^d − d − 1`` (∂: ``1 − e^d``). Source: J. Schulman, "Approximating KL Divergence" (2020)."""
+    d = ref_logprobs.to(logprobs.device, logprobs.dtype) - logprobs
+    if estimator == "k1":
+        return -d, torch.ones_like(d)
+    if estimator == "k2":
+        return 0.5 * d.square(), -d
+    if estimator == "k3":
+        e = torch.exp(d)
+        return e - d - 1.0, 1.0 - e
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of: {', '.join(KL_ESTIMATORS)}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """The value of :func:`kl_value_and_grad` (differentiable)."""
+    return kl_value_and_grad(logprobs, ref_logprobs, estimator)[0]
+
+
+@dataclass(frozen=True)
+class TokenObjective:
+    """The whole per-token objective ``w·(c·pg + β·kl − α·H)`` of :mod:`rlcore.algorithms.spec`,
+    both as a differentiable value (``value``, the plain autograd path the trainer uses) and in
+    closed form (``closed_form``, what a head that computes the loss gradient itself uses)."""
+
+    loss: PolicyLoss
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+    def _unweighted(self, logprobs, entropy, x, seq_log_ratio):
+        pg = self.loss.value(logprobs, x, seq_log_ratio)
+        if x.correction is not None:
+            pg = pg * x.correction.to(pg.device, pg.dtype)
+        if x.ref_logprobs is not None and self.kl_coef > 0:
+            pg = pg + self.kl_coef * kl_penalty(logprobs, x.ref_logprobs, self.kl_estimator)
+        if entropy is not None and self.entropy_coef:
+            pg = pg - self.entropy_coef * entropy
+        return pg
+
+    def value(self, logprobs, entropy, x: TokenInputs, seq_log_ratio=None) -> torch.Tensor:
+        """``[T]`` per-token unweighted objective times the mask (multiply by the aggregation
+        numerator and divide by its divisor to get the loss)."""
+        return self._unweighted(logprobs, entropy, x, seq_log_ratio) * x.mask.to(logprobs.dtype)
+
+    def closed_form(self, logprobs, entropy, x: TokenInputs, seq_log_ratio=None) -> TokenLoss:
+        """Value and derivatives, weighted by ``x.weights``, without autograd."""
+        with torch.no_grad():
+            w = x.weights.to(logprobs.device, logprobs.dtype) * x.mask.to(logprobs.dtype)
+            pg, dpg = self.loss.grad(logprobs, x, seq_log_ratio)
+            if x.correction is not None:
+                c = x.correction.to(pg.device, pg.dtype)
+                pg, dpg = pg * c, dpg * c
+            if x.ref_logprobs is not None and self.kl_coef > 0:
+                kl, dkl = kl_value_and_grad(logprobs, x.ref_logprobs, self.kl_estimator)
+                pg, dpg = pg + self.kl_coef * kl, dpg + self.kl_coef * dkl
+            d_ent = torch.zeros_like(pg)
+            if entropy is not None and self.entropy_coef:
+                pg = pg - self.entropy_coef * entropy
+                d_ent = d_ent - self.entropy_coef
+            return TokenLoss(value=w * pg, d_logprobs=w * dpg, d_entropy=w * d_ent)

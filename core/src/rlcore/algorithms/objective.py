@@ -1,0 +1,67 @@
+"""One micro-batch's policy loss: the glue between a :class:`~rlcore.batch.PackedBatch` whose
+step-level fields are filled (advantages, aggregation numerators, mismatch weights, reference
+log-probs) and the :class:`~rlcore.algorithms.losses.TokenObjective`."""
+
+from __future__ import annotations
+
+import torch
+
+from rlcore.algorithms.losses import TokenObjective, kl_penalty
+from rlcore.algorithms.spec import TokenInputs, TokenLoss
+
+#: the step-batch fields the trainer fills before the train pass
+ROLLOUT = "old_logprobs"  #: behaviour log-probs from the rollout engine
+ADVANTAGES = "advantages"
+AGG_NUMERATOR = "agg_numerator"  #: the aggregation numerator (see aggregation.py)
+CORRECTION = "mismatch_weight"  #: mismatch-correction weights (absent: no correction)
+REF = "ref_logprobs"
+
+#: per-token statistics averaged over the step's loss tokens
+TOKEN_MEAN_METRICS = ("clipfrac", "dual_clipfrac", "ratio", "approx_kl_behaviour", "entropy", "kl")
+
+
+def token_inputs(mb, proximal: str, divisor: float, with_ref: bool) -> TokenInputs:
+    f = mb.fields
+    seq_index = mb.seq_index()
+    mask = mb.loss_mask
+    seq_tokens = mb.seq_sum(mask.to(torch.float32)).clamp_min(1.0)
+    return TokenInputs(
+        old_logprobs=f[proximal], rollout_logprobs=f[ROLLOUT], advantages=f[ADVANTAGES], mask=mask,
+        weights=f[AGG_NUMERATOR] / divisor, correction=f.get(CORRECTION),
+        ref_logprobs=f.get(REF) if with_ref else None, seq_index=seq_index, seq_tokens=seq_tokens,
+    )
+
+
+def seq_log_ratio(mb, logprobs: torch.Tensor, x: TokenInputs) -> torch.Tensor:
+    """``[T]``: each token's sequence's mean ``logp − old`` over its loss tokens (detached)."""
+    d = torch.where(x.mask, logprobs.detach() - x.old_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+    return (mb.seq_sum(d) / x.seq_tokens.to(d.dtype))[x.seq_index]
+
+
+def micro_batch_loss(mb, logprobs: torch.Tensor, entropy: torch.Tensor | None, objective: TokenObjective,
+                     divisor: float, proximal: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of the step loss (plain autograd path) and token-summed
+    statistics (``_tokens`` holds the count, for exact averaging over the step)."""
+    x = token_inputs(mb, proximal, divisor, with_ref=objective.kl_coef > 0)
+    slr = seq_log_ratio(mb, logprobs, x) if objective.loss.sequence_level else None
+    per_token = objective.value(logprobs, entropy, x, slr)
+    loss = (per_token * mb.fields[AGG_NUMERATOR].to(per_token.dtype)).sum() / divisor
+    with torch.no_grad():
+        m = x.mask.to(logprobs.dtype)
+        stats = {k: float((v * m).sum()) for k, v in objective.loss.metrics(logprobs, x, slr).items()}
+        stats["entropy"] = float((entropy * m).sum()) if entropy is not None else 0.0
+        if x.ref_logprobs is not None:
+            stats["kl"] = float((kl_penalty(logprobs, x.ref_logprobs, objective.kl_estimator) * m).sum())
+        else:
+            stats["kl"] = 0.0
+        stats["_tokens"] = float(m.sum())
+    return loss, stats
+
+
+def closed_form(mb, logprobs: torch.Tensor, entropy: torch.Tensor | None, objective: TokenObjective,
+                divisor: float, proximal: str) -> TokenLoss:
+    """The same micro-batch loss in closed form: ``value.sum()`` equals
+    :func:`micro_batch_loss`'s loss and ``d_logprobs``/``d_entropy`` its gradient."""
+    x = token_inputs(mb, proximal, divisor, with_ref=objective.kl_coef > 0)
+    slr = seq_log_ratio(mb, logprobs, x) if objective.loss.sequence_level else None
+    return objective.closed_form(logprobs, entropy, x, slr)
