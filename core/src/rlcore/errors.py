@@ -66,3 +66,30 @@ class WeightSyncError(RLCoreError):
 
 class RolloutError(RLCoreError):
     """The rollout backend failed or was used in a state that does not allow the call."""
+
+
+class NonFiniteError(RLCoreError):
+    """A reward, advantage, loss, gradient norm or weight is NaN or infinite. ``what`` names the
+    quantity (``reward``, ``advantages``, ``loss``, ``grad_norm``, ``weights``); ``skippable``
+    says whether ``training.on_nonfinite: skip`` may drop the step instead of stopping (the
+    weights are still the last good ones)."""
+
+    def __init__(self, message: str, what: str, skippable: bool = False):
+        super().__init__(message)
+        self.what = what
+        self.skippable = skippable
+
+
+class RewardError(RLCoreError):
+    """A reward function returned something that is not a real number; the message names the
+    function and the sample."""
+
+
+class RunOutputError(RLCoreError):
+    """The output directory cannot be used as asked (not empty, nothing to resume, unreadable
+    metrics); the message names the path and the flag that changes the outcome."""
+
+
+class CheckpointError(RunOutputError):
+    """A checkpoint is missing, corrupt, truncated, unsafe to load, or from another config; the
+    message names the file."""
