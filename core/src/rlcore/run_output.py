@@ -283,7 +283,10 @@ def save_checkpoint(out_dir: Path, state: dict[str, Any], meta: dict[str, Any], 
         fault_point("checkpoint_meta")
         _atomic_write_bytes(d / f"{stem}.json", (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         raise CheckpointError(f"cannot write checkpoint {final}: {exc}; the earlier checkpoints are intact") from exc
     prune_checkpoints(out_dir, keep)
     return final

@@ -90,6 +90,8 @@ class Trainer:
         # one run per directory: a new run needs it empty, --resume needs a checkpoint in it
         prepare_output_dir(self.out, resume=resume, overwrite=overwrite)
         self.fingerprint = training_fingerprint(cfg)
+        # a checkpoint that is damaged or from another config fails here, before the model loads
+        self._resume_from = load_checkpoint(self.out, self.fingerprint, allow_config_change) if resume else None
         if not resume:
             write_run_marker(self.out, {"rlcore_version": __version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         if console is None:
@@ -164,7 +166,8 @@ class Trainer:
             raise RolloutError("rollout.return_routed_experts is set but the backend cannot return routed experts here")
 
     def _restore(self) -> None:
-        state, record, diffs = load_checkpoint(self.out, self.fingerprint, self.allow_config_change)
+        state, record, diffs = self._resume_from
+        self._resume_from = None
         path = self.out / "checkpoints" / str(record["state_file"])
         try:  # a checkpoint of another model or engine fails here: name the file, not a traceback
             self.engine.load_state_dict(state["engine"])
@@ -175,8 +178,8 @@ class Trainer:
             py = state["python_rng"]
             random.setstate((py[0], tuple(py[1]), py[2]))
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise CheckpointError(f"checkpoint {path} does not fit this run: {type(exc).__name__}: {first}") from exc
+            detail = " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip())[:400]
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {type(exc).__name__}: {detail}") from exc
         self.step = step + 1
         self.metrics.truncate_after(step)
         for d in diffs:
@@ -449,6 +452,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 try:
                     res = self._train_step()
+                    self._check_weights_finite("push")
                 except NonFiniteError as exc:
                     self.engine.zero_grad()
                     record = {"step": self.step, "weight_version": self.version, "nonfinite": exc.what,
@@ -460,7 +464,6 @@ class Trainer:
                     self.console.print(f"[yellow]step {self.step:4d} skipped:[/] {exc}")
                     self.step += 1
                     continue
-                self._check_weights_finite("push")
                 self.version += 1
                 report = self._push(self.version)
                 m = res.metrics
