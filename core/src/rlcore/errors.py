@@ -55,6 +55,11 @@ class BatchShapeError(RLCoreError, ValueError):
     """A tensor handed to the packed batch has the wrong shape; the message says the expected one."""
 
 
+class BucketError(RLCoreError, ValueError, TypeError):
+    """The weight stream handed to the bucket builder holds something it cannot flatten (not a
+    dense tensor), or the bucket size or alignment is unusable; the message names the tensor."""
+
+
 class WeightSyncError(RLCoreError):
     """A weight push failed or could not be verified. ``receiver_version`` is the version the
     receiver is known to hold afterwards (``None`` when it cannot be trusted any more)."""

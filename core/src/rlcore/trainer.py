@@ -23,7 +23,7 @@ import torch
 
 from rlcore import __version__
 from rlcore.algo import StepTotals, grpo_advantages, policy_loss
-from rlcore.batch import PackedBatch
+from rlcore.batch import PackedBatch, sample_routes
 from rlcore.config import training_fingerprint
 from rlcore.errors import CheckpointError, ConfigError, NonFiniteError, RewardError, RolloutError, WeightSyncError
 from rlcore.faults import fault_point
@@ -271,7 +271,8 @@ class Trainer:
         inputs = {}
         layout = self.engine.info.route_layout
         if layout is not None and all(s.routed_experts is not None for s in samples):
-            inputs["routes"] = [layout.select(torch.as_tensor(s.routed_experts)).to(torch.int16) for s in samples]
+            inputs["routes"] = [sample_routes(s.routed_experts, layout, len(seq), f"step {self.step} sample {i}")
+                                for i, (s, seq) in enumerate(zip(samples, seqs))]
         return PackedBatch.pack(
             seqs, starts, target_fields=target, input_fields=inputs,
             seq_fields={"reward": torch.tensor(rewards), "group": torch.tensor([s.prompt_index for s in samples]),
