@@ -245,15 +245,34 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
             key=key,
         ) from exc
     except (oc_errors.ValidationError, oc_errors.ConfigTypeError) as exc:
-        key = getattr(exc, "full_key", None) or "?"
+        key = getattr(exc, "full_key", None) or _container_mismatch(base, raw) or "?"
         msg = str(exc).splitlines()[0]
         raise ConfigError(f"bad value for config key {key!r}: {msg}", key=key) from exc
+    except (TypeError, ValueError) as exc:  # omegaconf: a mapping where the schema has a list, ...
+        key = _container_mismatch(base, raw) or "?"
+        raise ConfigError(f"bad value for config key {key!r}: {exc}", key=key) from exc
     OmegaConf.set_readonly(merged, False)
     _check_values(merged)
     for ps in settings:
         if ps.validate is not None:
             ps.validate(merged[ps.section])
     return merged  # type: ignore[return-value]
+
+
+def _container_mismatch(base: Any, raw: Any, prefix: str = "") -> str | None:
+    """The first key where ``raw`` has a mapping/list/scalar and the schema another kind."""
+    for k in raw.keys():
+        if k not in base:
+            continue
+        b, r = base._get_node(k), raw._get_node(k)
+        kinds = [isinstance(x, DictConfig) for x in (b, r)], [isinstance(x, ListConfig) for x in (b, r)]
+        if kinds[0][0] != kinds[0][1] or kinds[1][0] != kinds[1][1]:
+            return f"{prefix}{k}"
+        if isinstance(b, DictConfig):
+            found = _container_mismatch(b, r, f"{prefix}{k}.")
+            if found:
+                return found
+    return None
 
 
 def _known_keys(base: DictConfig, parent: str) -> list[str]:
