@@ -135,7 +135,8 @@ def test_command_line_overrides_are_accepted_or_refused_with_a_config_error(pair
     "training.lr=nan", "training.lr=-1", "rollout.temperature=inf", "sync.bucket_mb=1e300", "training.seed=-1",
     "training.betas=[0.9]", "training.betas=[0.9,1.5]", "output.keep_checkpoints=0", "training.on_nonfinite=ignore",
     "algorithm.kl_coef=-0.1", "training.grad_clip=nan", "output.checkpoint_every=-1", "algorithm.clip_low=1.5",
-    "training.betas={}", "training=[]", "engine.model.tiny=[1]",
+    "training.betas={}", "training=[]", "engine.model.tiny=[1]", "engine.model.tiny.init_std=INF",
+    "engine.model.tiny.hidden_size=0", "training.betas=[0.9,nan]",
 ])
 def test_out_of_range_values_name_their_key(override):
     from rlcore.errors import ConfigError

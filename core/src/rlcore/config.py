@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
@@ -334,10 +334,30 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "data.prompt_len": (1, math.inf, True, False),
     "output.checkpoint_every": (0, math.inf, True, False),
     "output.keep_checkpoints": (1, math.inf, True, False),
+    "engine.model.tiny.init_std": (0.0, math.inf, False, False),
+    **{f"engine.model.tiny.{k}": (1, math.inf, True, False) for k in (
+        "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_experts",
+        "topk", "moe_intermediate_size")},
+    "engine.model.tiny.mtp_layers": (0, math.inf, True, False),
+    "engine.model.tiny.vocab_size": (0, math.inf, True, False),
 }
 
 
+def _nonfinite_floats(node: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _nonfinite_floats(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _nonfinite_floats(v, f"{prefix}{i}.")
+    elif isinstance(node, float) and not math.isfinite(node):
+        yield prefix[:-1]
+
+
 def _check_ranges(cfg: DictConfig) -> None:
+    for key in _nonfinite_floats(OmegaConf.to_container(cfg, resolve=True)):  # NaN passes every < and >
+        raise ConfigError(f"bad value for config key {key!r}: {OmegaConf.select(cfg, key)!r}; must be a finite "
+                          f"number", key=key)
     for key, (lo, hi, lo_in, hi_in) in _RANGES.items():
         val = OmegaConf.select(cfg, key)
         if val is None:
