@@ -31,6 +31,7 @@ FAULTS = [
     ("rollout:5", 4, 3),            # step 4's samples just came back
     ("push:4", 3, 1),               # step 3's weights half-way into the rollout engine
     ("checkpoint_write:2", 4, 1),   # step 3's checkpoint written to its temporary file, not renamed
+    ("checkpoint_meta:2", 4, 1),    # step 3's state file renamed, its commit record not yet written
 ]
 
 
