@@ -121,7 +121,8 @@ def test_nonfinite_advantages_skip_the_step_when_asked(tmp_path, rewards_module)
 
 def test_nan_loss_stops_and_leaves_the_last_good_checkpoint(tmp_path, fake_distribution, capsys):
     out = tmp_path / "run"
-    rc = _train(out, _breaker(fake_distribution, "loss"), "training.steps=3", "output.checkpoint_every=1")
+    breaker = _breaker(fake_distribution, "loss")
+    rc = _train(out, breaker, "training.steps=3", "output.checkpoint_every=1")
     assert rc == 2
     err = _one_line_error(capsys)
     assert "step 1: non-finite loss: nan in train micro-batch 0" in err and "training.on_nonfinite=skip" in err
@@ -131,6 +132,13 @@ def test_nan_loss_stops_and_leaves_the_last_good_checkpoint(tmp_path, fake_distr
     assert record["step"] == 0
     rows = read_metrics(out)
     assert rows[-1]["step"] == 1 and rows[-1]["nonfinite"] == "loss"
+
+    # the way on: resume from that checkpoint, dropping such steps
+    assert _train(out, breaker, "training.steps=3", "output.checkpoint_every=1", "training.on_nonfinite=skip",
+                  "--resume") == 0
+    rows = read_metrics(out)
+    assert [(r["step"], r["weight_version"], r.get("nonfinite")) for r in rows] == [(0, 1, None), (1, 1, "loss"),
+                                                                                   (2, 2, None)]
 
 
 def test_nan_gradient_with_finite_loss_is_skipped_and_weights_stay_finite(tmp_path, fake_distribution):

@@ -375,13 +375,15 @@ def _check_ranges(cfg: DictConfig) -> None:
 
 
 #: keys that do not change what a run computes, so resuming with another value is fine: where the
-#: output goes and how it is shown, how long the run goes on, how weights travel (not what they
-#: are), where the engine runs, and how a step is split into micro-batches (the loss aggregation
-#: is exact over micro-batches).
+#: output goes and how it is shown, how long the run goes on, what a non-finite step does (resuming
+#: a stopped run with ``skip`` is the point), how weights travel (not what they are), where the
+#: engine runs, and how a step is split into micro-batches (the loss aggregation is exact over
+#: micro-batches).
 FINGERPRINT_EXCLUDED = (
     "output.",
     "training.steps",
     "training.max_wall_seconds",
+    "training.on_nonfinite",
     "training.micro_batch_tokens",
     "forward.chunk_tokens",
     "sync.bucket_mb",
