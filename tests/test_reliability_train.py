@@ -234,3 +234,18 @@ def test_corrupt_and_mismatched_checkpoints_are_one_line_errors(tmp_path, capsys
                   "--allow-config-change") == 2
     err = _one_line_error(capsys)
     assert f"checkpoint {state} does not fit this run: RuntimeError" in err and "size mismatch" in err
+
+
+def test_a_model_with_nonfinite_weights_never_reaches_the_rollout_engine(tmp_path):
+    import torch
+
+    from rlcore.errors import NonFiniteError
+    from rlcore.stack import load_stack
+    from rlcore.trainer import Trainer
+
+    trainer = Trainer(load_stack(TINY, [f"output.dir={tmp_path / 'run'}", "training.steps=1", *SMALL]))
+    with torch.no_grad():
+        trainer.engine.model.model.embed_tokens.weight[0, 0] = math.inf
+    with pytest.raises(NonFiniteError, match=r"\['model.embed_tokens.weight'\]\) before the rollout engine starts"):
+        trainer.run()
+    assert not (tmp_path / "run" / "policy_hf").exists(), "nothing was handed to the rollout engine"

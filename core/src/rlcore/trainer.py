@@ -145,6 +145,8 @@ class Trainer:
             self.console.print(f"[yellow]note:[/] {self.metrics.tb_note}")
 
     def _start_backend(self) -> None:
+        self._check_weights_finite("rollout engine starts from them", hint="the model loaded (engine.model.path, or "
+                                   "the checkpoint resumed) holds NaN/inf")
         model_dir = self.out / "policy_hf"
         self.engine.save_hf(model_dir)
         self.backend.start(str(model_dir), version=self.version)
@@ -216,7 +218,7 @@ class Trainer:
             if not math.isfinite(norm):
                 raise self._nonfinite("grad_norm", f"gradient norm {norm} before the optimizer step")
 
-    def _check_weights_finite(self, before: str) -> None:
+    def _check_weights_finite(self, before: str, hint: str = "resume from the last checkpoint") -> None:
         """Never push or checkpoint NaN/inf weights (their checksums would still match)."""
         model = getattr(self.engine, "model", None)
         named = (model.named_parameters() if hasattr(model, "named_parameters")
@@ -225,7 +227,7 @@ class Trainer:
         if bad:
             raise NonFiniteError(
                 f"step {self.step}: {len(bad)} weight tensor(s) are non-finite (e.g. {bad[:3]}) before the "
-                f"{before}; nothing was pushed or checkpointed: resume from the last checkpoint", what="weights")
+                f"{before}; nothing was pushed or checkpointed: {hint}", what="weights")
 
     # ----------------------------------------------------------------------------- steps --
 
