@@ -210,6 +210,15 @@ class Trainer:
                 + (" (training.on_nonfinite=skip drops such steps instead)" if skippable else ""))
         return NonFiniteError(f"step {self.step}: non-finite {what}: {detail}; {then}", what=what, skippable=skippable)
 
+    def _check_advantages(self, batch: PackedBatch, rewards: list[float]) -> None:
+        """After the advantages are in the batch, before the train pass (finite rewards can still
+        overflow: a group mean of 3e38s is inf)."""
+        adv = batch.fields["advantages"]
+        if not bool(torch.isfinite(adv).all()):
+            per_seq = batch.seq_fields.get("advantage", torch.zeros(0)).tolist()
+            bad = [i for i, a in enumerate(per_seq) if not math.isfinite(a)]
+            raise self._nonfinite("advantages", f"samples {bad[:8]} (rewards {[rewards[i] for i in bad[:8]]})")
+
     def _check_grad_norm(self) -> None:
         """Before the optimizer step: a NaN/inf gradient would make every weight NaN."""
         grads = [p.grad for p in self.engine.parameters() if p.grad is not None]
@@ -362,11 +371,6 @@ class Trainer:
             raise RolloutError(f"rollout returned samples of weight version {stale[0]}, expected {self.version}")
         rewards = self._rewards(samples, prompts, task_prompts)
         batch = self._pack(samples, rewards)
-        adv = batch.fields["advantages"]
-        if not bool(torch.isfinite(adv).all()):
-            per_seq = batch.seq_fields.get("advantage", torch.zeros(0)).tolist()
-            bad = [i for i, a in enumerate(per_seq) if not math.isfinite(a)]
-            raise self._nonfinite("advantages", f"samples {bad[:8]} (rewards {[rewards[i] for i in bad[:8]]})")
         device = getattr(self.engine, "device", None)
         if device is not None:  # one host-to-device copy per step; micro-batches are views of it
             batch = batch.to(device)
@@ -382,6 +386,7 @@ class Trainer:
         metrics["logprob_mismatch_max"] = float(d.max()) if d.numel() else 0.0
         if self.reference is not None:
             self._forward_pass(batch, "ref_logprob", self.reference, totals, grad=False)
+        self._check_advantages(batch, rewards)
         self.engine.train(True)
         self.engine.zero_grad()
         train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
