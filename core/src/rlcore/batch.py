@@ -27,10 +27,21 @@ import torch
 from rlcore.errors import BatchShapeError
 
 
+def _as_tensor(x: Any, what: str) -> torch.Tensor:
+    try:
+        return torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # ragged, text, ints beyond int64
+        raise BatchShapeError(f"{what} is not a tensor of numbers: {exc}") from exc
+
+
 def _as_1d_long(x: Any, what: str) -> torch.Tensor:
-    t = torch.as_tensor(x)
+    t = _as_tensor(x, what)
     if t.dim() != 1:
         raise BatchShapeError(f"{what} must be 1-D token ids, got shape {tuple(t.shape)}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise BatchShapeError(f"{what} must be integer token ids, got {t.dtype}")
+    if t.numel() and int(t.min()) < 0:
+        raise BatchShapeError(f"{what} has negative token id {int(t.min())}")
     return t.to(torch.long)
 
 
@@ -67,7 +78,7 @@ class PackedLayout:
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], align: int = 1, align_total: int = 1) -> PackedLayout:
         if align < 1 or align_total < 1:
-            raise ValueError("align and align_total must be >= 1")
+            raise BatchShapeError(f"align ({align}) and align_total ({align_total}) must be >= 1")
         lens = torch.as_tensor(list(lengths), dtype=torch.int64)
         if lens.numel() and int(lens.min()) < 1:
             raise BatchShapeError("every packed sequence needs at least one token")
@@ -238,11 +249,14 @@ class PackedBatch:
             raise BatchShapeError(
                 f"field {name!r} has {len(per_seq)} entries, expected one per sequence ({len(lens)})"
             )
-        first = torch.as_tensor(per_seq[0]) if per_seq else torch.zeros(0)
+        values = [_as_tensor(v, f"field {name!r}[{i}]") for i, v in enumerate(per_seq)]
+        for i, v in enumerate(values):
+            if v.dim() == 0:
+                raise BatchShapeError(f"field {name!r}[{i}] is a scalar; expected one row per token")
+        first = values[0] if values else torch.zeros(0)
         trailing = tuple(first.shape[1:])
         out = torch.full((layout.total_tokens, *trailing), _default_fill(first.dtype), dtype=first.dtype)
-        for i, (vals, st, n, rs) in enumerate(zip(per_seq, layout.starts.tolist(), lens, response_starts)):
-            v = torch.as_tensor(vals)
+        for i, (v, st, n, rs) in enumerate(zip(values, layout.starts.tolist(), lens, response_starts)):
             if tuple(v.shape[1:]) != trailing:
                 raise BatchShapeError(
                     f"field {name!r}[{i}] has trailing shape {tuple(v.shape[1:])}, expected {trailing}"
@@ -369,7 +383,7 @@ class PackedBatch:
         """Split into micro-batches of whole sequences, each at most ``max_tokens`` (padded)
         tokens; a sequence longer than the budget gets a micro-batch of its own."""
         if max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+            raise BatchShapeError(f"micro-batch token budget must be >= 1, got {max_tokens}")
         out: list[PackedBatch] = []
         lens = self.layout.padded_lens.tolist()
         start, used = 0, 0
@@ -397,3 +411,43 @@ class PackedBatch:
             )
             self.fields[key] = cur
         cur[t0:t1] = value.to(cur.device)
+
+
+def sample_routes(routes: Any, layout: Any, seq_len: int, what: str) -> torch.Tensor:
+    """One sample's routed experts from a rollout engine, checked and in ``layout`` order.
+
+    ``routes`` is ``[rows, layers, topk]`` integer, ``rows`` being ``seq_len`` or ``seq_len - 1``
+    (engines report every token but the last); ``layout`` a :class:`~rlcore.types.RouteLayout`.
+    Returns ``[rows, layout.num_routed, topk]``, int16 when the expert ids fit, else int32; -1
+    means "route natively". Raises :class:`BatchShapeError` naming ``what`` (the sample) for a
+    wrong shape or dtype, an id outside ``[-1, num_experts)`` or an expert chosen twice for one
+    token (a duplicate collapses in the routing map and silently changes the expert weights)."""
+    try:
+        t = torch.as_tensor(routes)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise BatchShapeError(f"{what}: routed experts are not a tensor of expert ids: {exc}") from exc
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise BatchShapeError(f"{what}: routed experts must be integer expert ids, got {t.dtype}")
+    if t.dim() != 3 or t.shape[2] != layout.topk:
+        raise BatchShapeError(f"{what}: routed experts must be [tokens, layers, topk={layout.topk}], "
+                              f"got {tuple(t.shape)}")
+    if t.shape[0] not in (seq_len, seq_len - 1):
+        raise BatchShapeError(f"{what}: routed experts cover {t.shape[0]} tokens; the sample has {seq_len} "
+                              f"(expected {seq_len} or {seq_len - 1} rows)")
+    try:
+        sel = layout.select(t.to(torch.int64))
+    except ValueError as exc:
+        raise BatchShapeError(f"{what}: {exc}") from exc
+    if sel.numel():
+        lo, hi = int(sel.min()), int(sel.max())
+        if lo < -1 or hi >= layout.num_experts:
+            bad = sel[(sel < -1) | (sel >= layout.num_experts)][:4].tolist()
+            raise BatchShapeError(f"{what}: routed expert ids {bad} outside [0, {layout.num_experts}) "
+                                  f"(-1 = route natively)")
+        s = sel.sort(dim=-1).values
+        dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+        if bool(dup.any()):
+            tok, layer = (int(x) for x in dup.any(dim=-1).nonzero()[0])
+            raise BatchShapeError(f"{what}: token {tok} of routed layer {layer} lists an expert twice: "
+                                  f"{sel[tok, layer].tolist()}")
+    return sel.to(torch.int16 if layout.num_experts <= torch.iinfo(torch.int16).max else torch.int32)

@@ -94,7 +94,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.output:
         overrides.append(f"output.dir={args.output}")
     stack = load_stack(args.config, overrides)
-    trainer = Trainer(stack, resume=args.resume)
+    trainer = Trainer(stack, resume=args.resume, overwrite=args.overwrite,
+                      allow_config_change=args.allow_config_change)
     summary = trainer.run()
     return 0 if summary.get("completed", False) else 1
 
@@ -121,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config")
     tr.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. training.steps=10")
     tr.add_argument("--output", "-o", help="output directory (metrics, plot, checkpoints)")
-    tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in the output directory")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in the output directory (an error if there is none)")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="delete the rlcore run already in the output directory and start over")
+    tr.add_argument("--allow-config-change", action="store_true",
+                    help="with --resume: accept a checkpoint written by a config that differs in keys that "
+                         "affect training (each difference is printed)")
     tr.set_defaults(func=_cmd_train)
     return p
 

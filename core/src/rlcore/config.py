@@ -10,10 +10,11 @@ that name the full key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
@@ -138,6 +139,11 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainingConfig:
+    """``on_nonfinite``: what a NaN/inf advantage, loss or gradient norm does. ``stop`` (the
+    default) ends the run with an error naming the quantity; ``skip`` drops the step (no
+    optimizer update, no push, the step is recorded in metrics.jsonl with ``skipped``). Either
+    way the weights stay the last good ones. Non-finite rewards always stop the run."""
+
     steps: int = 150
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -146,6 +152,7 @@ class TrainingConfig:
     micro_batch_tokens: int = 4096
     seed: int = 0
     max_wall_seconds: float = 0.0  #: stop early after this many seconds (0 = no limit)
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -161,8 +168,12 @@ class DataConfig:
 
 @dataclass
 class OutputConfig:
+    """``checkpoint_every``: steps between checkpoints (0 = only at the end);
+    ``keep_checkpoints``: how many of the newest good checkpoints stay on disk."""
+
     dir: Optional[str] = None
     checkpoint_every: int = 10
+    keep_checkpoints: int = 3
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
@@ -307,9 +318,12 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
             key=key,
         ) from exc
     except (oc_errors.ValidationError, oc_errors.ConfigTypeError) as exc:
-        key = getattr(exc, "full_key", None) or "?"
+        key = getattr(exc, "full_key", None) or _container_mismatch(base, raw) or "?"
         msg = str(exc).splitlines()[0]
         raise ConfigError(f"bad value for config key {key!r}: {msg}", key=key) from exc
+    except (TypeError, ValueError) as exc:  # omegaconf: a mapping where the schema has a list, ...
+        key = _container_mismatch(base, raw) or "?"
+        raise ConfigError(f"bad value for config key {key!r}: {exc}", key=key) from exc
     OmegaConf.set_readonly(merged, False)
     _check_values(merged)
     _resolve_algorithm(merged, algo)
@@ -317,6 +331,22 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
         if ps.validate is not None:
             ps.validate(merged[ps.section])
     return merged  # type: ignore[return-value]
+
+
+def _container_mismatch(base: Any, raw: Any, prefix: str = "") -> str | None:
+    """The first key where ``raw`` has a mapping/list/scalar and the schema another kind."""
+    for k in raw.keys():
+        if k not in base:
+            continue
+        b, r = base._get_node(k), raw._get_node(k)
+        kinds = [isinstance(x, DictConfig) for x in (b, r)], [isinstance(x, ListConfig) for x in (b, r)]
+        if kinds[0][0] != kinds[0][1] or kinds[1][0] != kinds[1][1]:
+            return f"{prefix}{k}"
+        if isinstance(b, DictConfig):
+            found = _container_mismatch(b, r, f"{prefix}{k}.")
+            if found:
+                return found
+    return None
 
 
 def _known_keys(base: DictConfig, parent: str) -> list[str]:
@@ -333,6 +363,7 @@ _CHOICES = {
     "algorithm.kl_in": ("loss", "reward"),
     "algorithm.old_logprobs": ("auto", "rollout", "recompute"),
     "algorithm.mismatch.level": ("token", "sequence", "geometric"),
+    "training.on_nonfinite": ("stop", "skip"),
 }
 
 
@@ -355,6 +386,115 @@ def _check_values(cfg: DictConfig) -> None:
         val = OmegaConf.select(cfg, key)
         if ":" not in val:
             raise ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key)
+    _check_ranges(cfg)
+
+
+#: numeric keys and the range each must lie in: (low, high, low inclusive, high inclusive);
+#: every float must also be finite (a NaN passes every comparison and would train on NaN)
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "rollout.temperature": (0.0, math.inf, True, False),
+    "rollout.top_k": (-1, math.inf, True, False),
+    "rollout.seed": (0, 2**32 - 1, True, True),  # per-step seeds derive from it in int64
+    "sync.bucket_mb": (0.0, 1 << 30, False, True),  # up to 1 PiB: bucket byte counts stay int64
+    "forward.chunk_tokens": (1, math.inf, True, False),
+    "algorithm.clip_low": (0.0, 1.0, True, False),
+    "algorithm.clip_high": (0.0, math.inf, True, False),
+    "algorithm.kl_coef": (0.0, math.inf, True, False),
+    "algorithm.entropy_coef": (-math.inf, math.inf, False, False),
+    "algorithm.updates_per_step": (1, math.inf, True, False),
+    "training.lr": (0.0, math.inf, True, False),
+    "training.weight_decay": (0.0, math.inf, True, False),
+    "training.grad_clip": (0.0, math.inf, True, False),
+    "training.seed": (0, 2**32 - 1, True, True),
+    "training.max_wall_seconds": (0.0, math.inf, True, False),
+    "data.prompt_len": (1, math.inf, True, False),
+    "output.checkpoint_every": (0, math.inf, True, False),
+    "output.keep_checkpoints": (1, math.inf, True, False),
+    "engine.model.tiny.init_std": (0.0, math.inf, False, False),
+    **{f"engine.model.tiny.{k}": (1, math.inf, True, False) for k in (
+        "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_experts",
+        "topk", "moe_intermediate_size")},
+    "engine.model.tiny.mtp_layers": (0, math.inf, True, False),
+    "engine.model.tiny.vocab_size": (0, math.inf, True, False),
+}
+
+
+def _nonfinite_floats(node: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _nonfinite_floats(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _nonfinite_floats(v, f"{prefix}{i}.")
+    elif isinstance(node, float) and not math.isfinite(node):
+        yield prefix[:-1]
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    for key in _nonfinite_floats(OmegaConf.to_container(cfg, resolve=True)):  # NaN passes every < and >
+        raise ConfigError(f"bad value for config key {key!r}: {OmegaConf.select(cfg, key)!r}; must be a finite "
+                          f"number", key=key)
+    for key, (lo, hi, lo_in, hi_in) in _RANGES.items():
+        val = OmegaConf.select(cfg, key)
+        if val is None:
+            continue
+        if isinstance(val, float) and not math.isfinite(val):
+            raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be a finite number", key=key)
+        if (val < lo or (val == lo and not lo_in)) or (val > hi or (val == hi and not hi_in)):
+            lo_s = ("[" if lo_in else "(") + f"{lo:g}"
+            hi_s = f"{hi:g}" + ("]" if hi_in else ")")
+            raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be in {lo_s}, {hi_s}", key=key)
+    betas = list(cfg.training.betas)
+    if len(betas) != 2 or not all(isinstance(b, float) and 0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(f"bad value for config key 'training.betas': {betas!r}; must be two numbers in [0, 1)",
+                          key="training.betas")
+
+
+#: keys that do not change what a run computes, so resuming with another value is fine: where the
+#: output goes and how it is shown, how long the run goes on, what a non-finite step does (resuming
+#: a stopped run with ``skip`` is the point), how weights travel (not what they are), where the
+#: engine runs, and how a step is split into micro-batches (the loss aggregation is exact over
+#: micro-batches).
+FINGERPRINT_EXCLUDED = (
+    "output.",
+    "training.steps",
+    "training.max_wall_seconds",
+    "training.on_nonfinite",
+    "training.micro_batch_tokens",
+    "forward.chunk_tokens",
+    "sync.bucket_mb",
+    "sync.verify",
+    "engine.device",
+)
+
+
+def training_fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """The flattened config (``{"algorithm.kl_coef": 0.0, ...}``) minus :data:`FINGERPRINT_EXCLUDED`:
+    what a checkpoint stores so that ``--resume`` can name every key that differs."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}{k}.", v)
+            return
+        key = prefix[:-1]
+        if not any(key == e or (e.endswith(".") and key.startswith(e)) for e in FINGERPRINT_EXCLUDED):
+            flat[key] = node
+
+    walk("", OmegaConf.to_container(cfg, resolve=True))
+    return flat
+
+
+def fingerprint_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: saved -> current`` for every key whose value differs (or exists on one side only)."""
+    missing = object()
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, missing), current.get(key, missing)
+        if a != b:
+            out.append(f"{key}: {'(absent)' if a is missing else repr(a)} -> {'(absent)' if b is missing else repr(b)}")
+    return out
 
 
 def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:

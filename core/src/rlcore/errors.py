@@ -55,6 +55,11 @@ class BatchShapeError(RLCoreError, ValueError):
     """A tensor handed to the packed batch has the wrong shape; the message says the expected one."""
 
 
+class BucketError(RLCoreError, ValueError, TypeError):
+    """The weight stream handed to the bucket builder holds something it cannot flatten (not a
+    dense tensor), or the bucket size or alignment is unusable; the message names the tensor."""
+
+
 class WeightSyncError(RLCoreError):
     """A weight push failed or could not be verified. ``receiver_version`` is the version the
     receiver is known to hold afterwards (``None`` when it cannot be trusted any more)."""
@@ -66,3 +71,30 @@ class WeightSyncError(RLCoreError):
 
 class RolloutError(RLCoreError):
     """The rollout backend failed or was used in a state that does not allow the call."""
+
+
+class NonFiniteError(RLCoreError):
+    """A reward, advantage, loss, gradient norm or weight is NaN or infinite. ``what`` names the
+    quantity (``reward``, ``advantages``, ``loss``, ``grad_norm``, ``weights``); ``skippable``
+    says whether ``training.on_nonfinite: skip`` may drop the step instead of stopping (the
+    weights are still the last good ones)."""
+
+    def __init__(self, message: str, what: str, skippable: bool = False):
+        super().__init__(message)
+        self.what = what
+        self.skippable = skippable
+
+
+class RewardError(RLCoreError):
+    """A reward function returned something that is not a real number; the message names the
+    function and the sample."""
+
+
+class RunOutputError(RLCoreError):
+    """The output directory cannot be used as asked (not empty, nothing to resume, unreadable
+    metrics); the message names the path and the flag that changes the outcome."""
+
+
+class CheckpointError(RunOutputError):
+    """A checkpoint is missing, corrupt, truncated, unsafe to load, or from another config; the
+    message names the file."""

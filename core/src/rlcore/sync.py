@@ -14,10 +14,13 @@ on one core of the CI machine).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
+
+from rlcore.errors import BucketError
 
 _P = (1 << 31) - 1  # Mersenne prime
 _W = 65521  # position weights cycle with this period (largest prime below 2^16)
@@ -38,6 +41,8 @@ def tensor_checksum(t: torch.Tensor) -> int:
     pad = (-raw.numel()) % 4
     if pad:
         raw = torch.cat([raw, raw.new_zeros(pad)])
+    elif raw.storage_offset() % 4:  # a 2-byte tensor at offset 2 of a bucket: int32 view needs 4
+        raw = raw.clone()
     words = raw.view(torch.int32)
     n = words.numel()
     full = n - n % _W
@@ -159,7 +164,9 @@ def iter_buckets(
     their dtypes first appeared. ``Bucket.index`` counts yielded buckets.
     """
     if bucket_bytes < 1:
-        raise ValueError("bucket_bytes must be >= 1")
+        raise BucketError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if align_bytes is not None and align_bytes < 1:
+        raise BucketError(f"align_bytes must be >= 1 (or None for the dtype's item size), got {align_bytes}")
     alloc = allocator or _default_allocator
     open_buckets: dict[torch.dtype, _OpenBucket] = {}
     counter = 0
@@ -172,7 +179,8 @@ def iter_buckets(
 
     def place(group: list[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
         dtype = group[0][1].dtype
-        align = align_bytes or group[0][1].element_size()
+        # every offset must also be a multiple of the item size, or the tensor cannot be viewed
+        align = math.lcm(align_bytes or 1, group[0][1].element_size())
         need = 0
         for _, t in group:
             need = _round_up(need, align) + t.numel() * t.element_size()
@@ -201,7 +209,10 @@ def iter_buckets(
     pending_key: object = object()
     for name, t in named_tensors:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(t).__name__}, expected a torch.Tensor")
+            raise BucketError(f"weight {name!r} is a {type(t).__name__}, expected a torch.Tensor")
+        if t.layout != torch.strided or t.device.type == "meta":
+            raise BucketError(f"weight {name!r} is a {t.layout} tensor on {t.device}; buckets carry dense tensors "
+                              f"with data (export it with .to_dense() or materialise it first)")
         t = t.detach()
         key = keep_together(name) if keep_together else name
         if pending and (key != pending_key or t.dtype != pending[0][1].dtype):

@@ -28,9 +28,26 @@ from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.spec import AdvantageInput
-from rlcore.batch import PackedBatch
-from rlcore.errors import ConfigError, RolloutError, WeightSyncError
-from rlcore.run_output import MetricsWriter, load_checkpoint, plot_rewards, read_metrics, save_checkpoint
+from rlcore.batch import PackedBatch, sample_routes
+from rlcore.config import training_fingerprint
+from rlcore.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    RewardError,
+    RolloutError,
+    WeightSyncError,
+)
+from rlcore.faults import fault_point
+from rlcore.run_output import (
+    MetricsWriter,
+    load_checkpoint,
+    plot_rewards,
+    prepare_output_dir,
+    read_metrics,
+    save_checkpoint,
+    write_run_marker,
+)
 from rlcore.stack import Stack
 from rlcore.tasks import RewardInput, Task, load_callable
 from rlcore.types import (
@@ -82,15 +99,23 @@ class StepResult:
 class Trainer:
     """Builds the selected providers and runs GRPO. ``run()`` returns a summary dict."""
 
-    def __init__(self, stack: Stack, resume: bool = False, console: Any = None):
+    def __init__(self, stack: Stack, resume: bool = False, console: Any = None, *, overwrite: bool = False,
+                 allow_config_change: bool = False):
         self.stack = stack
         self.cfg = cfg = stack.config
         self.pm = stack.plugins
         self.resume = resume
+        self.allow_config_change = allow_config_change
         if cfg.rollout.temperature <= 0:
             raise ConfigError("rollout.temperature must be > 0 for RL training (sampling)", key="rollout.temperature")
         self.out = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        self.out.mkdir(parents=True, exist_ok=True)
+        # one run per directory: a new run needs it empty, --resume needs a checkpoint in it
+        prepare_output_dir(self.out, resume=resume, overwrite=overwrite)
+        self.fingerprint = training_fingerprint(cfg)
+        # a checkpoint that is damaged or from another config fails here, before the model loads
+        self._resume_from = load_checkpoint(self.out, self.fingerprint, allow_config_change) if resume else None
+        if not resume:
+            write_run_marker(self.out, {"rlcore_version": __version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         if console is None:
             from rich.console import Console
 
@@ -154,6 +179,8 @@ class Trainer:
             self.console.print(f"[yellow]note:[/] {self.metrics.tb_note}")
 
     def _start_backend(self) -> None:
+        self._check_weights_finite("rollout engine starts from them", hint="the model loaded (engine.model.path, or "
+                                   "the checkpoint resumed) holds NaN/inf")
         model_dir = self.out / "policy_hf"
         self.engine.save_hf(model_dir)
         self.backend.start(str(model_dir), version=self.version)
@@ -175,20 +202,28 @@ class Trainer:
             raise RolloutError("rollout.return_routed_experts is set but the backend cannot return routed experts here")
 
     def _restore(self) -> None:
-        state = load_checkpoint(self.out)
-        if state is None:
-            self.console.print(f"[yellow]note:[/] --resume: no checkpoint in {self.out}, starting fresh")
-            return
-        self.engine.load_state_dict(state["engine"])
-        self.step = int(state["step"]) + 1
-        self.version = int(state["version"])
-        self.wall_before = float(state["wall_seconds"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        self.metrics.truncate_after(int(state["step"]))
-        self.console.print(f"resumed from step {state['step']} (weight version {self.version})")
+        state, record, diffs = self._resume_from
+        self._resume_from = None
+        path = self.out / "checkpoints" / str(record["state_file"])
+        try:  # a checkpoint of another model or engine fails here: name the file, not a traceback
+            self.engine.load_state_dict(state["engine"])
+            step = int(state["step"])
+            self.version = int(state["version"])
+            self.wall_before = float(state["wall_seconds"])
+            torch.set_rng_state(state["torch_rng"])
+            py = state["python_rng"]
+            random.setstate((py[0], tuple(py[1]), py[2]))
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+            detail = " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip())[:400]
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {type(exc).__name__}: {detail}") from exc
+        self.step = step + 1
+        self.metrics.truncate_after(step)
+        for d in diffs:
+            self.console.print(f"[yellow]note:[/] --allow-config-change: {d}")
+        self.console.print(f"resumed from step {step} (weight version {self.version}, {path})")
 
     def _checkpoint(self, wall: float) -> None:
+        self._check_weights_finite("checkpoint")
         save_checkpoint(self.out, {
             "engine": self.engine.state_dict(),
             "step": self.step,
@@ -197,7 +232,45 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
             "rlcore_version": __version__,
-        })
+        }, {"step": self.step, "version": self.version, "rlcore_version": __version__, "config": self.fingerprint},
+            keep=int(self.cfg.output.keep_checkpoints))
+
+    # ------------------------------------------------------------------- non-finite guards --
+
+    def _nonfinite(self, what: str, detail: str, skippable: bool = True) -> NonFiniteError:
+        policy = self.cfg.training.on_nonfinite
+        then = ("the step is skipped (training.on_nonfinite=skip)" if skippable and policy == "skip" else
+                "the run stops; the weights and checkpoints are the last good ones"
+                + (" (training.on_nonfinite=skip drops such steps instead)" if skippable else ""))
+        return NonFiniteError(f"step {self.step}: non-finite {what}: {detail}; {then}", what=what, skippable=skippable)
+
+    def _check_advantages(self, batch: PackedBatch, rewards: list[float]) -> None:
+        """After the advantages are in the batch, before the train pass (finite rewards can still
+        overflow: a group mean of 3e38s is inf)."""
+        adv = batch.fields["advantages"]
+        if not bool(torch.isfinite(adv).all()):
+            per_seq = batch.seq_fields.get("advantage", torch.zeros(0)).tolist()
+            bad = [i for i, a in enumerate(per_seq) if not math.isfinite(a)]
+            raise self._nonfinite("advantages", f"samples {bad[:8]} (rewards {[rewards[i] for i in bad[:8]]})")
+
+    def _check_grad_norm(self) -> None:
+        """Before the optimizer step: a NaN/inf gradient would make every weight NaN."""
+        grads = [p.grad for p in self.engine.parameters() if p.grad is not None]
+        if grads:
+            norm = float(torch.nn.utils.get_total_norm(grads))
+            if not math.isfinite(norm):
+                raise self._nonfinite("grad_norm", f"gradient norm {norm} before the optimizer step")
+
+    def _check_weights_finite(self, before: str, hint: str = "resume from the last checkpoint") -> None:
+        """Never push or checkpoint NaN/inf weights (their checksums would still match)."""
+        model = getattr(self.engine, "model", None)
+        named = (model.named_parameters() if hasattr(model, "named_parameters")
+                 else ((f"parameter {i}", p) for i, p in enumerate(self.engine.parameters())))
+        bad = [n for n, p in named if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
+        if bad:
+            raise NonFiniteError(
+                f"step {self.step}: {len(bad)} weight tensor(s) are non-finite (e.g. {bad[:3]}) before the "
+                f"{before}; nothing was pushed or checkpointed: {hint}", what="weights")
 
     # ----------------------------------------------------------------------------- steps --
 
@@ -212,12 +285,24 @@ class Trainer:
 
     def _rewards(self, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any]) -> list[float]:
         out = []
-        for s in samples:
+        for i, s in enumerate(samples):
             tp = task_prompts[s.prompt_index]
             resp = s.response_ids.tolist()
             text = self.tokenizer.decode(resp, skip_special_tokens=True)
-            out.append(float(self.reward_fn(RewardInput(tp.text, text, s.prompt_ids, resp, tp.meta, s.finish_reason))))
+            value = self.reward_fn(RewardInput(tp.text, text, s.prompt_ids, resp, tp.meta, s.finish_reason))
+            out.append(self._checked_reward(value, i, s.prompt_index, tp.text, text))
         return out
+
+    def _checked_reward(self, value: Any, index: int, prompt_index: int, prompt: str, response: str) -> float:
+        where = (f"reward function {self.cfg.data.reward} returned {value!r} for sample {index} of step "
+                 f"{self.step} (prompt {prompt_index}: {prompt!r}, response {response!r})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) and not (
+                isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise RewardError(f"{where}; a reward must be a real number")
+        reward = float(value)
+        if not math.isfinite(reward):
+            raise NonFiniteError(f"{where}; rewards must be finite", what="reward")
+        return reward
 
     def _pack(self, samples: list[Sample], rewards: list[float]) -> PackedBatch:
         seqs = [list(s.prompt_ids) + s.response_ids.tolist() for s in samples]
@@ -226,7 +311,8 @@ class Trainer:
         inputs = {}
         layout = self.engine.info.route_layout
         if layout is not None and all(s.routed_experts is not None for s in samples):
-            inputs["routes"] = [layout.select(torch.as_tensor(s.routed_experts)).to(torch.int16) for s in samples]
+            inputs["routes"] = [sample_routes(s.routed_experts, layout, len(seq), f"step {self.step} sample {i}")
+                                for i, (s, seq) in enumerate(zip(samples, seqs))]
         return PackedBatch.pack(
             seqs, starts, target_fields=target, input_fields=inputs,
             seq_fields={"reward": torch.tensor(rewards), "group": torch.tensor([s.prompt_index for s in samples])},
@@ -274,6 +360,8 @@ class Trainer:
                         loss = loss + term
                         sums[f"loss/engine/{name}"] = sums.get(f"loss/engine/{name}", 0.0) + float(term.detach())
                         counts[f"loss/engine/{name}"] = 1
+                    if not bool(torch.isfinite(loss.detach())):
+                        raise self._nonfinite("loss", f"{float(loss.detach())} in train micro-batch {i} of {len(mbs)}")
                     loss.backward()
                     sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
                     counts["loss"] = 1
@@ -304,6 +392,7 @@ class Trainer:
             return_routed_experts=cfg.rollout.return_routed_experts,
         )
         samples = self.backend.generate(prompts, params)
+        fault_point("rollout")
         t_gen = time.perf_counter() - t0
         stale = [s.weight_version for s in samples if s.weight_version != self.version]
         if stale:
@@ -329,13 +418,19 @@ class Trainer:
         if self.reference is not None:
             self._forward_pass(batch, "ref_logprob", self.reference, totals, grad=False)
         metrics.update(self._algorithm_inputs(batch, samples, rewards))
+        self._check_advantages(batch, rewards)
         self.engine.train(True)
         # algorithm.updates_per_step > 1: PPO-style epochs over the step's batch; from the second
         # update on the ratio moves away from 1 and the losses' clipping rules differ
         for _update in range(int(cfg.algorithm.updates_per_step)):
             self.engine.zero_grad()
             train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
+            self._check_grad_norm()
             grad_norm = self.engine.optimizer_step(cfg.training.grad_clip)
+            if not math.isfinite(grad_norm):  # an engine whose gradients _check_grad_norm cannot see
+                self._check_weights_finite("push")  # the optimizer stepped with it: stop if it hurt the weights
+                raise self._nonfinite("grad_norm",
+                                      f"{grad_norm} reported by the optimizer step (which left the weights finite)")
         t_train = time.perf_counter() - t0 - t_gen
 
         resp_lens = [len(s.response_ids) for s in samples]
@@ -409,7 +504,7 @@ class Trainer:
         if self.release_kv:
             self.backend.release_memory(frozenset({"kv_cache"}))
         try:
-            report = self.sync.push(self.engine.export_hf_weights(), self.backend, version)
+            report = self.sync.push(self._export_for_push(), self.backend, version)
         finally:
             if self.release_kv:
                 self.backend.resume_memory(frozenset({"kv_cache"}))
@@ -427,6 +522,12 @@ class Trainer:
             )
         return report
 
+    def _export_for_push(self) -> Any:
+        for n, (name, t) in enumerate(self.engine.export_hf_weights()):
+            yield name, t
+            if n == 0:
+                fault_point("push")
+
     # ------------------------------------------------------------------------------- run --
 
     def run(self) -> dict[str, Any]:
@@ -441,7 +542,20 @@ class Trainer:
         try:
             while self.step < cfg.training.steps:
                 t0 = time.perf_counter()
-                res = self._train_step()
+                try:
+                    res = self._train_step()
+                    self._check_weights_finite("push")
+                except NonFiniteError as exc:
+                    self.engine.zero_grad()
+                    record = {"step": self.step, "weight_version": self.version, "nonfinite": exc.what,
+                              "wall_seconds": self.wall_before + time.perf_counter() - t_start}
+                    if not (exc.skippable and cfg.training.on_nonfinite == "skip"):
+                        self.metrics.write(dict(record, stopped=str(exc)))
+                        raise
+                    self.metrics.write(dict(record, skipped=str(exc)))
+                    self.console.print(f"[yellow]step {self.step:4d} skipped:[/] {exc}")
+                    self.step += 1
+                    continue
                 self.version += 1
                 report = self._push(self.version)
                 m = res.metrics
@@ -458,7 +572,7 @@ class Trainer:
                     "wall_seconds": wall,
                     "tokens_per_second": m["tokens"] / max(step_s, 1e-9),
                 })
-                self.metrics.write({k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in m.items()})
+                self.metrics.write(m)
                 self._progress(m, report)
                 if cfg.output.checkpoint_every and (self.step + 1) % cfg.output.checkpoint_every == 0:
                     self._checkpoint(wall)
@@ -493,7 +607,9 @@ class Trainer:
     def _summary(self, completed: bool) -> dict[str, Any]:
         rows = read_metrics(self.out)
         png = plot_rewards(self.out, title=f"rlcore {self.stack.engine.name}/{self.stack.rollout_backend.name}") if self.cfg.output.plot else None
-        summary: dict[str, Any] = {"completed": completed, "steps": len(rows), "output": str(self.out)}
+        skipped = sum(1 for r in rows if "skipped" in r)
+        summary: dict[str, Any] = {"completed": completed, "steps": len(rows), "skipped": skipped, "output": str(self.out)}
+        rows = [r for r in rows if "reward_mean" in r]
         if rows:
             k = min(5, len(rows))
             summary.update({
