@@ -389,7 +389,8 @@ def _check_values(cfg: DictConfig) -> None:
     _check_ranges(cfg)
 
 
-#: numeric keys and the range each must lie in: (low, high, low inclusive, high inclusive);
+#: numeric keys of core's sections and the range each must lie in (an algorithm's own keys, e.g.
+#: ``algorithm.clip_low``, are checked by that algorithm's ``validate``): (low, high, low inclusive, high inclusive);
 #: every float must also be finite (a NaN passes every comparison and would train on NaN)
 _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "rollout.temperature": (0.0, math.inf, True, False),
@@ -397,8 +398,6 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "rollout.seed": (0, 2**32 - 1, True, True),  # per-step seeds derive from it in int64
     "sync.bucket_mb": (0.0, 1 << 30, False, True),  # up to 1 PiB: bucket byte counts stay int64
     "forward.chunk_tokens": (1, math.inf, True, False),
-    "algorithm.clip_low": (0.0, 1.0, True, False),
-    "algorithm.clip_high": (0.0, math.inf, True, False),
     "algorithm.kl_coef": (0.0, math.inf, True, False),
     "algorithm.entropy_coef": (-math.inf, math.inf, False, False),
     "algorithm.updates_per_step": (1, math.inf, True, False),
