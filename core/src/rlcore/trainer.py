@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rlcore import __version__
+from rlcore import __version__, guards
 from rlcore.algorithms import objective as objmod
 from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import TokenObjective, kl_penalty
@@ -34,7 +34,6 @@ from rlcore.errors import (
     CheckpointError,
     ConfigError,
     NonFiniteError,
-    RewardError,
     RolloutError,
     WeightSyncError,
 )
@@ -238,39 +237,10 @@ class Trainer:
     # ------------------------------------------------------------------- non-finite guards --
 
     def _nonfinite(self, what: str, detail: str, skippable: bool = True) -> NonFiniteError:
-        policy = self.cfg.training.on_nonfinite
-        then = ("the step is skipped (training.on_nonfinite=skip)" if skippable and policy == "skip" else
-                "the run stops; the weights and checkpoints are the last good ones"
-                + (" (training.on_nonfinite=skip drops such steps instead)" if skippable else ""))
-        return NonFiniteError(f"step {self.step}: non-finite {what}: {detail}; {then}", what=what, skippable=skippable)
-
-    def _check_advantages(self, batch: PackedBatch, rewards: list[float]) -> None:
-        """After the advantages are in the batch, before the train pass (finite rewards can still
-        overflow: a group mean of 3e38s is inf)."""
-        adv = batch.fields["advantages"]
-        if not bool(torch.isfinite(adv).all()):
-            per_seq = batch.seq_fields.get("advantage", torch.zeros(0)).tolist()
-            bad = [i for i, a in enumerate(per_seq) if not math.isfinite(a)]
-            raise self._nonfinite("advantages", f"samples {bad[:8]} (rewards {[rewards[i] for i in bad[:8]]})")
-
-    def _check_grad_norm(self) -> None:
-        """Before the optimizer step: a NaN/inf gradient would make every weight NaN."""
-        grads = [p.grad for p in self.engine.parameters() if p.grad is not None]
-        if grads:
-            norm = float(torch.nn.utils.get_total_norm(grads))
-            if not math.isfinite(norm):
-                raise self._nonfinite("grad_norm", f"gradient norm {norm} before the optimizer step")
+        return guards.nonfinite_error(self.step, self.cfg.training.on_nonfinite, what, detail, skippable)
 
     def _check_weights_finite(self, before: str, hint: str = "resume from the last checkpoint") -> None:
-        """Never push or checkpoint NaN/inf weights (their checksums would still match)."""
-        model = getattr(self.engine, "model", None)
-        named = (model.named_parameters() if hasattr(model, "named_parameters")
-                 else ((f"parameter {i}", p) for i, p in enumerate(self.engine.parameters())))
-        bad = [n for n, p in named if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
-        if bad:
-            raise NonFiniteError(
-                f"step {self.step}: {len(bad)} weight tensor(s) are non-finite (e.g. {bad[:3]}) before the "
-                f"{before}; nothing was pushed or checkpointed: {hint}", what="weights")
+        guards.check_weights_finite(self.engine, self.step, before, hint)
 
     # ----------------------------------------------------------------------------- steps --
 
@@ -290,19 +260,10 @@ class Trainer:
             resp = s.response_ids.tolist()
             text = self.tokenizer.decode(resp, skip_special_tokens=True)
             value = self.reward_fn(RewardInput(tp.text, text, s.prompt_ids, resp, tp.meta, s.finish_reason))
-            out.append(self._checked_reward(value, i, s.prompt_index, tp.text, text))
+            out.append(guards.checked_reward(value, (
+                f"reward function {self.cfg.data.reward} returned {value!r} for sample {i} of step {self.step} "
+                f"(prompt {s.prompt_index}: {tp.text!r}, response {text!r})")))
         return out
-
-    def _checked_reward(self, value: Any, index: int, prompt_index: int, prompt: str, response: str) -> float:
-        where = (f"reward function {self.cfg.data.reward} returned {value!r} for sample {index} of step "
-                 f"{self.step} (prompt {prompt_index}: {prompt!r}, response {response!r})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) and not (
-                isinstance(value, torch.Tensor) and value.numel() == 1):
-            raise RewardError(f"{where}; a reward must be a real number")
-        reward = float(value)
-        if not math.isfinite(reward):
-            raise NonFiniteError(f"{where}; rewards must be finite", what="reward")
-        return reward
 
     def _pack(self, samples: list[Sample], rewards: list[float]) -> PackedBatch:
         seqs = [list(s.prompt_ids) + s.response_ids.tolist() for s in samples]
@@ -418,16 +379,20 @@ class Trainer:
         if self.reference is not None:
             self._forward_pass(batch, "ref_logprob", self.reference, totals, grad=False)
         metrics.update(self._algorithm_inputs(batch, samples, rewards))
-        self._check_advantages(batch, rewards)
+        problem = guards.advantages_problem(batch.fields["advantages"], batch.seq_fields.get("advantage"), rewards)
+        if problem:
+            raise self._nonfinite("advantages", problem)
         self.engine.train(True)
         # algorithm.updates_per_step > 1: PPO-style epochs over the step's batch; from the second
         # update on the ratio moves away from 1 and the losses' clipping rules differ
         for _update in range(int(cfg.algorithm.updates_per_step)):
             self.engine.zero_grad()
             train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
-            self._check_grad_norm()
+            problem = guards.grad_norm_problem(self.engine.parameters())
+            if problem:
+                raise self._nonfinite("grad_norm", problem)
             grad_norm = self.engine.optimizer_step(cfg.training.grad_clip)
-            if not math.isfinite(grad_norm):  # an engine whose gradients _check_grad_norm cannot see
+            if not math.isfinite(grad_norm):  # an engine whose gradients grad_norm_problem cannot see
                 self._check_weights_finite("push")  # the optimizer stepped with it: stop if it hurt the weights
                 raise self._nonfinite("grad_norm",
                                       f"{grad_norm} reported by the optimizer step (which left the weights finite)")
