@@ -127,3 +127,9 @@ def test_on_missing_native_routes_them_natively_and_counts_them(tmp_path, monkey
     (x,) = rows(out)
     assert x["replay/missing_samples"] == 1.0
     assert x["replay/coverage"] < 1.0
+
+
+def test_examples_that_promise_replay_activate_it():
+    for name in ("sglang_moe_mtp.yaml",):
+        s = load_stack(str(ROOT / "examples" / name))
+        assert "replay" in s.plugins.active and s.config.replay.mode == "R3", name
