@@ -179,3 +179,23 @@ def test_a_router_rerun_in_backward_replays_the_forward_experts(fresh):
     y = _RunInBackward.apply(out.hidden, lambda: engine.seam.decide(site, scores, native))
     with pytest.raises(RLCoreError, match="other experts under activation recomputation"):
         y.sum().backward()
+
+
+def test_r2_records_in_the_old_logprob_pass_and_replays_in_the_update(fresh):
+    engine = fresh("moe_a")
+    batch = PackedBatch.pack(SEQS, [1, 1, 2])
+    rep = Replayer(_cfg("R2"))
+    old = MicroBatchContext(step=0, phase="old_logprob", index=0, count=1, batch=batch, config=rep.config)
+    req = rep.forward_request(old)
+    assert req is not None and req.record_routes
+    with torch.no_grad():
+        out = engine.forward(batch, record_routes=True, router=rep.router_hook, micro_batch=old)
+    res = rep.postprocess(old, SimpleNamespace(engine=out))
+    for k, v in res.batch_updates.items():
+        batch.write_back(batch, k, v)
+    _perturb(engine)
+    with torch.no_grad():
+        assert not torch.equal(engine.forward(batch, record_routes=True).routes, out.routes)
+        again = _replay(engine, rep, batch, phase="train")
+    assert torch.equal(again.routes, out.routes)
+    assert rep.step_end(SimpleNamespace(step=0, batch=batch))["replay/bytes_per_token"] == 2 * 2 + 2
