@@ -51,5 +51,22 @@ def test_route_layout_select_keeps_moe_layers_and_fills_mtp():
     assert got.shape == (5, 3, 2)
     assert torch.equal(got[:, 0], rollout[:, 1]) and torch.equal(got[:, 1], rollout[:, 3])
     assert torch.all(got[:, 2] == -1)
-    with pytest.raises(ValueError, match="needs decoder layer 3"):
+    with pytest.raises(ValueError, match="routes have 2 layers; the model has 4 decoder layers"):
         layout.select(rollout[:, :2])
+    both = torch.arange(5 * 5 * 2).view(5, 5, 2)  # decoder + MTP layers: the MTP column is kept
+    assert torch.equal(layout.select(both)[:, 2], both[:, 4])
+
+
+def test_route_layout_select_refuses_a_wider_model():
+    """Routes of 7 layers for a 5-layer + MTP model (found by an outside check) were cut to a subset of
+    columns and replayed; every count but the model's is an error naming both counts."""
+    import torch
+
+    from rlcore.types import RouteLayout
+
+    layout = RouteLayout(layers=(0, 1, 2, 3, 4, 5), topk=2, num_experts=8, num_hidden_layers=5)
+    for wrong in (7, 4, 2):
+        with pytest.raises(ValueError, match=f"routes have {wrong} layers; the model has 5 decoder layers [+] 1 MTP"):
+            layout.select(torch.zeros(3, wrong, 2, dtype=torch.long))
+    assert layout.select(torch.zeros(3, 5, 2, dtype=torch.long)).shape == (3, 6, 2)
+    assert layout.select(torch.zeros(3, 6, 2, dtype=torch.long)).shape == (3, 6, 2)

@@ -337,9 +337,10 @@ class RLCoreSpecs:
         **Kind:** chain, in ``plugins:`` order; **the first non-None answer wins** and the
         rest are not called. **Called:** by the training engine for every MoE router
         (decoder layers and MTP layers) on every forward, and again during activation
-        recomputation (``call.recompute``), when an active plugin implements it. Engines
-        with native replay (Megatron ≥ 0.16 ``RouterReplay``) ask once per layer before the
-        forward, with ``call.scores`` None.
+        recomputation (``call.recompute``: answer as in the forward), when an active plugin
+        implements it. Every engine asks inside the router, after its scores (megatron-core ≥
+        0.16 through its native ``RouterReplay``, earlier versions by interception), so
+        ``call.scores`` is set.
 
         :param call: which router (``layer`` id and ``routed_index`` in
             :class:`~rlcore.types.RouteLayout` order, ``is_mtp``), which tokens of the

@@ -270,13 +270,19 @@ class Trainer:
         starts = [len(s.prompt_ids) for s in samples]
         target = {"old_logprobs": [s.logprobs.float() for s in samples]}
         inputs = {}
+        seq_fields = {"reward": torch.tensor(rewards), "group": torch.tensor([s.prompt_index for s in samples])}
         layout = self.engine.info.route_layout
-        if layout is not None and all(s.routed_experts is not None for s in samples):
-            inputs["routes"] = [sample_routes(s.routed_experts, layout, len(seq), f"step {self.step} sample {i}")
-                                for i, (s, seq) in enumerate(zip(samples, seqs))]
+        have = [s.routed_experts is not None for s in samples]
+        if layout is not None and any(have):
+            # samples the rollout engine returned no routes for keep -1 rows (route natively) and
+            # are marked in ``routes_present``: never dropped in silence (a replay plugin decides)
+            inputs["routes"] = [
+                sample_routes(s.routed_experts, layout, len(seq), f"step {self.step} sample {i}") if ok
+                else torch.full((len(seq) - 1, layout.num_routed, layout.topk), -1, dtype=torch.int16)
+                for i, (s, seq, ok) in enumerate(zip(samples, seqs, have, strict=True))]
+            seq_fields["routes_present"] = torch.tensor(have)
         return PackedBatch.pack(
-            seqs, starts, target_fields=target, input_fields=inputs,
-            seq_fields={"reward": torch.tensor(rewards), "group": torch.tensor([s.prompt_index for s in samples])},
+            seqs, starts, target_fields=target, input_fields=inputs, seq_fields=seq_fields,
             align=int(getattr(self.engine, "sequence_alignment", 1)),
             pad_id=self.engine.info.pad_token_id,
         )

@@ -26,14 +26,24 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 
 def find_routers(model: Any) -> list[tuple[int, Any]]:
-    """``(layer_index, router_module)`` for every MoE router, ascending by layer."""
+    """``(layer_index, router_module)`` for every MoE router, ascending by layer. Two routers
+    claiming one layer (a decoder built twice, an orphaned copy) are an error naming both."""
     out = []
-    for name, mod in model.named_modules():
+    names: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=True):
         if type(mod).__name__.endswith("TopKRouter") and hasattr(mod, "top_k") and hasattr(mod, "num_experts"):
             parts = name.split(".")
             if "layers" not in parts:
                 raise BatchShapeError(f"cannot tell the layer of MoE router {name!r}")
-            out.append((int(parts[parts.index("layers") + 1]), mod))
+            layer = int(parts[parts.index("layers") + 1])
+            if layer in names:
+                raise BatchShapeError(
+                    f"two MoE routers claim layer {layer}: {names[layer]!r} and {name!r} (a decoder built twice, "
+                    f"or an orphaned router left in the model); routes could go to the one that never runs"
+                )
+            names[layer] = name
+            mod._rlcore_router_name = name
+            out.append((layer, mod))
     return sorted(out, key=lambda x: x[0])
 
 
@@ -74,18 +84,36 @@ class _ForwardPass:
     to_rows: Callable[[torch.Tensor], torch.Tensor]  # packed [T, ...] -> router rows [N, ...]
     from_rows: Callable[[torch.Tensor], torch.Tensor]  # router rows -> packed
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: routed index -> how often the router ran in this forward / in recomputation
+    ran: dict[int, int] = field(default_factory=dict)
+    recomputed: dict[int, int] = field(default_factory=dict)
+    #: routed index -> the experts used in the forward (replayed routers only), for recompute
+    used: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (activation recomputation happens there)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 class RouterSeam:
     """Forward hooks on every MoE router of a transformers model (see module docstring).
 
     ``routers`` are ``(layer_index, router_module)`` ascending; ``layout`` their
-    :class:`~rlcore.types.RouteLayout` (``None`` for a dense model)."""
+    :class:`~rlcore.types.RouteLayout` (``None`` for a dense model).
+
+    Every forward run under :meth:`forward_pass` must run every router exactly once (an
+    orphaned router that never runs, or one that runs twice, is an error naming it). A router
+    that runs again during backward (activation recomputation, e.g. transformers' gradient
+    checkpointing) after a forward with a dispatcher asks the chain again with
+    ``RouterCall.recompute=True`` and must get the experts of the forward."""
 
     def __init__(self, model: Any):
         self.routers = find_routers(model)
         self.layout = route_layout_of(model)
         self.state: _ForwardPass | None = None
+        #: the last forward with a dispatcher, for routers recomputed in its backward
+        self.last: _ForwardPass | None = None
         self._handles = [
             mod.register_forward_hook(self._hook_for(pos, layer)) for pos, (layer, mod) in enumerate(self.routers)
         ]
@@ -107,13 +135,30 @@ class RouterSeam:
         per-token tensors between it and the rows the routers see (the identity when they are
         the same). ``dispatch`` is consulted in every router (``router_hook`` chain);
         ``record`` keeps the chosen experts for :meth:`collect`, which must be called inside
-        the block.
+        the block. On leaving it, every router must have run exactly once.
         """
+        self.last = None
         self.state = _ForwardPass(dispatch, micro_batch, record, num_tokens, to_rows, from_rows)
+        ok = False
         try:
             yield
+            ok = True
         finally:
-            self.state = None
+            st, self.state = self.state, None
+            if ok and (dispatch is not None or record):
+                self._check_ran(st)
+                if dispatch is not None and torch.is_grad_enabled():
+                    self.last = st
+
+    def _check_ran(self, st: _ForwardPass) -> None:
+        for pos, (layer, mod) in enumerate(self.routers):
+            n = st.ran.get(pos, 0)
+            if n != 1:
+                what = "never ran (an orphaned router outside the forward path?)" if n == 0 else f"ran {n} times"
+                raise BatchShapeError(
+                    f"MoE router of layer {layer} ({getattr(mod, '_rlcore_router_name', type(mod).__name__)}) {what} "
+                    f"in one forward; every router must consume its routes exactly once"
+                )
 
     def remove(self) -> None:
         for h in self._handles:
@@ -123,9 +168,19 @@ class RouterSeam:
     def _hook_for(self, routed_index: int, layer: int):
         def hook(module, args, output):
             st = self.state
+            recompute = False
             if st is None:
-                return None
+                st = self.last
+                if st is None or not _in_backward():
+                    return None
+                recompute = True
             logits, scores, indices = output
+            if recompute:
+                st.recomputed[routed_index] = st.recomputed.get(routed_index, 0) + 1
+                if st.recomputed[routed_index] > 1:
+                    raise BatchShapeError(f"MoE router of layer {layer} was recomputed twice for one forward")
+            else:
+                st.ran[routed_index] = st.ran.get(routed_index, 0) + 1
             if st.dispatch is not None:
                 call = RouterCall(
                     layer=layer,
@@ -137,14 +192,32 @@ class RouterSeam:
                     num_tokens=st.num_tokens,
                     micro_batch=st.micro_batch,
                     scores=st.from_rows(logits.detach()),
+                    recompute=recompute,
                 )
                 decision = st.dispatch(call)
+                if recompute:
+                    before = st.used.get(routed_index)
+                    if (decision is None) != (before is None):
+                        raise BatchShapeError(
+                            f"router_hook answered differently for layer {layer} under activation recomputation "
+                            f"({'no replay' if decision is None else 'replay'}) than in the forward"
+                        )
                 if decision is not None:
                     indices = apply_router_decision(decision, indices, layer=layer, num_experts=call.num_experts,
                                                     topk=call.topk, num_tokens=st.num_tokens, to_rows=st.to_rows)
+                    if recompute:
+                        if not torch.equal(indices, st.used[routed_index]):
+                            bad = int((indices != st.used[routed_index]).any(dim=-1).nonzero()[0, 0])
+                            raise BatchShapeError(
+                                f"router of layer {layer} got other experts under activation recomputation than "
+                                f"in the forward (router row {bad}: {st.used[routed_index][bad].tolist()} then "
+                                f"{indices[bad].tolist()}): the gradient would not match the forward"
+                            )
+                    else:
+                        st.used[routed_index] = indices.detach()
                     scores = routing_weights(module, logits, indices)
                     output = (logits, scores, indices)
-            if st.record:
+            if st.record and not recompute:
                 st.recorded[routed_index] = indices.detach()
             return output
 
@@ -155,4 +228,5 @@ class RouterSeam:
         st = self.state
         if st is None or not st.recorded:
             return None
+        self._check_ran(st)
         return torch.stack([st.recorded[i] for i in range(len(self.routers))], dim=1).to(torch.int16)

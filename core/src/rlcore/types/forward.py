@@ -126,21 +126,35 @@ class RouteLayout:
     def index_of(self, layer: int) -> int:
         return self.layers.index(layer)
 
-    def select(self, routes_all_layers: torch.Tensor) -> torch.Tensor:
-        """``[N, num_hidden_layers(+mtp), K]`` → ``[N, len(layers), K]`` in layout order.
+    @property
+    def mtp_depths(self) -> int:
+        """MTP routers on the routed-layer axis (layers ``>= num_hidden_layers``)."""
+        return sum(1 for layer in self.layers if layer >= self.num_hidden_layers)
 
-        Rollout engines report the decoder layers only; MTP columns they lack are filled with
-        -1 (route natively)."""
+    def select(self, routes_all_layers: torch.Tensor) -> torch.Tensor:
+        """``[N, L, K]`` → ``[N, len(layers), K]`` in layout order.
+
+        ``L`` must be exactly one of: ``num_routed`` (already in layout order),
+        ``num_hidden_layers`` (a rollout engine's report of every decoder layer, dense ones
+        included; MTP columns it lacks are filled with -1, route natively) or
+        ``num_hidden_layers + mtp_depths`` (decoder and MTP layers). Any other count is an error
+        naming both counts: routes of a wider or narrower model are never cut to a subset."""
         if routes_all_layers.dim() != 3 or routes_all_layers.shape[2] != self.topk:
             raise ValueError(
                 f"routes must be [tokens, layers, topk={self.topk}], got {tuple(routes_all_layers.shape)}"
             )
-        have = routes_all_layers.shape[1]
+        have = int(routes_all_layers.shape[1])
         if have == self.num_routed:
             return routes_all_layers
-        decoder = [layer for layer in self.layers if layer < self.num_hidden_layers]
-        if decoder and have < max(decoder) + 1:
-            raise ValueError(f"routes have {have} layers; layout needs decoder layer {max(decoder)}")
+        full = self.num_hidden_layers + self.mtp_depths
+        if have not in (self.num_hidden_layers, full):
+            mtp = f" + {self.mtp_depths} MTP" if self.mtp_depths else ""
+            raise ValueError(
+                f"routes have {have} layers; the model has {self.num_hidden_layers} decoder layers{mtp} "
+                f"({self.num_routed} routed: layers {list(self.layers)}), so routes must have "
+                f"{sorted({self.num_routed, self.num_hidden_layers, full})} layers: routes of another model "
+                f"are not cut to fit"
+            )
         cols = []
         for layer in self.layers:
             if layer < have:
@@ -174,10 +188,11 @@ class RouterCall:
     index; ``num_hidden_layers + d`` for MTP depth ``d``) and ``routed_index`` its position on
     the routed-layer axis. ``token_offset``/``num_tokens`` say which rows of the micro-batch's
     token axis this router sees (sequence parallelism splits them). ``scores`` are the router's
-    pre-top-k scores ``[num_tokens, num_experts]`` when the engine consults the chain inside
-    the router, or ``None`` when it asks ahead of the forward (native Megatron RouterReplay).
-    ``recompute`` is True during activation recomputation in backward.
-    """
+    pre-top-k scores ``[num_tokens, num_experts]`` (every engine consults the chain inside the
+    router, after the scores: megatron-core's native ``RouterReplay`` path too), or ``None``
+    only from an engine that cannot provide them. ``recompute`` is True when the router runs
+    again under activation recomputation in backward: the answer must be the one given in the
+    forward (engines check that the experts are identical and raise naming the layer)."""
 
     layer: int
     routed_index: int

@@ -20,7 +20,8 @@ Two ways in, chosen by what the installed megatron-core offers (signatures, not 
   instances is not used (and is emptied of this model's routers).
 * **intercept** (0.12.1 – 0.15): the routing function that ``megatron.core.transformer.moe.router``
   calls (``topk_softmax_with_capacity`` on 0.12/0.13, ``topk_routing_with_score_function`` on
-  0.14/0.15; both are looked up by name in that module) is wrapped once per process. The wrapper
+  0.14/0.15; the router module imports it by name) is wrapped once per process, and replaced
+  both in the router module and in ``moe_utils``, where it is defined. The wrapper
   is inert unless a seam is active for the router running (forward pre-hooks on each router say
   which one), calls the original, and, when the dispatcher chose other experts, rebuilds the
   routing weights and map from the logits the way the original does for the router's score
@@ -68,6 +69,14 @@ class RoutingState:
     to_rows: Callable[[torch.Tensor], torch.Tensor]  #: packed [N, ...] -> router rows (fill -1 / 0)
     from_rows: Callable[[torch.Tensor], torch.Tensor]  #: router rows -> packed [N, ...]
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: routed index -> experts used in the forward when the dispatcher chose (for recomputation)
+    used: dict[int, torch.Tensor] = field(default_factory=dict)
+    recomputed: dict[int, int] = field(default_factory=dict)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (where activation recomputation re-runs routers)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def native_replay_available() -> bool:
@@ -84,12 +93,27 @@ class RouterSeam:
     def __init__(self, sites: list[RouterSite], config: Any):
         self.sites = sites
         self.config = config
-        self.state: RoutingState | None = None
+        self._state: RoutingState | None = None
+        #: the last forward that consulted a dispatcher with grad on: routers re-run by activation
+        #: recomputation in its backward replay what it used (``RouterCall.recompute``)
+        self.last: RoutingState | None = None
         self.mode = "native" if native_replay_available() else "intercept"
         if self.mode == "native":
             _install_native(self)
         else:
             _install_interception(self)
+
+    @property
+    def state(self) -> RoutingState | None:
+        return self._state
+
+    @state.setter
+    def state(self, st: RoutingState | None) -> None:
+        prev, self._state = self._state, st
+        if st is not None:
+            self.last = None
+        elif prev is not None and prev.dispatch is not None and prev.used and torch.is_grad_enabled():
+            self.last = prev
 
     # ------------------------------------------------------------------ checks -----------
 
@@ -104,10 +128,19 @@ class RouterSeam:
 
     def decide(self, site: RouterSite, scores: torch.Tensor, native_idx: torch.Tensor) -> torch.Tensor:
         """The experts this router uses: ``native_idx`` ``[rows, topk]`` unless the dispatcher
-        says otherwise (see module docstring). Records them when asked."""
+        says otherwise (see module docstring). Records them when asked. A router re-run in the
+        backward of a replayed forward (activation recomputation) asks again with
+        ``recompute=True`` and must get the same experts."""
         st = self.state
+        recompute = False
         if st is None:
-            return native_idx
+            st = self.last
+            if st is None or not _in_backward():
+                return native_idx
+            recompute = True
+            n = st.recomputed[site.routed_index] = st.recomputed.get(site.routed_index, 0) + 1
+            if n > 1:
+                raise RLCoreError(f"router of layer {site.layer} was recomputed twice for one forward")
         idx = native_idx
         if st.dispatch is not None:
             call = RouterCall(
@@ -120,11 +153,21 @@ class RouterSeam:
                 num_tokens=st.num_tokens,
                 micro_batch=st.micro_batch,
                 scores=st.from_rows(scores.detach()),
+                recompute=recompute,
             )
             decision = st.dispatch(call)
             if decision is not None:
                 idx = apply_router_decision(decision, native_idx, layer=site.layer, num_experts=site.num_experts,
                                             topk=site.topk, num_tokens=st.num_tokens, to_rows=st.to_rows)
+            if recompute:
+                before = st.used.get(site.routed_index)
+                if before is None or not torch.equal(idx, before):
+                    raise RLCoreError(
+                        f"router of layer {site.layer} got other experts under activation recomputation than in "
+                        f"the forward: the gradient would not match the forward")
+                return idx
+            if decision is not None:
+                st.used[site.routed_index] = idx.detach()
         if st.record:
             st.recorded[site.routed_index] = idx.detach()
         return idx
@@ -206,7 +249,14 @@ def _install_interception(seam: RouterSeam) -> None:
     name, returns = found[0]
     fn = getattr(router_mod, name)
     if not getattr(fn, _WRAPPED_MARK, False):
-        setattr(router_mod, name, _wrap_routing(fn, returns))
+        wrapped = _wrap_routing(fn, returns)
+        setattr(router_mod, name, wrapped)
+        # router.py imports the function by name; replace it where it is defined as well, so a
+        # router that looks it up there (a patched routing(), MindSpeed) goes through the seam too
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+
+        if getattr(moe_utils, name, None) is fn:
+            setattr(moe_utils, name, wrapped)
     for site in seam.sites:
         site.router.register_forward_pre_hook(_enter(seam, site))
         site.router.register_forward_hook(_leave)
@@ -214,7 +264,8 @@ def _install_interception(seam: RouterSeam) -> None:
 
 def _enter(seam: RouterSeam, site: RouterSite):
     def hook(module, args):
-        _CURRENT.site = (seam, site) if seam.state is not None else None
+        live = seam.state is not None or (seam.last is not None and _in_backward())
+        _CURRENT.site = (seam, site) if live else None
 
     return hook
 
