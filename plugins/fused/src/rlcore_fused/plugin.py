@@ -20,6 +20,7 @@ CAPABILITIES = frozenset({
     Cap.VOCAB_PARALLEL,
     Cap.SEQUENCE_PARALLEL,
     Cap.MASK_SKIPS_COMPUTE,
+    Cap.FUSED_LOSS,
 })
 
 
@@ -38,6 +39,8 @@ class FusedSettings:
     backend: str = "auto"
     chunk_tokens: int = 2048
     backward_chunk_mib: int = 512
+    #: fused-loss path (train phase): the fp32 logits chunk of the Triton backend
+    loss_chunk_mib: int = 768
 
 
 @hookimpl
@@ -54,7 +57,8 @@ def build_head(ctx):
     return FusedHead(
         backend=str(settings.backend),
         chunk_tokens=int(settings.chunk_tokens),
-        triton_config=TritonConfig(chunk_mib=int(settings.backward_chunk_mib)),
+        triton_config=TritonConfig(chunk_mib=int(settings.backward_chunk_mib),
+                                   loss_chunk_mib=int(getattr(settings, "loss_chunk_mib", 768))),
     )
 
 

@@ -32,6 +32,12 @@ class TritonConfig:
     chunk_mib: float = 512
     #: TMA tensor descriptors for the operands; None = on sm90+ when the strides allow it
     use_tma: bool | None = None
+    #: fused-loss path (Cap.FUSED_LOSS): the fp32 logits chunk buffer; sets the tokens per chunk
+    #: (at V=151936: 768 MiB is 1325 tokens); ∂L/∂logits is written over it in place
+    loss_chunk_mib: float = 768
+    #: fused-loss path: vocab entries per row-kernel step, and its warps
+    loss_block: int = 2048
+    loss_warps: int = 8
 
 
 # Hopper (TMA descriptors): 8 warps (two warpgroups), 3 stages (196 KB of shared memory with the
