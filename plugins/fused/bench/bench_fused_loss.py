@@ -33,6 +33,7 @@ from rlcore.algorithms.losses import PPOClip, TokenObjective
 from rlcore.algorithms.spec import TokenInputs
 from rlcore.types import HeadInput, LossRequest, VocabShard
 from rlcore_fused.head import FusedHead
+from rlcore_fused.tuning import TritonConfig
 
 OBJECTIVE = TokenObjective(PPOClip(0.2, 0.28, 3.0), entropy_coef=1e-3)
 
@@ -159,11 +160,12 @@ def grad_accuracy(device, H, V, T):
     del z, lp_all
     free_memory(device)
     out = {"T": T, "rounded_to_bf16": {"dX": rel_err(gx.to(h.dtype), gx), "dW": rel_err(gw.to(w.dtype), gw)}}
-    head = FusedHead(backend="triton")
-    for name in ("fused_loss", "fused+torch_loss"):
+    heads = {"fused_loss": FusedHead(backend="triton"), "fused+torch_loss": FusedHead(backend="triton"),
+             "fused_loss_dw_fp32": FusedHead(backend="triton", triton_config=TritonConfig(loss_dw_fp32=True))}
+    for name, head in heads.items():
         hh, ww = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
         inp = HeadInput(hidden=hh, weight=ww, labels=labels, vocab=VocabShard.full(V))
-        if name == "fused_loss":
+        if name.startswith("fused_loss"):
             inp.loss = LossRequest(OBJECTIVE, x)
         o = head(inp)
         loss_v = o.loss if o.loss is not None else (OBJECTIVE.value(o.logprobs, o.entropy, x) * x.weights).sum()
@@ -184,6 +186,7 @@ def main() -> int:
     ap.add_argument("--accuracy", default="1024,4096")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--torch-loss", action="store_true", help="also time today's fused head + torch loss")
+    ap.add_argument("--variants", default="", help="at T=16384: ';'-separated block:warps:chunk_mib:dw_fp32 configs")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -229,6 +232,17 @@ def main() -> int:
                 r["x_floor4"] = r.get("ms", math.nan) / f4
                 run["methods"].append({"case": case, **r})
             save()
+        if args.variants and T == 16384:
+            x = token_inputs(h.detach(), w.detach(), labels, None, device)
+            for spec in args.variants.split(";"):
+                b, nw, mib, d32 = spec.split(":")
+                cfg = TritonConfig(loss_block=int(b), loss_warps=int(nw), loss_chunk_mib=float(mib),
+                                   loss_dw_fp32=d32 == "1")
+                vh = FusedHead(backend="triton", triton_config=cfg)
+                r = measure(f"fused_loss[{spec}]", lambda vh=vh: fused_loss_call(vh, h, w, labels, None, x), device)
+                r["x_floor4"] = r.get("ms", math.nan) / f4
+                run.setdefault("variants", []).append({"config": spec, **r})
+                save()
         if args.profile and T == 16384:
             x = token_inputs(h.detach(), w.detach(), labels, None, device)
             run["profile_ms"] = profile_parts(head, h, w, labels, None, x, device)

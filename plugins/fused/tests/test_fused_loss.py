@@ -182,14 +182,16 @@ def _to(case, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+@pytest.mark.parametrize("dw_fp32", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["ppo-dual-clip", "ppo+entropy+kl-k3", "cispo+entropy+kl-k1"])
-def test_triton_on_gpu_matches_reference_path(name, dtype):
+def test_triton_on_gpu_matches_reference_path(name, dtype, dw_fp32):
     from rlcore_fused.tuning import TritonConfig
 
     case = _to(make_case(seed=21, T=300, H=256, vocab=5000, rows=5120, dtype=dtype), "cuda")
     # 64-token chunks: several chunks, dW accumulated over them
-    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=64 * 5000 * 4 / 2**20))
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=64 * 5000 * 4 / 2**20,
+                                                                  loss_dw_fp32=dw_fp32))
     bf16 = dtype == torch.bfloat16
     assert_paths_agree(head, case, OBJECTIVES[name], rtol=1e-4 if bf16 else 2e-5, atol=1e-5 if bf16 else 1e-6,
                        grad_rtol=2e-2 if bf16 else 1e-4)

@@ -147,8 +147,11 @@ def test_fused_loss_kernels_match_reference_path(name):
     assert_paths_agree(head, case, OBJECTIVES[name])
 
 
-def test_fused_loss_kernels_bf16_in_place():
-    """bf16: ∂L/∂logits is written over the fp32 logits in place (the aliased path)."""
+@pytest.mark.parametrize("dw_fp32", [False, True])
+def test_fused_loss_kernels_bf16_in_place(dw_fp32):
+    """bf16: ∂L/∂logits is written over the fp32 logits in place (the aliased path); dW summed
+    over the chunks in bf16 or in the optional fp32 buffer."""
     case = make_case(seed=12, vocab=600, rows=608, H=32, dtype=torch.bfloat16)
-    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=11 * 608 * 4 / 2**20))
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=11 * 608 * 4 / 2**20,
+                                                                  loss_dw_fp32=dw_fp32))
     assert_paths_agree(head, case, OBJECTIVES["ppo+entropy+kl-k3"], rtol=1e-4, atol=1e-5, grad_rtol=2e-2)

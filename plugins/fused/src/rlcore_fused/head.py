@@ -134,15 +134,17 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
         out = objective.closed_form(logp, ent, req.inputs_at(idx[lo:hi]))
         return out.value.float(), out.d_logprobs.float(), out.d_entropy.float()
 
+    dense = n == T  # every token carries loss: no compaction copies
     with torch.no_grad():
-        res = kernels.loss_grads(h.detach().index_select(0, idx), inp.weight.detach()[: vocab.valid_rows],
-                                 labels - vocab.start, inv_temp, group, closed)
+        res = kernels.loss_grads(h.detach() if dense else h.detach().index_select(0, idx),
+                                 inp.weight.detach()[: vocab.valid_rows], labels - vocab.start, inv_temp, group, closed)
         bad = (labels < 0) | (labels >= vocab.vocab_size)
         if bool(bad.any()):
             raise BatchShapeError(
                 f"labels at unmasked positions must be in [0, {vocab.vocab_size}); found {labels[bad][:4].tolist()}"
             )
-        dx = torch.zeros(h.shape, dtype=h.dtype, device=dev).index_copy_(0, idx, res.dx.to(h.dtype))
+        dx = res.dx.to(h.dtype) if dense else \
+            torch.zeros(h.shape, dtype=h.dtype, device=dev).index_copy_(0, idx, res.dx.to(h.dtype))
         dw = res.dw
         if dw.shape[0] != inp.weight.shape[0]:  # padding rows get an exact-zero gradient
             full = torch.zeros_like(inp.weight)

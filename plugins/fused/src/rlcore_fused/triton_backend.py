@@ -299,7 +299,10 @@ class TritonKernels:
         x = x.contiguous()
         w_valid = w_valid.contiguous()
         dx = torch.empty(n, h, dtype=x.dtype, device=dev)
-        dw = torch.zeros(w_valid.shape, dtype=w_valid.dtype, device=dev)
+        dw = torch.zeros(w_valid.shape, dtype=w_valid.dtype, device=dev) if v == 0 else \
+            torch.empty(w_valid.shape, dtype=w_valid.dtype, device=dev)  # the first chunk's GEMM writes it
+        dw32 = torch.zeros(w_valid.shape, dtype=torch.float32, device=dev) \
+            if (self.config.loss_dw_fp32 and v > 0) else None
         logp_all = torch.empty(n, dtype=torch.float32, device=dev)
         ent_all = torch.empty(n, dtype=torch.float32, device=dev)
         total = torch.zeros((), dtype=torch.float32, device=dev)
@@ -315,6 +318,7 @@ class TritonKernels:
             return LossResult(total, logp_all, ent_all, dx, dw)
         vp = _cdiv(v, 8) * 8  # fp32 row stride: the 16-bit view's rows stay 16-byte aligned
         c = chunk_tokens_for(self.config.loss_chunk_mib, vp, 4, most=n)
+        c = _cdiv(n, _cdiv(n, c))  # equal chunks: no small last chunk with inefficient GEMMs
         buf = torch.empty(c, vp, dtype=torch.float32, device=dev)
         aliased = x.dtype != torch.float32
         dl_buf = buf.view(x.dtype) if aliased else buf
@@ -351,7 +355,11 @@ class TritonKernels:
                     lse.contiguous(), mu.contiguous(), g_lp.float().contiguous(), g_ent.float().contiguous(), v,
                     BLOCK=block, ALIASED=aliased, num_warps=warps,
                 )
-                if x.is_cuda:
+                if dw32 is not None:
+                    torch.mm(dl, w_valid, out=dx[lo:hi]) if x.is_cuda else \
+                        dx[lo:hi].copy_(dl.float() @ w_valid.float())
+                    _addmm_into_fp32(dw32, dl.t(), xc)
+                elif x.is_cuda:
                     torch.mm(dl, w_valid, out=dx[lo:hi])
                     if lo == 0:
                         torch.mm(dl.t(), xc, out=dw)
@@ -359,5 +367,8 @@ class TritonKernels:
                         dw.addmm_(dl.t(), xc)
                 else:
                     dx[lo:hi] = (dl.float() @ w_valid.float()).to(dx.dtype)
-                    dw.copy_((dw.float() + dl.t().float() @ xc.float()).to(dw.dtype))
+                    prev = 0.0 if lo == 0 else dw.float()
+                    dw.copy_((prev + dl.t().float() @ xc.float()).to(dw.dtype))
+        if dw32 is not None:
+            dw.copy_(dw32)
         return LossResult(total, logp_all, ent_all, dx, dw)

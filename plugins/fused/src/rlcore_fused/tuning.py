@@ -38,6 +38,10 @@ class TritonConfig:
     #: fused-loss path: vocab entries per row-kernel step, and its warps
     loss_block: int = 2048
     loss_warps: int = 8
+    #: fused-loss path: accumulate dW over token chunks in an fp32 buffer (4·V·H bytes more, e.g.
+    #: 2.3 GiB at V=151936, H=4096) instead of adding each chunk's cuBLAS result into the 16-bit
+    #: dW (one rounding per chunk)
+    loss_dw_fp32: bool = False
 
 
 # Hopper (TMA descriptors): 8 warps (two warpgroups), 3 stages (196 KB of shared memory with the
