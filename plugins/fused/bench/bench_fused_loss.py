@@ -57,9 +57,7 @@ def floors(x, w, device):
 
     out = {"floor4": time_fn(lambda: seq(True), device, budget_s=2.5),
            "floor3": time_fn(lambda: seq(False), device, budget_s=2.5)}
-    del z
-    free_memory(device)
-    return out
+    return out  # z is freed with this frame
 
 
 def token_inputs(h, w, labels, mask, device):
@@ -206,7 +204,7 @@ def main() -> int:
         res["log"] = LOG
         (out_dir / "results.json").write_text(json.dumps(res, indent=1))
 
-    for T in [int(t) for t in args.tokens.split(",")]:
+    def bench_tokens(T):
         log(f"== T={T}")
         h, w, labels, _, _ = make_inputs(T, H, V, device)
         h.requires_grad_(True)
@@ -220,11 +218,12 @@ def main() -> int:
             cases.append(("half_masked", torch.rand(T, device=device, generator=g) < 0.5))
         for case, mask in cases:
             x = token_inputs(h.detach(), w.detach(), labels, mask, device)
-            r = measure(f"fused_loss[{case}]", lambda: fused_loss_call(head, h, w, labels, mask, x), device)
+            r = measure(f"fused_loss[{case}]", lambda m=mask, x=x: fused_loss_call(head, h, w, labels, m, x), device)
             r["x_floor4"], r["x_floor3"] = r.get("ms", math.nan) / f4, r.get("ms", math.nan) / f3
             run.setdefault("methods", []).append({"case": case, **r})
             if args.torch_loss:
-                r = measure(f"fused+torch_loss[{case}]", lambda: torch_loss_call(head, h, w, labels, mask, x), device)
+                r = measure(f"fused+torch_loss[{case}]", lambda m=mask, x=x: torch_loss_call(head, h, w, labels, m, x),
+                            device)
                 r["x_floor4"], r["x_floor3"] = r.get("ms", math.nan) / f4, r.get("ms", math.nan) / f3
                 run["methods"].append({"case": case, **r})
             if args.liger and case == "all" and T == 16384:
@@ -239,7 +238,7 @@ def main() -> int:
                 cfg = TritonConfig(loss_block=int(b), loss_warps=int(nw), loss_chunk_mib=float(mib),
                                    loss_dw_fp32=d32 == "1")
                 vh = FusedHead(backend="triton", triton_config=cfg)
-                r = measure(f"fused_loss[{spec}]", lambda vh=vh: fused_loss_call(vh, h, w, labels, None, x), device)
+                r = measure(f"fused_loss[{spec}]", lambda vh=vh, x=x: fused_loss_call(vh, h, w, labels, None, x), device)
                 r["x_floor4"] = r.get("ms", math.nan) / f4
                 run.setdefault("variants", []).append({"config": spec, **r})
                 save()
@@ -247,9 +246,10 @@ def main() -> int:
             x = token_inputs(h.detach(), w.detach(), labels, None, device)
             run["profile_ms"] = profile_parts(head, h, w, labels, None, x, device)
         res["runs"].append(run)
-        del h, w
-        free_memory(device)
         save()
+    for T in [int(t) for t in args.tokens.split(",")]:
+        bench_tokens(T)  # its tensors are freed when it returns
+        free_memory(device)
     for T in [int(t) for t in args.accuracy.split(",") if t]:
         res.setdefault("accuracy", []).append(grad_accuracy(device, H, V, T))
         free_memory(device)

@@ -9,14 +9,13 @@ chunks. The Triton kernels run the same cases under the interpreter (test_triton
 from __future__ import annotations
 
 import pytest
+import rlcore_fused.plugin as plugin
 import torch
 from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import CISPO, GSPO, PPOClip, TokenObjective
 from rlcore.algorithms.spec import TokenInputs
 from rlcore.heads import reference_logprobs
 from rlcore.types import Cap, HeadInput, LossRequest, VocabShard
-
-import rlcore_fused.plugin as plugin
 from rlcore_fused.head import FusedHead
 
 OBJECTIVES = {

@@ -22,7 +22,15 @@ import torch
 
 from rlcore_fused import triton_kernels as K
 from rlcore_fused.loss_common import LossResult, ObjectiveFn, chunk_tokens_for
-from rlcore_fused.softmax_stats import LN2, LOG2E, NEG_BIG, empty_record, exchange_records, finalize, merge_records
+from rlcore_fused.softmax_stats import (
+    LN2,
+    LOG2E,
+    NEG_BIG,
+    empty_record,
+    exchange_records,
+    finalize,
+    merge_records,
+)
 from rlcore_fused.tuning import (
     GPU_16BIT_BACKWARD,
     GPU_16BIT_FORWARD,
