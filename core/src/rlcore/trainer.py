@@ -303,10 +303,13 @@ class Trainer:
                 out = engine.forward(mb, record_routes=req.record_routes, router=self.router, micro_batch=ctx,
                                      mtp_hidden=req.mtp_hidden)
                 hw = engine.head()
+                request = None  # Cap.FUSED_LOSS: the head forms the loss and its gradients itself
+                if phase == "train" and Cap.FUSED_LOSS in self.stack.forward_fn.capabilities:
+                    request = objmod.loss_request(mb, self.objective, totals.divisor, self.proximal)
                 head = self.forward_fn(HeadInput(
                     hidden=out.hidden, weight=hw.weight, labels=mb.labels(), vocab=hw.vocab,
                     loss_mask=mb.loss_mask, temperature=float(cfg.rollout.temperature),
-                    sequence_parallel=out.sequence_parallel, compute_entropy=(phase == "train"),
+                    sequence_parallel=out.sequence_parallel, compute_entropy=(phase == "train"), loss=request,
                 ))
                 results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn))
                 for plugin, res in results:
@@ -317,7 +320,7 @@ class Trainer:
                         batch.write_back(mb, k, v.detach())
                 if phase == "train":
                     loss, stats = objmod.micro_batch_loss(mb, head.logprobs, head.entropy, self.objective,
-                                                          totals.divisor, self.proximal)
+                                                          totals.divisor, self.proximal, head_loss=head.loss)
                     for plugin, res in results:
                         for name, term in res.loss_terms.items():
                             loss = loss + term

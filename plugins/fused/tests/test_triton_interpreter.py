@@ -120,3 +120,38 @@ def test_mixed_dtypes_are_an_error():
     with pytest.raises(RuntimeError, match="same dtype"):
         FusedHead(backend="triton")(HeadInput(hidden=hidden.bfloat16(), weight=weight, labels=labels,
                                               vocab=VocabShard.full(V, rows=weight.shape[0]), loss_mask=mask))
+
+
+# ------------------------------------------------------------------ fused loss (Cap.FUSED_LOSS) ------
+
+def _fused_loss_cases():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("fused_loss_cases", Path(__file__).with_name("test_fused_loss.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_cases = _fused_loss_cases()
+OBJECTIVES, assert_paths_agree, make_case = _cases.OBJECTIVES, _cases.assert_paths_agree, _cases.make_case
+
+
+@pytest.mark.parametrize("name", ["ppo-dual-clip", "ppo+entropy+kl-k3", "cispo+entropy+kl-k1"])
+def test_fused_loss_kernels_match_reference_path(name):
+    # 600-row vocab with 256-entry row-kernel steps: several steps and a ragged tail per row;
+    # 11-token chunks (loss_chunk_mib) over 37 tokens: several chunks and the dW accumulation
+    case = make_case(seed=11, vocab=600, rows=608, H=32)
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=11 * 608 * 4 / 2**20))
+    assert_paths_agree(head, case, OBJECTIVES[name])
+
+
+@pytest.mark.parametrize("dw_fp32", [False, True])
+def test_fused_loss_kernels_bf16_in_place(dw_fp32):
+    """bf16: ∂L/∂logits is written over the fp32 logits in place (the aliased path); dW summed
+    over the chunks in bf16 or in the optional fp32 buffer."""
+    case = make_case(seed=12, vocab=600, rows=608, H=32, dtype=torch.bfloat16)
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=11 * 608 * 4 / 2**20,
+                                                                  loss_dw_fp32=dw_fp32))
+    assert_paths_agree(head, case, OBJECTIVES["ppo+entropy+kl-k3"], rtol=1e-4, atol=1e-5, grad_rtol=2e-2)

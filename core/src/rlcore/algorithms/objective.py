@@ -8,6 +8,7 @@ import torch
 
 from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.spec import TokenInputs, TokenLoss
+from rlcore.types.forward import LossRequest
 
 #: the step-batch fields the trainer fills before the train pass
 ROLLOUT = "old_logprobs"  #: behaviour log-probs from the rollout engine
@@ -38,14 +39,31 @@ def seq_log_ratio(mb, logprobs: torch.Tensor, x: TokenInputs) -> torch.Tensor:
     return (mb.seq_sum(d) / x.seq_tokens.to(d.dtype))[x.seq_index]
 
 
+def loss_request(mb, objective: TokenObjective, divisor: float, proximal: str) -> LossRequest | None:
+    """What a ``Cap.FUSED_LOSS`` head gets for this micro-batch's train forward, or ``None``
+    for a sequence-level loss (its derivative needs the whole sequence's log-probs first: core
+    keeps the plain path for it)."""
+    if objective.loss.sequence_level:
+        return None
+    return LossRequest(objective=objective, inputs=token_inputs(mb, proximal, divisor, with_ref=objective.kl_coef > 0))
+
+
 def micro_batch_loss(mb, logprobs: torch.Tensor, entropy: torch.Tensor | None, objective: TokenObjective,
-                     divisor: float, proximal: str) -> tuple[torch.Tensor, dict[str, float]]:
-    """This micro-batch's share of the step loss (plain autograd path) and token-summed
-    statistics (``_tokens`` holds the count, for exact averaging over the step)."""
+                     divisor: float, proximal: str, head_loss: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of the step loss and token-summed statistics (``_tokens`` holds
+    the count, for exact averaging over the step). The loss is ``head_loss`` when the head
+    formed it (``Cap.FUSED_LOSS``; ``logprobs``/``entropy`` are then detached and only feed the
+    statistics), else the plain autograd path over ``logprobs``."""
     x = token_inputs(mb, proximal, divisor, with_ref=objective.kl_coef > 0)
     slr = seq_log_ratio(mb, logprobs, x) if objective.loss.sequence_level else None
-    per_token = objective.value(logprobs, entropy, x, slr)
-    loss = (per_token * mb.fields[AGG_NUMERATOR].to(per_token.dtype)).sum() / divisor
+    if head_loss is not None:
+        if objective.loss.sequence_level:
+            raise RuntimeError("a head returned a fused loss for a sequence-level policy loss, which core never requests")
+        loss = head_loss
+    else:
+        per_token = objective.value(logprobs, entropy, x, slr)
+        loss = (per_token * mb.fields[AGG_NUMERATOR].to(per_token.dtype)).sum() / divisor
     with torch.no_grad():
         m = x.mask.to(logprobs.dtype)
         stats = {k: float((v * m).sum()) for k, v in objective.loss.metrics(logprobs, x, slr).items()}

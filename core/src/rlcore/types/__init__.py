@@ -29,6 +29,7 @@ from rlcore.types.forward import (
     HeadInput,
     HeadOutput,
     HeadWeight,
+    LossRequest,
     MicroBatchContext,
     ModelInfo,
     Phase,
@@ -72,7 +73,7 @@ __all__ = [
     "WeightSyncSpec", "EngineSpec", "PluginSettings", "IncompatibleWith", "RequiresCapability",
     "Constraint", "BuildContext",
     # forward
-    "VocabShard", "HeadInput", "HeadOutput", "ForwardFn", "RouteLayout", "ModelInfo", "RouterCall",
+    "VocabShard", "HeadInput", "HeadOutput", "LossRequest", "ForwardFn", "RouteLayout", "ModelInfo", "RouterCall",
     "RouterDecision", "EngineOutput", "HeadWeight", "TrainingEngine", "RouterDispatch", "Phase",
     "MicroBatchContext",
     # chains

@@ -72,6 +72,10 @@ class HeadInput:
     * ``sequence_parallel``: hidden states are split over the TP group along T; the head
       gathers them (and reduce-scatters their gradient).
     * ``compute_entropy``: whether the entropy output is needed.
+    * ``loss``: train phase only, and only for a head that declares ``Cap.FUSED_LOSS``: the
+      micro-batch's per-token objective (:class:`LossRequest`). The head may compute the loss
+      itself (:attr:`HeadOutput.loss`) or decline (leave it ``None`` and return differentiable
+      log-probs as usual); core then forms the loss from the log-probs.
     """
 
     hidden: torch.Tensor
@@ -82,15 +86,59 @@ class HeadInput:
     temperature: float | torch.Tensor = 1.0
     sequence_parallel: bool = False
     compute_entropy: bool = True
+    loss: LossRequest | None = None
+
+
+@dataclass
+class LossRequest:
+    """The per-token loss contract a ``Cap.FUSED_LOSS`` head receives in the train phase.
+
+    * ``objective``: the step's :class:`rlcore.algorithms.losses.TokenObjective`; its
+      ``closed_form(logprobs, entropy, inputs)`` gives each token's loss value and
+      ``∂/∂logp``, ``∂/∂H`` (elementwise, so a head may evaluate it on any subset of tokens,
+      e.g. a chunk, with :meth:`inputs_at`).
+    * ``inputs``: :class:`rlcore.algorithms.spec.TokenInputs` over the micro-batch's token axis
+      (old/rollout log-probs, advantages, mask, aggregation weights ``w_t``, correction
+      weights, reference log-probs).
+
+    Core sends it only for token-level losses (``objective.loss.sequence_level`` False): a
+    sequence-level loss (GSPO) needs every log-prob of a sequence before any derivative.
+    """
+
+    objective: Any
+    inputs: Any
+
+    def inputs_at(self, index: torch.Tensor):
+        """``inputs`` restricted to the tokens ``index`` (a ``[n]`` long tensor): what
+        ``objective.closed_form`` takes for those tokens' log-probs and entropy."""
+        from dataclasses import replace
+
+        x = self.inputs
+
+        def pick(t):
+            return None if t is None else t.index_select(0, index.to(t.device))
+
+        return replace(x, old_logprobs=pick(x.old_logprobs), rollout_logprobs=pick(x.rollout_logprobs),
+                       advantages=pick(x.advantages), mask=pick(x.mask), weights=pick(x.weights),
+                       correction=pick(x.correction), ref_logprobs=pick(x.ref_logprobs),
+                       seq_index=pick(x.seq_index))
 
 
 @dataclass
 class HeadOutput:
     """``logprobs`` and ``entropy`` are ``[T]`` float32 (full T, also under sequence
-    parallelism), 0 at masked positions, differentiable w.r.t. hidden and weight."""
+    parallelism), 0 at masked positions, differentiable w.r.t. hidden and weight.
+
+    ``loss`` is set only by a ``Cap.FUSED_LOSS`` head that took :attr:`HeadInput.loss`: the
+    0-d micro-batch loss ``Σ_t value_t`` of ``objective.closed_form``, whose backward delivers
+    the hidden-state and weight gradients (already formed in the forward, scaled by the
+    incoming gradient). ``logprobs`` and ``entropy`` are then detached (metrics, postprocess
+    chains); a postprocess loss term that needs differentiable log-probs recomputes them
+    through ``ModelOutput.forward_fn`` without ``loss``."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -56,6 +56,9 @@ class Cap:
     VOCAB_PARALLEL = "vocab_parallel"  #: handles a vocab-sharded weight over a TP group
     SEQUENCE_PARALLEL = "sequence_parallel"  #: accepts sequence-parallel hidden states
     MASK_SKIPS_COMPUTE = "mask_skips_compute"  #: masked tokens cost no FLOPs
+    #: in the train phase takes :attr:`HeadInput.loss` (the per-token objective) and returns
+    #: :attr:`HeadOutput.loss` with the hidden-state and weight gradients formed inside the head
+    FUSED_LOSS = "fused_loss"
 
     # rollout_backend
     LOGPROBS = "logprobs"  #: behaviour log-probs of sampled tokens (processed)

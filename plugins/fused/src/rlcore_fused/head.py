@@ -84,6 +84,79 @@ class _FusedLogprobEntropy(torch.autograd.Function):
         return dx_full, dw_full, None, None, None, None, None, None
 
 
+class _PrecomputedLoss(torch.autograd.Function):
+    """A loss whose gradients were formed in the forward: backward scales the stored ``dX``
+    (over all T rows of ``hidden``) and ``dW`` by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, dx, dw):
+        ctx.save_for_backward(dx, dw)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, dw = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        unit = bool(g.eq(1).all())  # the usual case: loss.backward() on the step loss's sum
+        gx = (dx if unit else dx * g.to(dx.dtype)) if need_dx else None
+        gw = (dw if unit else dw * g.to(dw.dtype)) if need_dw else None
+        return None, gx, gw, None, None
+
+
+def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
+    """The fused-loss path (``Cap.FUSED_LOSS``): ``inp.loss`` evaluated inside the head, the
+    gradients of hidden states and weight formed in this forward with three GEMMs per token
+    chunk (the backend's ``loss_grads``); log-probs and entropy come back detached."""
+    req = inp.loss
+    h, mask = check_head_input(inp)
+    vocab: VocabShard = inp.vocab
+    group = vocab.group
+    if group_size(group) > 1 and not inp.sequence_parallel:
+        h = copy_to_group(h, group)  # identity forward; sums the ranks' partial dX in backward
+    T = h.shape[0]
+    dev = h.device
+    loss_mask = req.inputs.mask.to(dev, torch.bool)
+    keep = loss_mask if mask is None else (mask & loss_mask)
+    idx = keep.nonzero().squeeze(1)
+    n = idx.numel()
+    labels = inp.labels.to(dev).index_select(0, idx)
+    temp = inp.temperature
+    if isinstance(temp, torch.Tensor) and temp.dim() > 0:
+        inv_temp = 1.0 / temp.to(dev, torch.float32).index_select(0, idx)
+    else:
+        t = float(temp)
+        if t <= 0:
+            raise ValueError(f"temperature must be > 0, got {t}")
+        inv_temp = torch.full((n,), 1.0 / t, dtype=torch.float32, device=dev)
+    objective = req.objective
+
+    def closed(lo: int, hi: int, logp: torch.Tensor, ent: torch.Tensor):
+        out = objective.closed_form(logp, ent, req.inputs_at(idx[lo:hi]))
+        return out.value.float(), out.d_logprobs.float(), out.d_entropy.float()
+
+    dense = n == T  # every token carries loss: no compaction copies
+    with torch.no_grad():
+        res = kernels.loss_grads(h.detach() if dense else h.detach().index_select(0, idx),
+                                 inp.weight.detach()[: vocab.valid_rows], labels - vocab.start, inv_temp, group, closed)
+        bad = (labels < 0) | (labels >= vocab.vocab_size)
+        if bool(bad.any()):
+            raise BatchShapeError(
+                f"labels at unmasked positions must be in [0, {vocab.vocab_size}); found {labels[bad][:4].tolist()}"
+            )
+        dx = res.dx.to(h.dtype) if dense else \
+            torch.zeros(h.shape, dtype=h.dtype, device=dev).index_copy_(0, idx, res.dx.to(h.dtype))
+        dw = res.dw
+        if dw.shape[0] != inp.weight.shape[0]:  # padding rows get an exact-zero gradient
+            full = torch.zeros_like(inp.weight)
+            full[: dw.shape[0]] = dw
+            dw = full
+        zeros = torch.zeros(T, dtype=torch.float32, device=dev)
+        lp = zeros.index_put((idx,), res.logprobs)
+        ent = zeros.index_put((idx,), res.entropy)
+    loss = _PrecomputedLoss.apply(res.loss, h, inp.weight, dx, dw)
+    return HeadOutput(logprobs=lp, entropy=ent if inp.compute_entropy else None, loss=loss)
+
+
 def fused_logprobs(inp: HeadInput, kernels: Any) -> HeadOutput:
     """Run the fused head with the given backend kernels (see module docstring).
 
@@ -190,7 +263,11 @@ class FusedHead:
         return self._triton
 
     def __call__(self, inp: HeadInput) -> HeadOutput:
-        return fused_logprobs(inp, self.kernels_for(inp.hidden.device))
+        kernels = self.kernels_for(inp.hidden.device)
+        if inp.loss is not None and not inp.loss.objective.loss.sequence_level:
+            return fused_loss(inp, kernels)
+        # no loss request, or a sequence-level loss (declined: core forms it from the log-probs)
+        return fused_logprobs(inp, kernels)
 
 
 def torch_head() -> FusedHead:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcore_fused.softmax_stats import NEG_BIG, empty_record
+from rlcore_fused.loss_common import LossResult, ObjectiveFn
+from rlcore_fused.softmax_stats import NEG_BIG, empty_record, exchange_records, finalize
 
 
 @dataclass
@@ -78,3 +79,46 @@ class TorchKernels:
             if need_dw:
                 dw_acc.addmm_(dz.t(), xf)
         return dx, (dw_acc.to(w_valid.dtype) if need_dw else None)
+
+    def loss_grads(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor, inv_temp: torch.Tensor,
+                   group, objective: ObjectiveFn) -> LossResult:
+        """The fused-loss path (:mod:`rlcore_fused.loss_common`) in chunked torch: per chunk of
+        ``chunk_tokens`` rows, fp32 logits once, the record (merged over ``group``), the
+        objective's derivatives, then ``∂L/∂logits`` into ``dX`` and an fp32 ``dW``."""
+        n, v = x.shape[0], w_valid.shape[0]
+        wf = w_valid.float()
+        dx = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        dw_acc = torch.zeros(wf.shape, dtype=torch.float32, device=x.device)
+        logp_all = torch.zeros(n, dtype=torch.float32, device=x.device)
+        ent_all = torch.zeros(n, dtype=torch.float32, device=x.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        owned = (labels_local >= 0) & (labels_local < v)
+        safe = labels_local.clamp(0, max(v - 1, 0)).long()
+        for lo, hi in self._chunks(n):
+            xf = x[lo:hi].float()
+            it = inv_temp[lo:hi, None]
+            if v == 0:
+                z = torch.zeros(hi - lo, 0, dtype=torch.float32, device=x.device)
+                record = empty_record(hi - lo, x.device)
+            else:
+                z = (xf @ wf.t()) * it
+                m = z.max(dim=1).values
+                zs = z - m[:, None]
+                e = torch.exp(zs)
+                target = z.gather(1, safe[lo:hi, None]).squeeze(1)
+                record = torch.stack([m, e.sum(dim=1), (e * zs).sum(dim=1),
+                                      torch.where(owned[lo:hi], target, torch.full_like(target, NEG_BIG))])
+            logp, ent, lse, mu, _missing = finalize(exchange_records(record, group), True)
+            value, g_lp, g_ent = objective(lo, hi, logp, ent)
+            logp_all[lo:hi], ent_all[lo:hi] = logp, ent
+            total += value.sum()
+            if v == 0:
+                continue
+            p = torch.exp(z - lse[:, None])
+            dz = -p * (g_lp[:, None] + g_ent[:, None] * (z - mu[:, None]))
+            hit = torch.where(owned[lo:hi], g_lp, torch.zeros_like(g_lp))
+            dz.scatter_add_(1, safe[lo:hi, None], hit[:, None])
+            dz *= it
+            dx[lo:hi] = (dz @ wf).to(x.dtype)
+            dw_acc.addmm_(dz.t(), xf)
+        return LossResult(total, logp_all, ent_all, dx, dw_acc.to(w_valid.dtype))

@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 import torch
 
 from rlcore_fused import triton_kernels as K
-from rlcore_fused.softmax_stats import LN2, LOG2E, NEG_BIG, empty_record, merge_records
+from rlcore_fused.loss_common import LossResult, ObjectiveFn, chunk_tokens_for
+from rlcore_fused.softmax_stats import (
+    LN2,
+    LOG2E,
+    NEG_BIG,
+    empty_record,
+    exchange_records,
+    finalize,
+    merge_records,
+)
 from rlcore_fused.tuning import (
     GPU_16BIT_BACKWARD,
     GPU_16BIT_FORWARD,
@@ -277,3 +286,97 @@ class TritonKernels:
                 if need_dx:
                     _addmm_into_fp32(dx_acc, block, w_valid[c0:c1])
         return (dx_acc.to(x.dtype) if need_dx else None), dw
+
+    # ------------------------------------------------------------------- fused loss ------
+
+    def loss_grads(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor, inv_temp: torch.Tensor,
+                   group, objective: ObjectiveFn) -> LossResult:
+        """The fused-loss path: three GEMMs per token chunk (see :mod:`rlcore_fused.loss_common`).
+
+        Per chunk of ``c`` tokens (``loss_chunk_mib`` of fp32 logits): cuBLAS writes the fp32
+        logits ``X_c·Wᵀ`` (its fp32 accumulator, never rounded to 16 bits); a Triton row kernel
+        forms the fp32 softmax record; the record is merged over the TP group and the objective
+        gives ``∂L/∂logp``, ``∂L/∂H`` per token; a second row kernel overwrites the logits in place
+        with ``∂L/∂logits`` in the input dtype; cuBLAS forms ``dX_c = dl·W`` (one GEMM over the
+        whole vocabulary: fp32 accumulation, one rounding) and ``dW += dlᵀ·X_c``."""
+        self._check_device(x)
+        self._check_dtypes(x, w_valid)
+        n, h = x.shape
+        v = w_valid.shape[0]
+        dev = x.device
+        x = x.contiguous()
+        w_valid = w_valid.contiguous()
+        dx = torch.empty(n, h, dtype=x.dtype, device=dev)
+        dw = torch.zeros(w_valid.shape, dtype=w_valid.dtype, device=dev) if v == 0 else \
+            torch.empty(w_valid.shape, dtype=w_valid.dtype, device=dev)  # the first chunk's GEMM writes it
+        dw32 = torch.zeros(w_valid.shape, dtype=torch.float32, device=dev) \
+            if (self.config.loss_dw_fp32 and v > 0) else None
+        logp_all = torch.empty(n, dtype=torch.float32, device=dev)
+        ent_all = torch.empty(n, dtype=torch.float32, device=dev)
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        labels32 = labels_local.to(torch.int32).contiguous()
+        scale = (inv_temp.float() * LOG2E).contiguous()
+        if v == 0:  # a rank holding only padding rows: its record is empty, its gradients zero
+            logp, ent, _lse, _mu, _ = finalize(exchange_records(empty_record(n, dev), group), True)
+            value, _g, _ge = objective(0, n, logp, ent)
+            logp_all.copy_(logp)
+            ent_all.copy_(ent)
+            total += value.sum()
+            dx.zero_()
+            return LossResult(total, logp_all, ent_all, dx, dw)
+        vp = _cdiv(v, 8) * 8  # fp32 row stride: the 16-bit view's rows stay 16-byte aligned
+        c = chunk_tokens_for(self.config.loss_chunk_mib, vp, 4, most=n)
+        c = _cdiv(n, _cdiv(n, c))  # equal chunks: no small last chunk with inefficient GEMMs
+        buf = torch.empty(c, vp, dtype=torch.float32, device=dev)
+        aliased = x.dtype != torch.float32
+        dl_buf = buf.view(x.dtype) if aliased else buf
+        block = int(self.config.loss_block) if x.is_cuda else 256
+        warps = int(self.config.loss_warps) if x.is_cuda else 1
+        reductions = _full_precision_reductions() if x.is_cuda else contextlib.nullcontext()
+        with self._device_ctx(x), reductions:
+            for lo in range(0, n, c):
+                hi = min(lo + c, n)
+                m = hi - lo
+                xc = x[lo:hi]
+                z = buf[:m, :v]
+                if x.is_cuda:
+                    torch.mm(xc, w_valid.t(), out_dtype=torch.float32, out=z)
+                else:
+                    z.copy_(xc.float() @ w_valid.float().t())
+                r = torch.empty(4, m, dtype=torch.float32, device=dev)
+                K.loss_row_stats_kernel[(m,)](
+                    z, buf.stride(0), labels32[lo:hi], scale[lo:hi], r, m, v,
+                    BLOCK=block, COMPUTE_ENTROPY=True, num_warps=warps,
+                )
+                nat = r.clone()  # base-2 → natural units, as in local_record
+                nat[0] *= LN2
+                nat[2] *= LN2
+                nat[3] = torch.where(r[3] > NEG_BIG / 2, r[3] * LN2, torch.full_like(r[3], NEG_BIG))
+                logp, ent, lse, mu, _ = finalize(exchange_records(nat, group), True)
+                value, g_lp, g_ent = objective(lo, hi, logp, ent)
+                logp_all[lo:hi] = logp
+                ent_all[lo:hi] = ent
+                total += value.sum()
+                dl = dl_buf[:m, :v]
+                K.loss_row_dlogits_kernel[(m,)](
+                    z, buf.stride(0), dl, dl_buf.stride(0), labels32[lo:hi], scale[lo:hi],
+                    lse.contiguous(), mu.contiguous(), g_lp.float().contiguous(), g_ent.float().contiguous(), v,
+                    BLOCK=block, ALIASED=aliased, num_warps=warps,
+                )
+                if dw32 is not None:
+                    torch.mm(dl, w_valid, out=dx[lo:hi]) if x.is_cuda else \
+                        dx[lo:hi].copy_(dl.float() @ w_valid.float())
+                    _addmm_into_fp32(dw32, dl.t(), xc)
+                elif x.is_cuda:
+                    torch.mm(dl, w_valid, out=dx[lo:hi])
+                    if lo == 0:
+                        torch.mm(dl.t(), xc, out=dw)
+                    else:
+                        dw.addmm_(dl.t(), xc)
+                else:
+                    dx[lo:hi] = (dl.float() @ w_valid.float()).to(dx.dtype)
+                    prev = 0.0 if lo == 0 else dw.float()
+                    dw.copy_((prev + dl.t().float() @ xc.float()).to(dw.dtype))
+        if dw32 is not None:
+            dw.copy_(dw32)
+        return LossResult(total, logp_all, ent_all, dx, dw)

@@ -211,3 +211,96 @@ def backward_dlogits_kernel(
     else:
         out = dz_dst + rows.to(tl.int64)[:, None] * stride_dz + (cols - chunk_begin)[None, :]
         tl.store(out, dz.to(dz_dst.dtype.element_ty), mask=row_ok[:, None] & (cols < chunk_end)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused-loss path (Cap.FUSED_LOSS): row kernels over a chunk of fp32 logits that cuBLAS wrote
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def loss_row_stats_kernel(
+    z_ptr, stride_z, labels_ptr, scale_ptr, rec_ptr, N, V,
+    BLOCK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+):
+    """One program per token row of ``z`` (fp32 logits ``x·wᵀ`` over this rank's ``V`` valid
+    vocab rows). Writes the row's softmax record ``(m, s, w, t)`` to ``rec_ptr`` ``[4, N]`` in
+    base-2 units (``z₂ = z·scale``, ``scale = log₂e/τ``): an elementwise online softmax per lane,
+    merged across lanes at the end (no reduction inside the loop)."""
+    row = tl.program_id(0)
+    base = z_ptr + row.to(tl.int64) * stride_z
+    scale = tl.load(scale_ptr + row)
+    m = tl.full((BLOCK,), NEG_BIG, dtype=tl.float32)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    w = tl.zeros((BLOCK,), dtype=tl.float32)
+    offs = tl.arange(0, BLOCK)
+    for c0 in range(0, V, BLOCK):
+        cols = c0 + offs
+        ok = cols < V
+        z = tl.where(ok, tl.load(base + cols, mask=ok, other=0.0) * scale, NEG_BIG)
+        m_new = tl.maximum(m, z)
+        alpha = tl.exp2(m - m_new)
+        zs = z - m_new
+        e = tl.where(ok, tl.exp2(zs), 0.0)
+        if COMPUTE_ENTROPY:
+            w = alpha * (w + (m - m_new) * s) + e * zs
+        s = alpha * s + e
+        m = m_new
+    big_m = tl.max(m, axis=0)
+    present = s > 0
+    delta = tl.where(present, m - big_m, 0.0)
+    f = tl.where(present, tl.exp2(delta), 0.0)
+    total_s = tl.sum(s * f, axis=0)
+    total_w = tl.sum(f * (w + delta * s), axis=0)
+    label = tl.load(labels_ptr + row)
+    owned = (label >= 0) & (label < V)
+    t = tl.load(base + tl.where(owned, label, 0).to(tl.int64)) * scale
+    t = tl.where(owned, t, NEG_BIG)
+    tl.store(rec_ptr + row, big_m)
+    tl.store(rec_ptr + N + row, total_s)
+    tl.store(rec_ptr + 2 * N + row, total_w)
+    tl.store(rec_ptr + 3 * N + row, t)
+
+
+@triton.jit
+def loss_row_dlogits_kernel(
+    z_ptr, stride_z, dl_ptr, stride_dl, labels_ptr, scale_ptr, lse_ptr, mu_ptr, g_lp_ptr, g_ent_ptr, V,
+    BLOCK: tl.constexpr, ALIASED: tl.constexpr,
+):
+    """One program per token row: ``dl[v] = ∂L/∂(x·w_v)`` from the row's fp32 logits ``z`` and
+    the per-token loss derivatives ``g_lp = ∂L/∂logp``, ``g_ent = ∂L/∂H``:
+
+        ∂L/∂z' = g_lp·(onehot − p) − g_ent·p·(z' − μ),   z' = z/τ,  ∂L/∂z = (∂L/∂z')/τ
+
+    i.e. ``dl = −2^{z·s − lse₂}·(a + b·z) + [v = target]·g_lp/τ`` with ``a = (g_lp − g_ent·μ)/τ``,
+    ``b = g_ent/τ²`` (``lse`` and ``μ = E_p[z']`` in natural units, ``s = log₂e/τ``).
+
+    ``ALIASED``: ``dl`` is the 16-bit view of the same storage as ``z`` (row ``r``'s ``dl`` lives
+    in the first half of row ``r``'s fp32 bytes). Tile ``k``'s stores then land on fp32 elements
+    ``[k·B/2, (k+1)·B/2)``, which this program loaded at tiles ≤ k; the barrier before the store
+    makes every warp finish tile ``k``'s loads (their values are consumed) before any warp
+    overwrites them. Later tiles are never overwritten, so prefetching them is safe."""
+    LN2: tl.constexpr = 0.6931471805599453
+    row = tl.program_id(0)
+    zrow = z_ptr + row.to(tl.int64) * stride_z
+    drow = dl_ptr + row.to(tl.int64) * stride_dl
+    scale = tl.load(scale_ptr + row)
+    inv_t = scale * LN2
+    lse2 = tl.load(lse_ptr + row) * 1.4426950408889634  # natural → base-2 units
+    mu = tl.load(mu_ptr + row)
+    g_lp = tl.load(g_lp_ptr + row)
+    g_ent = tl.load(g_ent_ptr + row)
+    a = (g_lp - g_ent * mu) * inv_t
+    b = g_ent * inv_t * inv_t
+    hit_val = g_lp * inv_t
+    label = tl.load(labels_ptr + row)
+    offs = tl.arange(0, BLOCK)
+    for c0 in range(0, V, BLOCK):
+        cols = c0 + offs
+        ok = cols < V
+        z = tl.load(zrow + cols, mask=ok, other=0.0)
+        d = -tl.exp2(z * scale - lse2) * (a + b * z)
+        d = tl.where(cols == label, d + hit_val, d)
+        if ALIASED:
+            tl.debug_barrier()
+        tl.store(drow + cols, d.to(dl_ptr.dtype.element_ty), mask=ok)

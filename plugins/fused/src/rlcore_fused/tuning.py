@@ -32,6 +32,16 @@ class TritonConfig:
     chunk_mib: float = 512
     #: TMA tensor descriptors for the operands; None = on sm90+ when the strides allow it
     use_tma: bool | None = None
+    #: fused-loss path (Cap.FUSED_LOSS): the fp32 logits chunk buffer; sets the tokens per chunk
+    #: (at V=151936: 768 MiB is 1325 tokens); ∂L/∂logits is written over it in place
+    loss_chunk_mib: float = 768
+    #: fused-loss path: vocab entries per row-kernel step, and its warps
+    loss_block: int = 2048
+    loss_warps: int = 8
+    #: fused-loss path: accumulate dW over token chunks in an fp32 buffer (4·V·H bytes more, e.g.
+    #: 2.3 GiB at V=151936, H=4096) instead of adding each chunk's cuBLAS result into the 16-bit
+    #: dW (one rounding per chunk)
+    loss_dw_fp32: bool = False
 
 
 # Hopper (TMA descriptors): 8 warps (two warpgroups), 3 stages (196 KB of shared memory with the

@@ -1,0 +1,262 @@
+"""The fused-loss head (Cap.FUSED_LOSS) against the GEMM floors, today's fused head + torch loss
+and Liger's fused linear GRPO loss, in one process on one GPU. Measures, never asserts.
+
+Per T (--tokens), H=4096, V=151936, bf16, PPO-clip with dual-clip (ε 0.2/0.28, c=3) and an
+entropy bonus 1e-3, token-mean aggregation:
+
+* ``floor4``  cuBLAS X·Wᵀ, X·Wᵀ again (the backward's recompute), dZ·W, dZᵀ·X (fp32 reductions)
+* ``floor3``  the same without the recompute: what a head that knows the loss needs
+* ``fused_loss``  FusedHead(backend=triton) given the LossRequest: loss, dX, dW (autograd.grad)
+* ``fused+torch_loss``  today's path: FusedHead log-probs/entropy, core's TokenObjective.value, autograd
+* ``liger_grpo``  LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False), [T/2048, 2048, H] (T=16384 only)
+
+plus half the tokens masked, peak extra memory, a per-kernel profile of one fused-loss call,
+and gradient accuracy against float64 (T=1024 and T=4096: one and several token chunks).
+Writes $OUT/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from bench_measure import LOG, free_memory, log, make_inputs, peak_extra, rel_err, sync, time_fn
+from rlcore.algorithms.aggregation import step_weights
+from rlcore.algorithms.losses import PPOClip, TokenObjective
+from rlcore.algorithms.spec import TokenInputs
+from rlcore.types import HeadInput, LossRequest, VocabShard
+from rlcore_fused.head import FusedHead
+from rlcore_fused.tuning import TritonConfig
+
+OBJECTIVE = TokenObjective(PPOClip(0.2, 0.28, 3.0), entropy_coef=1e-3)
+
+
+def floors(x, w, device):
+    T, V = x.shape[0], w.shape[0]
+    z = torch.empty(T, V, device=device, dtype=x.dtype)
+    dx = torch.empty_like(x)
+    dw = torch.empty_like(w)
+    m = torch.backends.cuda.matmul
+
+    def seq(recompute):
+        torch.mm(x, w.t(), out=z)
+        if recompute:
+            torch.mm(x, w.t(), out=z)
+        torch.mm(z, w, out=dx)
+        prev = m.allow_bf16_reduced_precision_reduction
+        m.allow_bf16_reduced_precision_reduction = False
+        torch.mm(z.t(), x, out=dw)
+        m.allow_bf16_reduced_precision_reduction = prev
+
+    out = {"floor4": time_fn(lambda: seq(True), device, budget_s=2.5),
+           "floor3": time_fn(lambda: seq(False), device, budget_s=2.5)}
+    return out  # z is freed with this frame
+
+
+def token_inputs(h, w, labels, mask, device):
+    """Old log-probs = the current ones + N(0, 0.3²) noise: ratios spread around 1 (both clip
+    branches active); advantages N(0, 1); token-mean weights."""
+    T = h.shape[0]
+    g = torch.Generator(device=device).manual_seed(3)
+    with torch.no_grad():
+        lp = FusedHead(backend="triton")(HeadInput(hidden=h, weight=w, labels=labels, vocab=VocabShard.full(w.shape[0]),
+                                                   loss_mask=mask, compute_entropy=False)).logprobs
+    m = torch.ones(T, dtype=torch.bool, device=device) if mask is None else mask
+    sw = step_weights("token-mean", m, torch.zeros(T, dtype=torch.long, device=device), 1)
+    old = torch.where(m, lp + 0.3 * torch.randn(T, device=device, generator=g), torch.zeros_like(lp))
+    return TokenInputs(old_logprobs=old, rollout_logprobs=old, advantages=torch.randn(T, device=device, generator=g),
+                       mask=m, weights=sw.numerator / sw.divisor, correction=None, ref_logprobs=None,
+                       seq_index=torch.zeros(T, dtype=torch.long, device=device), seq_tokens=m.sum().float()[None])
+
+
+def fused_loss_call(head, h, w, labels, mask, x):
+    out = head(HeadInput(hidden=h, weight=w, labels=labels, vocab=VocabShard.full(w.shape[0]), loss_mask=mask,
+                         loss=LossRequest(OBJECTIVE, x)))
+    return torch.autograd.grad(out.loss, (h, w))
+
+
+def torch_loss_call(head, h, w, labels, mask, x):
+    out = head(HeadInput(hidden=h, weight=w, labels=labels, vocab=VocabShard.full(w.shape[0]), loss_mask=mask))
+    loss = (OBJECTIVE.value(out.logprobs, out.entropy, x) * x.weights).sum()
+    return torch.autograd.grad(loss, (h, w))
+
+
+def liger_call(h, w, labels, x, seq_len=2048):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    T, H = h.shape
+    B = T // seq_len
+    fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo")
+    ids = labels.view(B, seq_len)
+    am = x.mask.view(B, seq_len).long()
+    adv = x.advantages.view(B, seq_len)[:, 0].contiguous()
+    old = x.old_logprobs.view(B, seq_len)
+
+    def call():
+        res = fn(h.view(B, seq_len, H), w, ids, am, adv, old_per_token_logps=old)
+        loss = res[0] if isinstance(res, tuple) else res
+        return torch.autograd.grad(loss, (h, w))
+
+    return call
+
+
+def measure(name, fn, device, reps_budget=2.5):
+    res = {"method": name}
+    try:
+        res.update(time_fn(fn, device, budget_s=reps_budget))
+        res["extra_gib"] = peak_extra(fn, device)
+        log(f"  {name}: {res['ms']:.2f} ms (min {res['min_ms']:.2f}, {res['reps']} reps), extra {res['extra_gib']:.3f} GiB")
+    except Exception as exc:  # noqa: BLE001 - a failing method is reported, not fatal
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        log(traceback.format_exc())
+    free_memory(device)
+    return res
+
+
+def profile_parts(head, h, w, labels, mask, x, device):
+    from torch.profiler import ProfilerActivity, profile
+
+    fused_loss_call(head, h, w, labels, mask, x)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fused_loss_call(head, h, w, labels, mask, x)
+        sync(device)
+    parts: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if t <= 0:
+            continue
+        parts[e.key[:90]] = parts.get(e.key[:90], 0.0) + t / 1e3
+    top = dict(sorted(parts.items(), key=lambda kv: -kv[1])[:12])
+    for k, v in top.items():
+        log(f"    {v:9.2f} ms  {k}")
+    return top
+
+
+def grad_accuracy(device, H, V, T):
+    """dX, dW, log-prob, entropy against float64 autograd of the same objective."""
+    h, w, labels, _, _ = make_inputs(T, H, V, device, seed=7)
+    x = token_inputs(h, w, labels, None, device)
+    hd = h.double().requires_grad_(True)
+    wd = w.double().requires_grad_(True)
+    z = hd @ wd.t()
+    lp_all = torch.log_softmax(z, dim=-1)
+    lp = lp_all.gather(1, labels[:, None]).squeeze(1)
+    ent = -(lp_all.exp() * lp_all).sum(-1)
+    xd = TokenInputs(**{k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                        for k, v in x.__dict__.items()})
+    loss = (OBJECTIVE.value(lp, ent, xd) * xd.weights).sum()
+    gx, gw = torch.autograd.grad(loss, (hd, wd))
+    lp, ent = lp.detach(), ent.detach()
+    del z, lp_all
+    free_memory(device)
+    out = {"T": T, "rounded_to_bf16": {"dX": rel_err(gx.to(h.dtype), gx), "dW": rel_err(gw.to(w.dtype), gw)}}
+    heads = {"fused_loss": FusedHead(backend="triton"), "fused+torch_loss": FusedHead(backend="triton"),
+             "fused_loss_dw_fp32": FusedHead(backend="triton", triton_config=TritonConfig(loss_dw_fp32=True))}
+    for name, head in heads.items():
+        hh, ww = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        inp = HeadInput(hidden=hh, weight=ww, labels=labels, vocab=VocabShard.full(V))
+        if name.startswith("fused_loss"):
+            inp.loss = LossRequest(OBJECTIVE, x)
+        o = head(inp)
+        loss_v = o.loss if o.loss is not None else (OBJECTIVE.value(o.logprobs, o.entropy, x) * x.weights).sum()
+        a, b = torch.autograd.grad(loss_v, (hh, ww))
+        out[name] = {"dX": rel_err(a, gx), "dW": rel_err(b, gw), "logprob": rel_err(o.logprobs.detach(), lp),
+                     "entropy": rel_err(o.entropy.detach(), ent), "loss": abs(float(loss_v) - float(loss)) / abs(float(loss))}
+        log(f"  accuracy T={T} {name}: {out[name]}")
+    log(f"  accuracy T={T} float64 rounded to bf16: {out['rounded_to_bf16']}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16384")
+    ap.add_argument("--out", default="/tmp/bench-fused-loss")
+    ap.add_argument("--liger", action="store_true")
+    ap.add_argument("--masked", action="store_true")
+    ap.add_argument("--accuracy", default="1024,4096")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--torch-loss", action="store_true", help="also time today's fused head + torch loss")
+    ap.add_argument("--variants", default="", help="at T=16384: ';'-separated block:warps:chunk_mib:dw_fp32 configs")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    H, V = 4096, 151936
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "python": platform.python_version(), "H": H, "V": V, "runs": [],
+           "argv": sys.argv}
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+    head = FusedHead(backend="triton")
+
+    def save():
+        res["log"] = LOG
+        (out_dir / "results.json").write_text(json.dumps(res, indent=1))
+
+    def bench_tokens(T):
+        log(f"== T={T}")
+        h, w, labels, _, _ = make_inputs(T, H, V, device)
+        h.requires_grad_(True)
+        w.requires_grad_(True)
+        run = {"T": T, "floors": floors(h.detach(), w.detach(), device)}
+        f4, f3 = run["floors"]["floor4"]["ms"], run["floors"]["floor3"]["ms"]
+        log(f"  floor4 {f4:.2f} ms, floor3 {f3:.2f} ms")
+        cases = [("all", None)]
+        if args.masked:
+            g = torch.Generator(device=device).manual_seed(5)
+            cases.append(("half_masked", torch.rand(T, device=device, generator=g) < 0.5))
+        for case, mask in cases:
+            x = token_inputs(h.detach(), w.detach(), labels, mask, device)
+            r = measure(f"fused_loss[{case}]", lambda m=mask, x=x: fused_loss_call(head, h, w, labels, m, x), device)
+            r["x_floor4"], r["x_floor3"] = r.get("ms", math.nan) / f4, r.get("ms", math.nan) / f3
+            run.setdefault("methods", []).append({"case": case, **r})
+            if args.torch_loss:
+                r = measure(f"fused+torch_loss[{case}]", lambda m=mask, x=x: torch_loss_call(head, h, w, labels, m, x),
+                            device)
+                r["x_floor4"], r["x_floor3"] = r.get("ms", math.nan) / f4, r.get("ms", math.nan) / f3
+                run["methods"].append({"case": case, **r})
+            if args.liger and case == "all" and T == 16384:
+                r = measure("liger_grpo", liger_call(h, w, labels, x), device, reps_budget=1.0)
+                r["x_floor4"] = r.get("ms", math.nan) / f4
+                run["methods"].append({"case": case, **r})
+            save()
+        if args.variants and T == 16384:
+            x = token_inputs(h.detach(), w.detach(), labels, None, device)
+            for spec in args.variants.split(";"):
+                b, nw, mib, d32 = spec.split(":")
+                cfg = TritonConfig(loss_block=int(b), loss_warps=int(nw), loss_chunk_mib=float(mib),
+                                   loss_dw_fp32=d32 == "1")
+                vh = FusedHead(backend="triton", triton_config=cfg)
+                r = measure(f"fused_loss[{spec}]", lambda vh=vh, x=x: fused_loss_call(vh, h, w, labels, None, x), device)
+                r["x_floor4"] = r.get("ms", math.nan) / f4
+                run.setdefault("variants", []).append({"config": spec, **r})
+                save()
+        if args.profile and T == 16384:
+            x = token_inputs(h.detach(), w.detach(), labels, None, device)
+            run["profile_ms"] = profile_parts(head, h, w, labels, None, x, device)
+        res["runs"].append(run)
+        save()
+    for T in [int(t) for t in args.tokens.split(",")]:
+        bench_tokens(T)  # its tensors are freed when it returns
+        free_memory(device)
+    for T in [int(t) for t in args.accuracy.split(",") if t]:
+        res.setdefault("accuracy", []).append(grad_accuracy(device, H, V, T))
+        free_memory(device)
+        save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
