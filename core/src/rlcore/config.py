@@ -74,7 +74,10 @@ class ForwardConfig:
 class RolloutConfig:
     """``release_kv_cache``: ``auto`` releases the KV cache around every weight push when the
     backend can and reports when it cannot; ``always`` makes a backend without the capability
-    an error; ``never`` keeps it resident."""
+    an error; ``never`` keeps it resident. ``seed``: what the sampling seeds derive from (each
+    step samples with ``seed * 1_000_003 + step``, :func:`rlcore.rollout_seeds.step_seed`);
+    unset, ``training.seed``. Changing it changes the samples only: prompts and the model's
+    initialisation follow ``training.seed``."""
 
     backend: str = "local"
     n: int = 8

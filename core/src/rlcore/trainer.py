@@ -38,6 +38,7 @@ from rlcore.errors import (
     WeightSyncError,
 )
 from rlcore.faults import fault_point
+from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
     load_checkpoint,
@@ -348,7 +349,7 @@ class Trainer:
         prompts, task_prompts = self._prompts()
         params = SamplingSettings(
             n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-            max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.training.seed * 1_000_003 + self.step,
+            max_new_tokens=cfg.rollout.max_new_tokens, seed=step_seed(cfg, self.step),
             stop_token_ids=tuple(x for x in [self.engine.info.eos_token_id] if x is not None),
             return_routed_experts=cfg.rollout.return_routed_experts,
         )
