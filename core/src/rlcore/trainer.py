@@ -48,7 +48,7 @@ from rlcore.run_output import (
     save_checkpoint,
     write_run_marker,
 )
-from rlcore.stack import Stack
+from rlcore.stack import Stack, check_engine_head
 from rlcore.tasks import RewardInput, Task, load_callable
 from rlcore.types import (
     BuildContext,
@@ -139,6 +139,7 @@ class Trainer:
         self.tokenizer = getattr(self.engine, "tokenizer", None)
         if self.tokenizer is None:
             raise ConfigError("the training engine provides no tokenizer; set engine.model.path", key="engine.model.path")
+        check_engine_head(stack, self.engine)
         self.forward_fn = stack.forward_fn.factory(ctx_for(stack.forward_fn, self.engine))
         self.backend = stack.rollout_backend.factory(ctx_for(stack.rollout_backend, self.engine))
         self.sync = stack.weight_sync.factory(ctx_for(stack.weight_sync, self.engine))

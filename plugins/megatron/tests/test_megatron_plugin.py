@@ -108,3 +108,40 @@ def test_dense_and_moe_configs_translate():
 def test_unsupported_hf_fields_are_errors_naming_them(field, value, match):
     with pytest.raises(ConfigError, match=match):
         model_spec_from_hf(_hf_config("qwen2", **{field: value}))
+
+
+def _plain_head_plugin():
+    """forward_fn ``plainhead``: declares entropy and per-token temperature, not vocab_parallel."""
+    import types
+
+    from rlcore import hookimpl
+    from rlcore.types import Cap, ForwardFnSpec
+
+    mod = types.ModuleType("plainhead")
+    mod.PLUGIN_API = 1
+
+    def forward_fn():
+        yield ForwardFnSpec(name="plainhead", factory=lambda ctx: None,
+                            capabilities={Cap.ENTROPY, Cap.PER_TOKEN_TEMPERATURE})
+
+    mod.forward_fn = hookimpl(forward_fn)
+    return mod
+
+
+def test_head_without_vocab_parallel_is_refused_under_tensor_parallelism(rlcore_plugin_manager, register_plugin,
+                                                                         rlcore_config):
+    """Before: the stack resolved and each rank's head computed a softmax over its own shard."""
+    from rlcore.errors import MissingCapabilityError
+    from rlcore.stack import resolve
+
+    register_plugin(plugin, "megatron")
+    register_plugin(_plain_head_plugin(), "plainhead")
+    pm = rlcore_plugin_manager
+    resolve(rlcore_config("engine.name=megatron", "forward.name=plainhead"), pm)  # TP=1: fine
+    resolve(rlcore_config("engine.name=megatron", "megatron.tensor_parallel_size=2"), pm)  # reference head: fine
+    resolve(rlcore_config("forward.name=plainhead", "megatron.tensor_parallel_size=2"), pm)  # hf engine: unused
+    with pytest.raises(MissingCapabilityError) as e:
+        resolve(rlcore_config("engine.name=megatron", "forward.name=plainhead", "megatron.tensor_parallel_size=2"), pm)
+    msg = str(e.value)
+    assert "plugin 'megatron'" in msg and "forward_fn 'plainhead'" in msg
+    assert "'vocab_parallel'" in msg and "megatron.tensor_parallel_size=2" in msg

@@ -205,11 +205,12 @@ class IncompatibleWith:
 class RequiresCapability:
     """Declared by a plugin: while it is active, the provider selected for ``role``
     (``forward_fn``, ``rollout_backend``, ``weight_sync`` or ``engine``) must declare
-    ``capability``. ``when`` optionally limits the rule to configs where it returns True."""
+    ``capability``. ``when`` optionally limits the rule to configs where it returns True;
+    ``reason`` may be a function of the config, to name the setting and its value."""
 
     role: Literal["forward_fn", "rollout_backend", "weight_sync", "engine"]
     capability: str
-    reason: str
+    reason: str | Callable[[Any], str]
     when: Callable[[Any], bool] | None = None
 
 
