@@ -98,6 +98,48 @@ def test_a_vocab_sharded_head_weight_needs_a_vocab_parallel_head(rlcore_plugin_m
     check_engine_head(resolve(rlcore_config(), rlcore_plugin_manager), engine)  # reference: vocab parallel
 
 
+# ------------------------------------------------------------------------ mtp_hidden --------
+
+
+def _mtp_asker():
+    mod = types.ModuleType("mtpasker")
+    mod.PLUGIN_API = 1
+
+    def forward_request(ctx):
+        return ForwardRequest(mtp_hidden=True) if ctx.phase == "train" else None
+
+    mod.forward_request = hookimpl(forward_request)
+    return mod
+
+
+def test_mtp_hidden_asked_of_the_hf_engine_names_the_engine_and_the_plugin(rlcore_plugin_manager, register_plugin,
+                                                                         rlcore_config, tmp_path):
+    from rlcore.trainer import Trainer
+
+    register_plugin(_mtp_asker(), "mtpasker")
+    cfg = rlcore_config(f"output.dir={tmp_path / 'run'}", *SMALL)
+    trainer = Trainer(resolve(cfg, rlcore_plugin_manager))
+    with pytest.raises(errors.MissingCapabilityError) as e:
+        trainer.run()
+    msg = str(e.value)
+    assert "plugin(s) 'mtpasker'" in msg and "engine 'hf'" in msg and "MTP hidden states" in msg
+    assert "train pass" in msg
+
+
+def test_hf_engine_refuses_mtp_hidden_itself():
+    from rlcore.batch import PackedBatch
+    from rlcore.engines.hf import HFEngine
+    from rlcore.engines.tiny import make_tiny_model, make_tokenizer
+    from rlcore.config import TinyModelConfig
+
+    tok = make_tokenizer(["a", "b"])
+    engine = HFEngine(make_tiny_model(TinyModelConfig(hidden_size=32, head_dim=16, intermediate_size=32), tok), tok)
+    batch = PackedBatch.pack([[3, 4, 3]], [1])
+    assert engine.forward(batch).hidden.shape == (3, 32)
+    with pytest.raises(errors.MissingCapabilityError, match="engine 'hf' has no MTP layers"):
+        engine.forward(batch, mtp_hidden=True)
+
+
 # ------------------------------------------------------------------------ rollout.seed -------
 
 
