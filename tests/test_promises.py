@@ -171,3 +171,51 @@ def test_rollout_seed_seeds_the_samples_and_only_them(tmp_path):
     assert other[0] == 7 * SEED_STRIDE + 0, "step 0 samples with rollout.seed's stream"
     assert other[1] == default[1], "prompts follow training.seed"
     assert other[2] != default[2], "the samples follow rollout.seed"
+
+
+# ------------------------------------------------------------------------ docs/tasks.md ------
+
+
+def _doc_python_blocks(name):
+    import re
+
+    return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / name).read_text(), re.S)
+
+
+def test_docs_tasks_example_trains(tmp_path, monkeypatch):
+    """The task and reward of docs/tasks.md, written to mytask.py, train for two steps."""
+    import json
+
+    from rlcore.cli import main
+
+    (tmp_path / "mytask.py").write_text(_doc_python_blocks("tasks.md")[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["train", TINY, "--output", str(out), *SMALL, "training.steps=2", "data.task=mytask:colours",
+                 "data.reward=mytask:colours_reward"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+
+
+BAD_TASKS = """
+from rlcore.tasks import Task, TaskPrompt
+def short(data):
+    return Task("short", ["a"], lambda rng, n: [TaskPrompt("a")] * (n - 1))
+def strings(data):
+    return Task("strings", ["a"], lambda rng, n: ["a"] * n)
+"""
+
+
+@pytest.mark.parametrize("task,match", [("short", r"returned a list of 1 from make_prompts\(rng, 2\) at step 0"),
+                                        ("strings", r"returned 'a' as prompt 0 at step 0")])
+def test_a_task_returning_the_wrong_prompts_is_named(tmp_path, monkeypatch, task, match):
+    from rlcore.errors import ConfigError
+    from rlcore.trainer import Trainer
+
+    (tmp_path / "badtasks.py").write_text(BAD_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    trainer = Trainer(load_stack(TINY, [f"output.dir={tmp_path / 'run'}", *SMALL, f"data.task=badtasks:{task}"]))
+    with pytest.raises(ConfigError, match=match) as e:
+        trainer.run()
+    assert e.value.key == "data.task" and f"task {task!r}" in str(e.value)

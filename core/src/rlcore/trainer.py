@@ -49,7 +49,7 @@ from rlcore.run_output import (
     write_run_marker,
 )
 from rlcore.stack import Stack, check_engine_head
-from rlcore.tasks import RewardInput, Task, load_callable
+from rlcore.tasks import RewardInput, Task, load_callable, make_prompts
 from rlcore.types import (
     BuildContext,
     Cap,
@@ -248,7 +248,7 @@ class Trainer:
 
     def _prompts(self) -> tuple[list[Prompt], list[Any]]:
         rng = random.Random(self.cfg.training.seed * 1_000_003 + self.step)
-        task_prompts = self.task.make_prompts(rng, self.cfg.data.prompts_per_step)
+        task_prompts = make_prompts(self.task, rng, self.cfg.data.prompts_per_step, f"step {self.step}")
         prompts = [
             Prompt(ids=self.tokenizer(tp.text, add_special_tokens=False)["input_ids"], index=i, meta=tp.meta)
             for i, tp in enumerate(task_prompts)
