@@ -332,8 +332,24 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
     _resolve_algorithm(merged, algo)
     for ps in settings:
         if ps.validate is not None:
-            ps.validate(merged[ps.section])
+            if _takes_two_arguments(ps.validate):
+                ps.validate(merged[ps.section], merged)
+            else:
+                ps.validate(merged[ps.section])
     return merged  # type: ignore[return-value]
+
+
+def _takes_two_arguments(fn: Any) -> bool:
+    """``validate(section)`` or ``validate(section, config)`` (the whole resolved config, for
+    checks that depend on other sections, e.g. ``engine.device``)."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def _container_mismatch(base: Any, raw: Any, prefix: str = "") -> str | None:

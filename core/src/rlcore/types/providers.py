@@ -181,8 +181,11 @@ class EngineSpec(ProviderSpec):
 class PluginSettings:
     """A plugin's own config section: ``section`` is the top-level YAML key, ``schema`` an
     omegaconf-compatible dataclass whose defaults are the plugin's defaults. ``validate``
-    (optional) checks values types cannot express; it gets the merged section and raises
-    :class:`rlcore.errors.ConfigError` naming the key (``rlcore check`` runs it)."""
+    (optional) checks values types cannot express; it gets the merged section (and, when it
+    takes a second argument, the whole resolved config, for checks that depend on other
+    sections such as ``engine.device``) and raises :class:`rlcore.errors.ConfigError` naming the
+    key. ``rlcore check`` runs it: whatever the plugin's factories would refuse at build time
+    belongs here, so that a config is refused before anything is built."""
 
     section: str
     schema: type
