@@ -10,7 +10,7 @@ from rlcore import PLUGIN_API, hookimpl
 from rlcore.errors import PluginError
 from rlcore.types import Cap, EngineSpec, PluginSettings, RequiresCapability
 
-from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings
+from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings, validate_settings
 
 __all__ = ["PLUGIN_API", "constraints", "engine", "plugin_settings", "MegatronSettings", "INSTALL_HINT"]
 
@@ -34,7 +34,7 @@ def _build(ctx):
 
 @hookimpl
 def plugin_settings():
-    return PluginSettings(section="megatron", schema=MegatronSettings)
+    return PluginSettings(section="megatron", schema=MegatronSettings, validate=validate_settings)
 
 
 @hookimpl
