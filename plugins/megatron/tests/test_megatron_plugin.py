@@ -210,6 +210,12 @@ def test_megatron_model_checks_read_the_model_directory(register_plugin, rlcore_
         rlcore_config("engine.name=megatron", f"engine.model.path={tmp_path / 'missing'}")
     assert e.value.key == "engine.model.path"
     rlcore_config("engine.name=hf", f"engine.model.path={tmp_path / 'missing'}")  # another engine: not ours
+    for i, bad in enumerate(["[1, 2]", '{"model_type": "qwen2"}', "{"]):
+        (tmp_path / f"bad{i}").mkdir()
+        (tmp_path / f"bad{i}" / "config.json").write_text(bad)
+        with pytest.raises(ConfigError, match=f"bad{i}/config.json") as e:
+            rlcore_config("engine.name=megatron", f"engine.model.path={tmp_path / f'bad{i}'}")
+        assert e.value.key == "engine.model.path"
 
 
 def test_megatron_section_passes_when_the_engine_can_build_it(register_plugin, rlcore_config):

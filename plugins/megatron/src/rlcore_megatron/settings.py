@@ -146,7 +146,15 @@ def model_spec_for(config: Any) -> ModelSpec:
                               key="engine.model.path") from None
         except (OSError, ValueError) as exc:
             raise ConfigError(f"engine.model.path: cannot read {path}: {exc}", key="engine.model.path") from exc
-        return model_spec_from_hf(SimpleNamespace(**raw))
+        if not isinstance(raw, dict):
+            raise ConfigError(f"engine.model.path: {path} is not a JSON object", key="engine.model.path")
+        try:
+            return model_spec_from_hf(SimpleNamespace(**raw))
+        except ConfigError:
+            raise
+        except (AttributeError, TypeError, ValueError) as exc:  # a field missing or of the wrong type
+            raise ConfigError(f"engine.model.path: {path} is not a config the megatron engine can read: {exc}",
+                              key="engine.model.path") from exc
     from rlcore.engines.tiny import tiny_config
 
     tiny = model.tiny
