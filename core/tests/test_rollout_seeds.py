@@ -24,3 +24,10 @@ def test_requested_seeds_win_and_do_not_advance_the_fallback():
     assert seeds.next(None) == 5 * SEED_STRIDE + 1
     assert [CallSeeds(5).next(None) for _ in range(2)] == [5 * SEED_STRIDE] * 2  # a new backend repeats the run
 
+
+
+def test_step_seed_follows_rollout_seed_and_falls_back_to_training_seed():
+    from rlcore.rollout_seeds import step_seed
+
+    assert step_seed(_cfg(None, 7), 3) == 7 * SEED_STRIDE + 3  # what the trainer always asked for
+    assert step_seed(_cfg(5, 7), 3) == 5 * SEED_STRIDE + 3  # rollout.seed is no longer overwritten

@@ -74,7 +74,10 @@ class ForwardConfig:
 class RolloutConfig:
     """``release_kv_cache``: ``auto`` releases the KV cache around every weight push when the
     backend can and reports when it cannot; ``always`` makes a backend without the capability
-    an error; ``never`` keeps it resident."""
+    an error; ``never`` keeps it resident. ``seed``: what the sampling seeds derive from (each
+    step samples with ``seed * 1_000_003 + step``, :func:`rlcore.rollout_seeds.step_seed`);
+    unset, ``training.seed``. Changing it changes the samples only: prompts and the model's
+    initialisation follow ``training.seed``."""
 
     backend: str = "local"
     n: int = 8
@@ -329,8 +332,24 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
     _resolve_algorithm(merged, algo)
     for ps in settings:
         if ps.validate is not None:
-            ps.validate(merged[ps.section])
+            if _takes_two_arguments(ps.validate):
+                ps.validate(merged[ps.section], merged)
+            else:
+                ps.validate(merged[ps.section])
     return merged  # type: ignore[return-value]
+
+
+def _takes_two_arguments(fn: Any) -> bool:
+    """``validate(section)`` or ``validate(section, config)`` (the whole resolved config, for
+    checks that depend on other sections, e.g. ``engine.device``)."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def _container_mismatch(base: Any, raw: Any, prefix: str = "") -> str | None:

@@ -47,6 +47,7 @@ from rlcore.hookspecs import CHAIN_HOOKS, DECLARATION_HOOKS, PROJECT, PROVIDER_H
 from rlcore.listing import PluginRecord, describe_plugins, module_hooks
 from rlcore.types import (
     PLUGIN_API,
+    Cap,
     EngineSpec,
     ForwardFnSpec,
     ForwardRequest,
@@ -462,9 +463,31 @@ class PluginManager:
     # ------------------------------------------------------------------ chains -----------
 
     def forward_request(self, ctx: Any) -> ForwardRequest:
+        """Every plugin's request merged. An output the selected engine cannot produce is an
+        error naming the engine and the plugin(s) that asked, never a request dropped silently:
+        ``mtp_hidden`` needs an engine that declares ``mtp`` (the ``hf`` engine has no MTP layers)."""
         req = ForwardRequest()
-        for r in self._pm.hook.forward_request(ctx=ctx):
+        asked: list[str] = []
+        for name, r in self._call_each("forward_request", ctx=ctx):
+            if not isinstance(r, ForwardRequest):
+                raise errors.PluginValidationError(
+                    f"forward_request of plugin {name!r} ({self.plugin_label(name)}) returned "
+                    f"{type(r).__name__}, expected ForwardRequest or None"
+                )
+            if r.mtp_hidden:
+                asked.append(name)
             req = req.merge(r)
+        config = getattr(ctx, "config", None)
+        if asked and config is not None:
+            engine = self.select("engine", config.engine.name, key="engine.name")
+            if Cap.MTP not in engine.capabilities:
+                who = ", ".join(f"{n!r} ({self.plugin_label(n)})" for n in asked)
+                raise errors.MissingCapabilityError(
+                    f"plugin(s) {who} asked for MTP hidden states (ForwardRequest.mtp_hidden) in the "
+                    f"{getattr(ctx, 'phase', '?')} pass, but engine {engine.name!r} ({engine.distribution}) has "
+                    f"no MTP layers (it does not declare capability 'mtp'); select an engine with MTP "
+                    f"(engine.name=megatron with num_nextn_predict_layers > 0) or deactivate the plugin"
+                )
         return req
 
     def _call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:

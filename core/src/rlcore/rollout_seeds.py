@@ -5,6 +5,11 @@ when that is unset). Each ``generate`` call samples with the request's own seed 
 (:attr:`~rlcore.types.SamplingSettings.seed`), else with :meth:`CallSeeds.next`'s fresh seed: the
 base seed times a large prime plus the number of earlier unseeded calls, so calls differ from one
 another and a run with the same base seed repeats them.
+
+The trainer sets the request's seed every step (:func:`step_seed`): the same base seed times the
+same prime plus the step, so ``rollout.seed`` is what a run's samples derive from. Left unset it
+is ``training.seed`` (one number seeds the whole run); set, it changes the samples and nothing
+else (prompts and the model's initialisation stay on ``training.seed``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ def base_seed(config: Any) -> int:
     """A rollout backend's base seed: ``rollout.seed``, else ``training.seed``."""
     seed = config.rollout.seed
     return int(config.training.seed if seed is None else seed)
+
+
+def step_seed(config: Any, step: int) -> int:
+    """The sampling seed the trainer asks for at ``step``: ``base_seed(config)`` spread by
+    :data:`SEED_STRIDE`, plus the step (a resumed run asks for the same seed again)."""
+    return base_seed(config) * SEED_STRIDE + int(step)
 
 
 class CallSeeds:

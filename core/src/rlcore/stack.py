@@ -145,6 +145,9 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
         stack.notes.append(
             f"rollout backend {rollout.name!r} cannot release its KV cache: it stays resident during weight sync"
         )
+    if float(cfg.algorithm.entropy_coef) != 0:
+        _require(stack, "forward_fn", Cap.ENTROPY,
+                 f"algorithm.entropy_coef={float(cfg.algorithm.entropy_coef):g} adds an entropy term to the loss", "core")
     if stack.chains.get("router_hook"):
         _require(stack, "engine", Cap.ROUTER_HOOK,
                  f"plugin(s) {', '.join(stack.chains['router_hook'])} implement router_hook", "core")
@@ -167,8 +170,30 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
         elif isinstance(c, RequiresCapability):
             if c.when is not None and not c.when(cfg):
                 continue
-            _require(stack, c.role, c.capability, c.reason, owner)
+            _require(stack, c.role, c.capability, c.reason(cfg) if callable(c.reason) else c.reason, owner)
     return stack
+
+
+def check_engine_head(stack: Stack, engine: Any) -> None:
+    """Once the engine is built: the head it hands the forward_fn must be one the selected
+    forward_fn declares it can handle. A vocab-sharded weight (``HeadWeight.vocab.group`` spans
+    more than one rank) needs ``vocab_parallel``: a head without it would compute a softmax over
+    its own shard of the vocabulary. (Engines that shard by config also declare it up front with
+    a :class:`~rlcore.types.RequiresCapability`, so ``rlcore check`` catches it; this is the check
+    for every engine.)"""
+    from rlcore.distributed import group_size
+
+    vocab = engine.head().vocab
+    ranks = group_size(vocab.group)
+    if ranks > 1 and not stack.has("forward_fn", Cap.VOCAB_PARALLEL):
+        spec = stack.forward_fn
+        raise errors.MissingCapabilityError(
+            f"engine {stack.engine.name!r} ({stack.engine.distribution}) shards the LM-head vocabulary over "
+            f"{ranks} tensor-parallel ranks (this rank holds ids [{vocab.start}, {vocab.end}) of "
+            f"{vocab.vocab_size}), but forward_fn {spec.name!r} ({spec.distribution}) does not declare "
+            f"'vocab_parallel': it would compute a softmax over its own shard. Pick a vocab-parallel head "
+            f"(forward.name=reference or fused) or run without tensor parallelism"
+        )
 
 
 def _require(stack: Stack, role: str, cap: str, reason: str, owner: str) -> None:

@@ -70,6 +70,21 @@ def successor_reward(x: RewardInput) -> float:
     return 1.0 if words and words[0] == x.meta.get("answer") else 0.0
 
 
+def make_prompts(task: Task, rng: random.Random, count: int, where: str) -> list[TaskPrompt]:
+    """``task.make_prompts(rng, count)``, checked: a list of ``count`` :class:`TaskPrompt`\\ s whose
+    ``text`` is a str and ``meta`` a dict (``where`` names the step in the error)."""
+    prompts = task.make_prompts(rng, count)
+    if not isinstance(prompts, list) or len(prompts) != count:
+        got = f"a list of {len(prompts)}" if isinstance(prompts, list) else type(prompts).__name__
+        raise ConfigError(f"data.task: task {task.name!r} returned {got} from make_prompts(rng, {count}) at {where}; "
+                          f"expected a list of {count} TaskPrompt (docs/tasks.md)", key="data.task")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, TaskPrompt) or not isinstance(p.text, str) or not isinstance(p.meta, dict):
+            raise ConfigError(f"data.task: task {task.name!r} returned {p!r} as prompt {i} at {where}; expected "
+                              f"TaskPrompt(text: str, meta: dict) (docs/tasks.md)", key="data.task")
+    return prompts
+
+
 def load_callable(path: str, key: str) -> Callable[..., Any]:
     """Import ``module:function``; errors name the config ``key``."""
     if ":" not in path:

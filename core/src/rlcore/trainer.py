@@ -38,6 +38,7 @@ from rlcore.errors import (
     WeightSyncError,
 )
 from rlcore.faults import fault_point
+from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
     load_checkpoint,
@@ -47,8 +48,8 @@ from rlcore.run_output import (
     save_checkpoint,
     write_run_marker,
 )
-from rlcore.stack import Stack
-from rlcore.tasks import RewardInput, Task, load_callable
+from rlcore.stack import Stack, check_engine_head
+from rlcore.tasks import RewardInput, Task, load_callable, make_prompts
 from rlcore.types import (
     BuildContext,
     Cap,
@@ -138,6 +139,7 @@ class Trainer:
         self.tokenizer = getattr(self.engine, "tokenizer", None)
         if self.tokenizer is None:
             raise ConfigError("the training engine provides no tokenizer; set engine.model.path", key="engine.model.path")
+        check_engine_head(stack, self.engine)
         self.forward_fn = stack.forward_fn.factory(ctx_for(stack.forward_fn, self.engine))
         self.backend = stack.rollout_backend.factory(ctx_for(stack.rollout_backend, self.engine))
         self.sync = stack.weight_sync.factory(ctx_for(stack.weight_sync, self.engine))
@@ -246,7 +248,7 @@ class Trainer:
 
     def _prompts(self) -> tuple[list[Prompt], list[Any]]:
         rng = random.Random(self.cfg.training.seed * 1_000_003 + self.step)
-        task_prompts = self.task.make_prompts(rng, self.cfg.data.prompts_per_step)
+        task_prompts = make_prompts(self.task, rng, self.cfg.data.prompts_per_step, f"step {self.step}")
         prompts = [
             Prompt(ids=self.tokenizer(tp.text, add_special_tokens=False)["input_ids"], index=i, meta=tp.meta)
             for i, tp in enumerate(task_prompts)
@@ -357,7 +359,7 @@ class Trainer:
         prompts, task_prompts = self._prompts()
         params = SamplingSettings(
             n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-            max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.training.seed * 1_000_003 + self.step,
+            max_new_tokens=cfg.rollout.max_new_tokens, seed=step_seed(cfg, self.step),
             stop_token_ids=tuple(x for x in [self.engine.info.eos_token_id] if x is not None),
             return_routed_experts=cfg.rollout.return_routed_experts,
         )

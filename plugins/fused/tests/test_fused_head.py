@@ -273,3 +273,45 @@ def test_grpo_run_with_the_fused_head_matches_the_reference_run(tmp_path):
         assert abs(a["reward_mean"] - b["reward_mean"]) < 1e-6
         assert abs(a["entropy"] - b["entropy"]) < 1e-3
     assert max(x["logprob_mismatch_max"] for x in fused) < 1e-4
+
+
+# ------------------------------------------------------- config-time validation ------------
+
+
+@pytest.mark.parametrize("overrides,key,match", [
+    (["fused.backend=cuda"], "fused.backend", "choose one of: auto, triton, torch"),
+    (["fused.chunk_tokens=0"], "fused.chunk_tokens", "must be >= 1"),  # was clamped to 1 silently
+    (["fused.backward_chunk_mib=-4"], "fused.backward_chunk_mib", "must be >= 1"),  # same
+    (["forward.name=fused", "engine.device=meta"], "fused.backend", "no kernel for engine.device=meta"),
+    (["forward.name=fused", "fused.backend=triton", "engine.device=cpu"], "fused.backend",
+     "TRITON_INTERPRET=1|not installed"),
+])
+def test_rlcore_check_refuses_what_the_fused_head_would(register_plugin, rlcore_config, monkeypatch, overrides, key,
+                                                         match):
+    """Before: these passed `rlcore check` and failed when the head was built or first called."""
+    from rlcore.errors import ConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    register_plugin(plugin, "fused")
+    with pytest.raises(ConfigError, match=match) as e:
+        rlcore_config(*overrides)
+    assert e.value.key == key
+
+
+def test_fused_device_checks_apply_only_when_the_head_is_selected(register_plugin, rlcore_config, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    register_plugin(plugin, "fused")
+    rlcore_config("fused.backend=triton", "engine.device=cpu")  # forward.name=reference: the section is unused
+    rlcore_config("forward.name=fused", "fused.backend=torch", "engine.device=cpu")
+    monkeypatch.setattr(plugin, "_triton_installed", lambda: False)
+    with pytest.raises(Exception, match=r"needs Triton, which is not installed"):
+        rlcore_config("forward.name=fused", "engine.device=cuda")  # auto on CUDA: Triton
+
+
+def test_cli_check_refuses_a_fused_section_the_run_would_reject(capsys):
+    from rlcore.cli import main
+
+    root = Path(__file__).resolve().parents[3]
+    rc = main(["check", str(root / "examples" / "tiny.yaml"), "plugins=[fused]", "forward.name=fused",
+               "fused.chunk_tokens=0"])
+    assert rc == 2 and "fused.chunk_tokens" in capsys.readouterr().err

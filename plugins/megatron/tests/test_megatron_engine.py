@@ -276,3 +276,39 @@ def test_rlcore_train_tiny_grpo_reward_rises(tmp_path, figures):
     assert start < 0.3 and end >= 0.8 and end > start + 0.4
     assert all(r["sync_verified"] for r in rows)
     assert max(r["logprob_mismatch_max"] for r in rows) < 1e-4, "megatron trainer and HF rollout agree (fp32)"
+
+
+def test_hf_config_megatron_cannot_express_is_a_config_error_not_megatrons_assertion(tmp_path):
+    """Qwen3-MoE with one expert per token and norm_topk_prob=true: before, megatron-core's
+    TransformerConfig raised a bare ValueError ("Please use --moe-router-pre-softmax when topk
+    is 1"); now the engine refuses it naming the HF fields, before megatron is asked."""
+    from rlcore.testing.models import make_model_dir
+    from rlcore_megatron.engine import HFSource, MegatronEngine
+
+    d = make_model_dir(tmp_path / "top1", "qwen3_moe", seed=11, topk=1)
+    with pytest.raises(ConfigError, match="num_experts_per_tok=1 with norm_topk_prob=true") as e:
+        MegatronEngine(HFSource.from_dir(d))
+    assert e.value.key == "engine.model"
+
+
+def test_every_argument_rlcore_passes_megatron_builders_is_accepted_or_droppable(engine_for):
+    """On the installed megatron-core, building the models above dropped nothing that shapes the
+    model: replay the builders' calls and check each argument against their signatures."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+    from rlcore_megatron import compat
+
+    passed = {
+        GPTModel: ["config", "transformer_layer_spec", "vocab_size", "max_sequence_length", "pre_process",
+                   "post_process", "parallel_output", "share_embeddings_and_output_weights",
+                   "position_embedding_type", "rotary_percent", "rotary_base"],
+        specs.get_gpt_decoder_block_spec: ["config", "use_transformer_engine"],
+        specs.get_gpt_mtp_block_spec: ["config", "spec", "use_transformer_engine"],
+        MultiTokenPredictionBlock: ["config", "spec", "pg_collection"],
+    }
+    for fn, names in passed.items():
+        params = inspect.signature(fn).parameters
+        missing = [n for n in names if n not in params and n not in compat.DROPPABLE_KWARGS]
+        assert not missing, f"{fn.__qualname__} lacks {missing}"
+    assert engine_for("moe_mtp").mtp is not None  # built through call_with_supported on this version

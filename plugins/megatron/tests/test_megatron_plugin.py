@@ -54,7 +54,7 @@ def test_plugin_is_found_through_its_entry_point():
 
 def test_settings_section_validates(register_plugin, rlcore_config):
     register_plugin(plugin, "megatron")
-    cfg = rlcore_config("engine.name=megatron", "megatron.tensor_parallel_size=2")
+    cfg = rlcore_config("engine.name=megatron", "megatron.tensor_parallel_size=2", "engine.model.tiny.num_kv_heads=2")
     assert cfg.megatron.tensor_parallel_size == 2 and cfg.megatron.token_dispatcher == "allgather"
     with pytest.raises(ConfigError, match="megatron.tensor_paralel_size"):
         rlcore_config("megatron.tensor_paralel_size=2")
@@ -108,3 +108,143 @@ def test_dense_and_moe_configs_translate():
 def test_unsupported_hf_fields_are_errors_naming_them(field, value, match):
     with pytest.raises(ConfigError, match=match):
         model_spec_from_hf(_hf_config("qwen2", **{field: value}))
+
+
+def _plain_head_plugin():
+    """forward_fn ``plainhead``: declares entropy and per-token temperature, not vocab_parallel."""
+    import types
+
+    from rlcore import hookimpl
+    from rlcore.types import Cap, ForwardFnSpec
+
+    mod = types.ModuleType("plainhead")
+    mod.PLUGIN_API = 1
+
+    def forward_fn():
+        yield ForwardFnSpec(name="plainhead", factory=lambda ctx: None,
+                            capabilities={Cap.ENTROPY, Cap.PER_TOKEN_TEMPERATURE})
+
+    mod.forward_fn = hookimpl(forward_fn)
+    return mod
+
+
+def test_head_without_vocab_parallel_is_refused_under_tensor_parallelism(rlcore_plugin_manager, register_plugin,
+                                                                         rlcore_config):
+    """Before: the stack resolved and each rank's head computed a softmax over its own shard."""
+    from rlcore.errors import MissingCapabilityError
+    from rlcore.stack import resolve
+
+    register_plugin(plugin, "megatron")
+    register_plugin(_plain_head_plugin(), "plainhead")
+    pm = rlcore_plugin_manager
+    resolve(rlcore_config("engine.name=megatron", "forward.name=plainhead"), pm)  # TP=1: fine
+    tp2 = ("megatron.tensor_parallel_size=2", "engine.model.tiny.num_kv_heads=2")
+    resolve(rlcore_config("engine.name=megatron", *tp2), pm)  # reference head: fine
+    resolve(rlcore_config("forward.name=plainhead", *tp2), pm)  # hf engine: the section is unused
+    with pytest.raises(MissingCapabilityError) as e:
+        resolve(rlcore_config("engine.name=megatron", "forward.name=plainhead", *tp2), pm)
+    msg = str(e.value)
+    assert "plugin 'megatron'" in msg and "forward_fn 'plainhead'" in msg
+    assert "'vocab_parallel'" in msg and "megatron.tensor_parallel_size=2" in msg
+
+
+# ---------------------------------------------------- what megatron-core cannot express ------
+
+
+@pytest.mark.parametrize("arch,overrides,match", [
+    # megatron-core: "Please use --moe-router-pre-softmax when topk is 1" (a bare ValueError)
+    ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True}, "num_experts_per_tok=1 with norm_topk_prob=true"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"),
+    ("qwen2", {"num_attention_heads": 3, "num_key_value_heads": 2}, "not a multiple of num_key_value_heads=2"),
+])
+def test_hf_configs_megatron_cannot_express_are_errors_naming_the_field(arch, overrides, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        model_spec_from_hf(_hf_config(arch, **overrides))
+    assert e.value.key == "engine.model"
+    # top-1 without renormalisation is megatron's pre-softmax router: the same model, accepted
+    spec = model_spec_from_hf(_hf_config("qwen3_moe", num_experts_per_tok=1, norm_topk_prob=False))
+    assert spec.topk == 1 and spec.router_pre_softmax
+
+
+# ------------------------------------------------------- megatron: section at config time ------
+
+
+@pytest.mark.parametrize("overrides,key,match", [
+    (["megatron.tensor_parallel_size=0"], "megatron.tensor_parallel_size", ">= 1"),  # was ZeroDivisionError
+    (["megatron.pipeline_parallel_size=2"], "megatron.pipeline_parallel_size", "not supported yet"),
+    (["megatron.attention=flash"], "megatron.attention", "auto, te or local"),
+    (["megatron.token_dispatcher=flex"], "megatron.token_dispatcher", "allgather or alltoall"),
+    (["megatron.sequence_parallel=true"], "megatron.sequence_parallel", "tensor_parallel_size > 1"),
+    (["megatron.vocab_size_divisible_by=0"], "megatron.vocab_size_divisible_by", ">= 1"),
+    (["megatron.moe_aux_loss_coeff=-0.1"], "megatron.moe_aux_loss_coeff", ">= 0"),
+    # need the engine: device and model
+    (["engine.name=megatron", "megatron.token_dispatcher=alltoall"], "megatron.token_dispatcher", "needs CUDA"),
+    (["engine.name=megatron", "megatron.attention=te"], "megatron.attention", "CUDA"),
+    (["engine.name=megatron", "megatron.tensor_parallel_size=2"], "megatron.tensor_parallel_size",
+     r"must divide the number of attention heads \(2\) and of key/value heads \(1\)"),
+    (["engine.name=megatron", "megatron.expert_parallel_size=2"], "megatron.expert_parallel_size",
+     "needs an MoE model; 'qwen2' has no experts"),
+    (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.num_experts=6",
+      "megatron.expert_parallel_size=4"], "megatron.expert_parallel_size", r"divide the number of experts \(6\)"),
+    (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.topk=1"], "engine.model",
+     "norm_topk_prob=true cannot be built in megatron-core.*engine.model.tiny: arch=qwen3_moe, topk=1"),
+])
+def test_rlcore_check_refuses_what_the_megatron_engine_would(register_plugin, rlcore_config, overrides, key, match):
+    """Before: each passed `rlcore check` and failed when the engine was built (several with
+    megatron-core's own bare ValueError or a ZeroDivisionError)."""
+    register_plugin(plugin, "megatron")
+    with pytest.raises(ConfigError, match=match) as e:
+        rlcore_config(*overrides)
+    assert e.value.key == key
+
+
+def test_megatron_model_checks_read_the_model_directory(register_plugin, rlcore_config, tmp_path):
+    register_plugin(plugin, "megatron")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+         "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 32, "num_experts": 4,
+         "num_experts_per_tok": 1, "norm_topk_prob": True, "moe_intermediate_size": 32, "rope_theta": 1e6}))
+    with pytest.raises(ConfigError, match="norm_topk_prob=true"):
+        rlcore_config("engine.name=megatron", f"engine.model.path={tmp_path}")
+    with pytest.raises(ConfigError, match="has no config.json") as e:
+        rlcore_config("engine.name=megatron", f"engine.model.path={tmp_path / 'missing'}")
+    assert e.value.key == "engine.model.path"
+    rlcore_config("engine.name=hf", f"engine.model.path={tmp_path / 'missing'}")  # another engine: not ours
+    for i, bad in enumerate(["[1, 2]", '{"model_type": "qwen2"}', "{"]):
+        (tmp_path / f"bad{i}").mkdir()
+        (tmp_path / f"bad{i}" / "config.json").write_text(bad)
+        with pytest.raises(ConfigError, match=f"bad{i}/config.json") as e:
+            rlcore_config("engine.name=megatron", f"engine.model.path={tmp_path / f'bad{i}'}")
+        assert e.value.key == "engine.model.path"
+
+
+def test_megatron_section_passes_when_the_engine_can_build_it(register_plugin, rlcore_config):
+    register_plugin(plugin, "megatron")
+    rlcore_config("engine.name=megatron")
+    rlcore_config("engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "megatron.expert_parallel_size=2")
+    rlcore_config("engine.name=megatron", "engine.device=auto", "megatron.token_dispatcher=alltoall")
+
+
+# ------------------------------------------------------------ compat: no silent drops ------
+
+
+def test_compat_drops_only_arguments_that_cannot_change_the_model():
+    from rlcore_megatron import compat
+
+    def old_builder(config, vocab_size, rotary_percent=1.0):  # a version without rotary_base
+        return dict(config=config, vocab_size=vocab_size, rotary_percent=rotary_percent)
+
+    # pg_collection: the same groups come from parallel_state on versions without it
+    assert compat.call_with_supported(old_builder, "cfg", vocab_size=8, pg_collection=object()) == \
+        dict(config="cfg", vocab_size=8, rotary_percent=1.0)
+    assert compat.call_with_supported(old_builder, "cfg", vocab_size=8, rotary_pos_cos=None)["vocab_size"] == 8
+    with pytest.raises(ConfigError, match=r"old_builder does not accept rotary_base.*another model") as e:
+        compat.call_with_supported(old_builder, "cfg", vocab_size=8, rotary_base=1e6, pg_collection=None)
+    assert e.value.key == "engine.model"
+    with pytest.raises(ConfigError, match="does not accept rotary_pos_cos"):
+        compat.call_with_supported(old_builder, "cfg", vocab_size=8, rotary_pos_cos=1.0)
+
+    def new_builder(config, **kwargs):  # **kwargs: everything is passed through
+        return kwargs
+
+    assert compat.call_with_supported(new_builder, "cfg", rotary_base=1e6) == {"rotary_base": 1e6}

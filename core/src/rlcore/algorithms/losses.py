@@ -211,9 +211,21 @@ class TokenObjective:
             pg = pg * x.correction.to(pg.device, pg.dtype)
         if x.ref_logprobs is not None and self.kl_coef > 0:
             pg = pg + self.kl_coef * kl_penalty(logprobs, x.ref_logprobs, self.kl_estimator)
-        if entropy is not None and self.entropy_coef:
-            pg = pg - self.entropy_coef * entropy
+        if self.entropy_coef:
+            pg = pg - self.entropy_coef * self._entropy(entropy)
         return pg
+
+    def _entropy(self, entropy):
+        """The head's entropy, which an entropy bonus cannot do without (never dropped silently)."""
+        if entropy is None:
+            from rlcore.errors import MissingCapabilityError
+
+            raise MissingCapabilityError(
+                f"algorithm.entropy_coef={self.entropy_coef:g} needs the entropy of every token, but the "
+                f"forward_fn returned none (HeadOutput.entropy is None); use a head that computes entropy "
+                f"(capability 'entropy') or set algorithm.entropy_coef=0"
+            )
+        return entropy
 
     def value(self, logprobs, entropy, x: TokenInputs, seq_log_ratio=None) -> torch.Tensor:
         """``[T]`` per-token unweighted objective times the mask (multiply by the aggregation
@@ -232,7 +244,7 @@ class TokenObjective:
                 kl, dkl = kl_value_and_grad(logprobs, x.ref_logprobs, self.kl_estimator)
                 pg, dpg = pg + self.kl_coef * kl, dpg + self.kl_coef * dkl
             d_ent = torch.zeros_like(pg)
-            if entropy is not None and self.entropy_coef:
-                pg = pg - self.entropy_coef * entropy
+            if self.entropy_coef:
+                pg = pg - self.entropy_coef * self._entropy(entropy)
                 d_ent = d_ent - self.entropy_coef
             return TokenLoss(value=w * pg, d_logprobs=w * dpg, d_entropy=w * d_ent)

@@ -21,6 +21,7 @@ import torch
 
 from rlcore.batch import PackedBatch
 from rlcore.engines.hf_names import checkpoint_tensors
+from rlcore.errors import MissingCapabilityError
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.types import (
     Cap,
@@ -79,6 +80,11 @@ class HFEngine:
         micro_batch: MicroBatchContext | None = None,
         mtp_hidden: bool = False,
     ) -> EngineOutput:
+        if mtp_hidden:
+            raise MissingCapabilityError(
+                f"engine 'hf' has no MTP layers ({self.info.architecture}: transformers builds none), but MTP "
+                f"hidden states were requested (mtp_hidden=True); use engine.name=megatron with an MTP model"
+            )
         lay = batch.layout
         dev = self.device
         T = batch.num_tokens

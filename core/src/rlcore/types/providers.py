@@ -184,8 +184,11 @@ class EngineSpec(ProviderSpec):
 class PluginSettings:
     """A plugin's own config section: ``section`` is the top-level YAML key, ``schema`` an
     omegaconf-compatible dataclass whose defaults are the plugin's defaults. ``validate``
-    (optional) checks values types cannot express; it gets the merged section and raises
-    :class:`rlcore.errors.ConfigError` naming the key (``rlcore check`` runs it)."""
+    (optional) checks values types cannot express; it gets the merged section (and, when it
+    takes a second argument, the whole resolved config, for checks that depend on other
+    sections such as ``engine.device``) and raises :class:`rlcore.errors.ConfigError` naming the
+    key. ``rlcore check`` runs it: whatever the plugin's factories would refuse at build time
+    belongs here, so that a config is refused before anything is built."""
 
     section: str
     schema: type
@@ -208,11 +211,12 @@ class IncompatibleWith:
 class RequiresCapability:
     """Declared by a plugin: while it is active, the provider selected for ``role``
     (``forward_fn``, ``rollout_backend``, ``weight_sync`` or ``engine``) must declare
-    ``capability``. ``when`` optionally limits the rule to configs where it returns True."""
+    ``capability``. ``when`` optionally limits the rule to configs where it returns True;
+    ``reason`` may be a function of the config, to name the setting and its value."""
 
     role: Literal["forward_fn", "rollout_backend", "weight_sync", "engine"]
     capability: str
-    reason: str
+    reason: str | Callable[[Any], str]
     when: Callable[[Any], bool] | None = None
 
 

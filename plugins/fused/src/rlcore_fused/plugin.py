@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from rlcore import PLUGIN_API, hookimpl
 from rlcore.types import Cap, ForwardFnSpec, PluginSettings
 
-__all__ = ["PLUGIN_API", "CAPABILITIES", "FusedSettings", "forward_fn", "plugin_settings"]
+__all__ = ["PLUGIN_API", "BACKENDS", "CAPABILITIES", "FusedSettings", "forward_fn", "plugin_settings",
+           "validate_settings"]
 
 #: what both backends implement (and the conformance suites check)
 CAPABILITIES = frozenset({
@@ -48,9 +49,55 @@ class FusedSettings:
     loss_dw_fp32: bool = False
 
 
+#: ``fused.backend`` values (the head refuses others too)
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _triton_installed() -> bool:
+    """Whether a ``triton`` module can be found (without importing it: the check stays cheap)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError, AttributeError):  # e.g. sys.modules["triton"] = None
+        return False
+
+
+def validate_settings(section, config=None) -> None:
+    """The ``fused:`` section's checks (``PluginSettings.validate``): what the head would refuse at
+    build time or at its first call, refused by ``rlcore check`` with the key named. The checks
+    across sections (``engine.device``) apply when ``forward.name`` is ``fused``."""
+    from rlcore.errors import ConfigError
+
+    if section.backend not in BACKENDS:
+        raise ConfigError(f"bad value for config key 'fused.backend': {section.backend!r}; choose one of: "
+                          f"{', '.join(BACKENDS)}", key="fused.backend")
+    for key in ("chunk_tokens", "backward_chunk_mib"):
+        if section[key] < 1:
+            raise ConfigError(f"bad value for config key 'fused.{key}': {section[key]!r}; must be >= 1",
+                              key=f"fused.{key}")
+    if config is None or config.forward.name != "fused":
+        return
+    device = str(config.engine.device)
+    kind = device.split(":")[0]
+    if section.backend == "auto" and kind not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"fused.backend=auto has no kernel for engine.device={device}: set fused.backend=torch "
+                          f"to use the chunked torch path there", key="fused.backend")
+    needs_triton = section.backend == "triton" or (section.backend == "auto" and kind == "cuda")
+    if needs_triton and not _triton_installed():
+        raise ConfigError(f"fused.backend={section.backend} with engine.device={device} needs Triton, which is "
+                          f"not installed: `pip install 'rlcore-fused[triton]'`, or set fused.backend=torch",
+                          key="fused.backend")
+    import os
+
+    if section.backend == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ConfigError("fused.backend=triton runs on CUDA tensors; with engine.device=cpu use fused.backend=torch "
+                          "(or auto), or set TRITON_INTERPRET=1 to run the Triton interpreter", key="fused.backend")
+
+
 @hookimpl
 def plugin_settings():
-    return PluginSettings(section="fused", schema=FusedSettings)
+    return PluginSettings(section="fused", schema=FusedSettings, validate=validate_settings)
 
 
 def build_head(ctx):

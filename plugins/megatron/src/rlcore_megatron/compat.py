@@ -14,7 +14,10 @@ router seam                    ``router_replay`` in ``topk_routing_with_score_fu
 MTP layer's inner layer        attribute ``mtp_model_layer`` (0.19) or ``transformer_layer``
 config fields                  ``dataclasses.fields(TransformerConfig)``: a field rlcore needs
                                and the installed version lacks is an error naming it
-constructor arguments          each builder gets only the keyword arguments it declares
+constructor arguments          each builder gets the keyword arguments it declares; one it
+                               does not declare is left out only if it is in
+                               :data:`DROPPABLE_KWARGS` (it cannot change the model), else an
+                               error naming the builder, the argument and the version
 Transformer Engine             ``import transformer_engine`` (THD packing needs it)
 =============================  ===============================================================
 """
@@ -44,18 +47,60 @@ def accepts(fn: Callable, name: str) -> bool:
     return name in names
 
 
+#: Keyword arguments :func:`call_with_supported` may leave out where the installed megatron-core
+#: does not declare them, because leaving them out does not change what the model computes
+#: (every other argument rlcore passes shapes the model: a version without it is an error, not a
+#: model built another way):
+#:
+#: * ``pg_collection`` (``MultiTokenPredictionBlock``, ``GPTModel``; 0.19+): the process groups,
+#:   passed explicitly on versions that take them; older versions read the same groups from
+#:   ``parallel_state``, which :func:`rlcore_megatron.model.init_parallel` initialised.
+#: * ``vp_stage`` / ``pp_rank`` (0.14+ specs): virtual-pipeline placement; rlcore runs one stage.
+#: * ``rotary_pos_cos`` / ``rotary_pos_sin`` / ``sequence_len_offset`` (a transformer layer's
+#:   forward): flash-decoding inference inputs, ``None`` in training; left out only when None.
+DROPPABLE_KWARGS = frozenset({"pg_collection", "vp_stage", "pp_rank"})
+DROPPABLE_WHEN_NONE = frozenset({"rotary_pos_cos", "rotary_pos_sin", "sequence_len_offset"})
+
+
+def _version() -> str:
+    try:
+        import megatron.core as mc
+
+        return str(getattr(mc, "__version__", "?"))
+    except Exception:  # noqa: BLE001 - for a message only
+        return "?"
+
+
 def call_with_supported(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` with the keyword arguments it declares (optional features of newer
-    versions are simply not passed to older ones)."""
-    names, var_kw = _params(fn.forward if isinstance(fn, torch.nn.Module) else fn)
-    if not var_kw:
-        kwargs = {k: v for k, v in kwargs.items() if k in names}
-    return fn(*args, **kwargs)
+    """Call ``fn`` with the keyword arguments it declares. An argument it does not declare is
+    left out when it cannot change the model (:data:`DROPPABLE_KWARGS`, or
+    :data:`DROPPABLE_WHEN_NONE` with the value ``None``); any other is a
+    :class:`~rlcore.errors.ConfigError` naming ``fn``, the argument and the megatron-core
+    version: a model built without it would silently be another model."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    names, var_kw = _params(target)
+    if var_kw:
+        return fn(*args, **kwargs)
+    unknown = [k for k in kwargs if k not in names]
+    refused = [k for k in unknown
+               if k not in DROPPABLE_KWARGS and not (k in DROPPABLE_WHEN_NONE and kwargs[k] is None)]
+    if refused:
+        what = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        raise ConfigError(
+            f"megatron-core {_version()}'s {what} does not accept {', '.join(refused)}, which rlcore needs to "
+            f"build this model as configured (leaving it out would build another model); use a megatron-core "
+            f"release that has it", key="engine.model"
+        )
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in names})
 
 
 def transformer_config(required: dict[str, Any], optional: dict[str, Any]) -> Any:
     """A ``TransformerConfig`` from ``required`` fields (missing in this megatron-core: an
-    error naming the field) and ``optional`` ones (set only where the field exists)."""
+    error naming the field) and ``optional`` ones (set only where the field exists). Only
+    fields whose absence cannot change the model may be optional: today the fused-kernel
+    switches ``moe_router_fusion`` / ``moe_permute_fusion`` (a version without the field has no
+    such kernel) and ``moe_enable_routing_replay`` (without it rlcore's router seam replays,
+    :mod:`.routers`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     have = {f.name for f in dataclasses.fields(TransformerConfig)}

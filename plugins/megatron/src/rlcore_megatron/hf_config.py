@@ -117,6 +117,9 @@ def model_spec_from_hf(cfg: Any) -> ModelSpec:
     head_dim = _get(cfg, "head_dim") or hidden // heads
     kv_heads = int(_get(cfg, "num_key_value_heads") or heads)
     layers = int(cfg.num_hidden_layers)
+    if heads % kv_heads:
+        raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}: "
+                          f"megatron-core builds grouped-query attention with whole groups", key="engine.model")
     qkv_bias = mt in ("qwen2", "qwen2_moe") and bool(_get(cfg, "qkv_bias", True))
     kw: dict[str, Any] = {}
     if mt in MOE_TYPES:
@@ -127,12 +130,26 @@ def model_spec_from_hf(cfg: Any) -> ModelSpec:
             experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers)
         )
         shared = int(_get(cfg, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0
+        topk = int(cfg.num_experts_per_tok)
+        norm_topk = bool(_get(cfg, "norm_topk_prob", mt == "qwen3_moe"))
+        if experts > 0 and not 1 <= topk <= experts:
+            raise ConfigError(f"num_experts_per_tok={topk} must be in [1, num_experts={experts}]", key="engine.model")
+        if experts > 0 and topk == 1 and norm_topk:
+            # HF renormalises the single chosen weight to 1.0 (softmax over the top-1); megatron-core
+            # refuses that router ("Please use --moe-router-pre-softmax when topk is 1": the router
+            # would get no gradient), and its pre-softmax router weighs the expert by its softmax
+            # probability instead, which is another model
+            raise ConfigError(
+                "num_experts_per_tok=1 with norm_topk_prob=true cannot be built in megatron-core: it only "
+                "routes top-1 with the softmax over all experts (norm_topk_prob=false), which weighs the "
+                "expert by its probability where this model weighs it by 1.0", key="engine.model"
+            )
         kw.update(
             num_experts=experts,
-            topk=int(cfg.num_experts_per_tok),
+            topk=topk,
             moe_ffn_hidden_size=int(cfg.moe_intermediate_size),
             moe_layers=moe_layers,
-            router_pre_softmax=not bool(_get(cfg, "norm_topk_prob", mt == "qwen3_moe")),
+            router_pre_softmax=not norm_topk,
             shared_expert_size=shared,
             shared_expert_gate=shared > 0,
         )

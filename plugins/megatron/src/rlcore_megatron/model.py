@@ -18,37 +18,16 @@ from rlcore.errors import ConfigError, RLCoreError
 from rlcore_megatron import compat
 from rlcore_megatron.hf_config import ModelSpec
 from rlcore_megatron.routers import RouterSite
-from rlcore_megatron.settings import MegatronSettings
+from rlcore_megatron.settings import MegatronSettings, check_device, check_model, check_values
 from rlcore_megatron.weights import Parallel
 
 
 def check_settings(s: MegatronSettings, sp: ModelSpec, device: torch.device) -> None:
-    """Refuse settings this model or device cannot run, naming the ``megatron.*`` field."""
-    if s.pipeline_parallel_size != 1:
-        raise ConfigError(
-            "megatron.pipeline_parallel_size > 1 is not supported yet: a pipelined engine must run "
-            "the head and the loss inside megatron's schedule, which rlcore's trainer does not "
-            "hand to engines", key="megatron.pipeline_parallel_size"
-        )
-    if sp.num_kv_heads % s.tensor_parallel_size or sp.num_heads % s.tensor_parallel_size:
-        raise ConfigError(
-            f"megatron.tensor_parallel_size={s.tensor_parallel_size} must divide the number of attention "
-            f"heads ({sp.num_heads}) and of key/value heads ({sp.num_kv_heads})", key="megatron.tensor_parallel_size"
-        )
-    if sp.is_moe and sp.num_experts % s.expert_parallel_size:
-        raise ConfigError(
-            f"megatron.expert_parallel_size={s.expert_parallel_size} must divide the number of experts "
-            f"({sp.num_experts})", key="megatron.expert_parallel_size"
-        )
-    if s.attention not in ("auto", "te", "local"):
-        raise ConfigError(f"megatron.attention must be auto, te or local, got {s.attention!r}",
-                          key="megatron.attention")
-    if s.token_dispatcher not in ("allgather", "alltoall"):
-        raise ConfigError(f"megatron.token_dispatcher must be allgather or alltoall, got {s.token_dispatcher!r}",
-                          key="megatron.token_dispatcher")
-    if s.token_dispatcher == "alltoall" and device.type != "cuda":
-        raise ConfigError("megatron.token_dispatcher=alltoall needs CUDA (it creates CUDA streams); use allgather",
-                          key="megatron.token_dispatcher")
+    """Refuse settings this model or device cannot run, naming the ``megatron.*`` field (the
+    checks ``rlcore check`` runs on the config: :mod:`.settings`)."""
+    check_values(s)
+    check_device(s, device.type)
+    check_model(s, sp)
 
 
 def choose_attention_path(s: MegatronSettings, device: torch.device) -> str:

@@ -8,11 +8,11 @@ cheap: megatron-core is imported by the factory, only when the config selects th
 
 from rlcore import PLUGIN_API, hookimpl
 from rlcore.errors import PluginError
-from rlcore.types import EngineSpec, PluginSettings
+from rlcore.types import Cap, EngineSpec, PluginSettings, RequiresCapability
 
-from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings
+from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings, validate_settings
 
-__all__ = ["PLUGIN_API", "engine", "plugin_settings", "MegatronSettings", "INSTALL_HINT"]
+__all__ = ["PLUGIN_API", "constraints", "engine", "plugin_settings", "MegatronSettings", "INSTALL_HINT"]
 
 #: megatron-core is an extra, not a dependency: it is large, and on 0.12/0.13 its wheel declares
 #: megatron-LM's whole training stack (see README.md for the lean install of those versions)
@@ -34,7 +34,7 @@ def _build(ctx):
 
 @hookimpl
 def plugin_settings():
-    return PluginSettings(section="megatron", schema=MegatronSettings)
+    return PluginSettings(section="megatron", schema=MegatronSettings, validate=validate_settings)
 
 
 @hookimpl
@@ -44,4 +44,27 @@ def engine():
         factory=_build,
         capabilities=ENGINE_CAPABILITIES,
         description="megatron-core GPTModel (dense, MoE, MTP); needs " + INSTALL_HINT,
+    )
+
+
+def _megatron_selected(cfg) -> bool:
+    return cfg.engine.name == "megatron"
+
+
+@hookimpl
+def constraints():
+    """What the engine's parallel layout asks of the head: under tensor parallelism the LM-head
+    weight each rank holds is a shard of the vocabulary (the head must combine the softmax over
+    the group); under sequence parallelism each rank holds a slice of the hidden states."""
+    yield RequiresCapability(
+        "forward_fn", Cap.VOCAB_PARALLEL,
+        lambda cfg: (f"megatron.tensor_parallel_size={cfg.megatron.tensor_parallel_size} shards the LM-head "
+                     f"vocabulary over the tensor-parallel ranks; a head without it computes a softmax over "
+                     f"its own shard"),
+        when=lambda cfg: _megatron_selected(cfg) and cfg.megatron.tensor_parallel_size > 1,
+    )
+    yield RequiresCapability(
+        "forward_fn", Cap.SEQUENCE_PARALLEL,
+        "megatron.sequence_parallel=true hands the head a slice of the hidden states per rank",
+        when=lambda cfg: _megatron_selected(cfg) and bool(cfg.megatron.sequence_parallel),
     )

@@ -1,9 +1,25 @@
-"""The ``megatron:`` config section and the engine's declared capabilities (importing this
-module imports no engine)."""
+"""The ``megatron:`` config section, its checks, and the engine's declared capabilities
+(importing this module imports no engine).
 
+:func:`validate_settings` is the section's ``PluginSettings.validate``: everything the engine
+would refuse when it is built (settings megatron-core rejects, devices a setting needs, an HF
+config megatron-core cannot express, parallel sizes the model cannot be split by) is refused by
+``rlcore check`` first, naming the key. The engine runs the same checks (:func:`check_values`,
+:func:`check_device`, :func:`check_model`) when it is built outside a config.
+"""
+
+from __future__ import annotations
+
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+from rlcore.errors import ConfigError
 from rlcore.types import Cap
+
+from rlcore_megatron.hf_config import ModelSpec, model_spec_from_hf
 
 #: what the ``megatron`` engine declares (its EngineSpec) and what the engine object reports
 ENGINE_CAPABILITIES = frozenset(
@@ -39,3 +55,122 @@ class MegatronSettings:
     vocab_size_divisible_by: int = 128
     export_mtp: bool = True
     seed: int = 1234
+
+
+ATTENTION = ("auto", "te", "local")
+TOKEN_DISPATCHERS = ("allgather", "alltoall")
+
+
+def check_values(s: Any) -> None:
+    """Settings megatron-core or the engine refuse whatever the model and device."""
+    for key in ("tensor_parallel_size", "expert_parallel_size", "vocab_size_divisible_by"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"bad value for config key 'megatron.{key}': {getattr(s, key)!r}; must be >= 1",
+                              key=f"megatron.{key}")
+    if s.pipeline_parallel_size != 1:
+        raise ConfigError(
+            "megatron.pipeline_parallel_size > 1 is not supported yet: a pipelined engine must run "
+            "the head and the loss inside megatron's schedule, which rlcore's trainer does not "
+            "hand to engines", key="megatron.pipeline_parallel_size"
+        )
+    if s.attention not in ATTENTION:
+        raise ConfigError(f"megatron.attention must be auto, te or local, got {s.attention!r}",
+                          key="megatron.attention")
+    if s.token_dispatcher not in TOKEN_DISPATCHERS:
+        raise ConfigError(f"megatron.token_dispatcher must be allgather or alltoall, got {s.token_dispatcher!r}",
+                          key="megatron.token_dispatcher")
+    if s.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"bad value for config key 'megatron.moe_aux_loss_coeff': {s.moe_aux_loss_coeff!r}; "
+                          f"must be >= 0", key="megatron.moe_aux_loss_coeff")
+    if not 0 <= s.seed < 2**32:
+        raise ConfigError(f"bad value for config key 'megatron.seed': {s.seed!r}; must be in [0, 2**32)",
+                          key="megatron.seed")
+    if s.sequence_parallel and s.tensor_parallel_size == 1:
+        # megatron-core's ModelParallelConfig raises a bare ValueError for this
+        raise ConfigError("megatron.sequence_parallel=true needs megatron.tensor_parallel_size > 1 (it splits the "
+                          "sequence over the tensor-parallel ranks)", key="megatron.sequence_parallel")
+    if s.sequence_parallel and s.attention == "local":
+        raise ConfigError(
+            "megatron.sequence_parallel needs the THD path (Transformer Engine): megatron's local norm "
+            "does not support sequence parallelism; set megatron.attention=auto or te", key="megatron.sequence_parallel"
+        )
+
+
+def check_device(s: Any, device_type: str) -> None:
+    """Settings that need CUDA (``device_type``: ``cpu``, ``cuda``, ...; ``auto`` checks nothing)."""
+    if device_type in ("auto", "cuda"):
+        return
+    if s.token_dispatcher == "alltoall":
+        raise ConfigError("megatron.token_dispatcher=alltoall needs CUDA (it creates CUDA streams); use allgather",
+                          key="megatron.token_dispatcher")
+    if s.attention == "te":
+        raise ConfigError("megatron.attention=te needs Transformer Engine on a CUDA device", key="megatron.attention")
+    if s.sequence_parallel:
+        raise ConfigError(
+            "megatron.sequence_parallel needs the THD path (Transformer Engine on a CUDA device): megatron's "
+            "local norm does not support sequence parallelism", key="megatron.sequence_parallel"
+        )
+
+
+def check_model(s: Any, sp: ModelSpec) -> None:
+    """Parallel sizes the model can be split by."""
+    tp = s.tensor_parallel_size
+    if sp.num_kv_heads % tp or sp.num_heads % tp:
+        raise ConfigError(
+            f"megatron.tensor_parallel_size={tp} must divide the number of attention "
+            f"heads ({sp.num_heads}) and of key/value heads ({sp.num_kv_heads})", key="megatron.tensor_parallel_size"
+        )
+    ep = s.expert_parallel_size
+    if ep > 1 and not sp.is_moe:
+        # megatron-core raises a bare ValueError ("num_moe_experts must be non None to use expert-parallel")
+        raise ConfigError(f"megatron.expert_parallel_size={ep} needs an MoE model; {sp.model_type!r} has no experts",
+                          key="megatron.expert_parallel_size")
+    if sp.is_moe and sp.num_experts % ep:
+        raise ConfigError(
+            f"megatron.expert_parallel_size={ep} must divide the number of experts "
+            f"({sp.num_experts})", key="megatron.expert_parallel_size"
+        )
+
+
+def model_spec_for(config: Any) -> ModelSpec:
+    """The :class:`ModelSpec` the engine will build for ``config``: from ``engine.model.path``'s
+    config.json (read as JSON: no transformers, no weights), or from ``engine.model.tiny``
+    exactly as the engine creates the tiny model. Errors name the HF field (and the tiny key)."""
+    model = config.engine.model
+    if model.path:
+        path = Path(model.path) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"engine.model.path: {model.path} has no config.json (not an HF model directory)",
+                              key="engine.model.path") from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"engine.model.path: cannot read {path}: {exc}", key="engine.model.path") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"engine.model.path: {path} is not a JSON object", key="engine.model.path")
+        try:
+            return model_spec_from_hf(SimpleNamespace(**raw))
+        except ConfigError:
+            raise
+        except (AttributeError, TypeError, ValueError) as exc:  # a field missing or of the wrong type
+            raise ConfigError(f"engine.model.path: {path} is not a config the megatron engine can read: {exc}",
+                              key="engine.model.path") from exc
+    from rlcore.engines.tiny import tiny_config
+
+    tiny = model.tiny
+    try:
+        return model_spec_from_hf(tiny_config(tiny, vocab_size=tiny.vocab_size or 16, eos_id=1, pad_id=0))
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (the tiny model engine.model.tiny: arch={tiny.arch}, topk={tiny.topk}, "
+                          f"num_experts={tiny.num_experts}, num_heads={tiny.num_heads}, "
+                          f"num_kv_heads={tiny.num_kv_heads})", key=exc.key or "engine.model.tiny") from exc
+
+
+def validate_settings(section: Any, config: Any = None) -> None:
+    """``PluginSettings.validate`` of the ``megatron:`` section (see the module docstring). The
+    checks that need the model and the device apply when ``engine.name`` is ``megatron``."""
+    check_values(section)
+    if config is None or config.engine.name != "megatron":
+        return
+    check_device(section, str(config.engine.device).split(":")[0])
+    check_model(section, model_spec_for(config))
