@@ -310,6 +310,19 @@ class WeightManifest:
                 f"partial push: {len(miss)} of {len(self.shapes)} tensors the {self.where} holds did not arrive "
                 f"(e.g. {miss[:5]}); a push must carry every weight", receiver_version=None)
 
+    def checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass ``weights`` through, refusing each tensor before it goes on (so before a bucket
+        holding it is built) and, when the stream ends, raising if it was partial: the last
+        bucket is then never sent."""
+        seen: list[str] = []
+        for name, t in weights:
+            why = self.refusal(name, t.shape)
+            if why is not None:
+                raise WeightSyncError(f"refused before loading: {why}", receiver_version=None)
+            seen.append(name)
+            yield name, t
+        self.check_complete(seen)
+
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, where: str = "engine") -> WeightManifest:
         """Names and shapes from a HF directory's safetensors headers (no tensor data is read).
