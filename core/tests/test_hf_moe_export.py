@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from rlcore.engines.hf_names import checkpoint_tensors
+from safetensors.torch import load_file
 
 
 def _tiny(model_type: str):

@@ -9,7 +9,8 @@ live parameter: reading it exports, copying into it loads.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from rlcore.errors import RLCoreError
 
