@@ -133,3 +133,39 @@ def test_short_expert_matrix_is_refused(tiny_model_dirs):
     finally:
         sync.close()
         backend.shutdown()
+
+
+def test_interrupted_push_never_serves_a_mix_of_versions(tiny_model_dirs):
+    """A trainer killed mid-push sends begin and some buckets, then nothing: the engine must not
+    compute with half-loaded weights. On main it served them (a mix of versions A and B)."""
+    from rlcore.sync import iter_buckets
+    from rlcore_vllm.shm import SharedBucketPool
+    from rlcore_vllm.sync import bucket_request
+
+    a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
+    weights = hf_export(b)
+    backend = make_backend()
+    backend.start(str(a), version=0)
+    pool = SharedBucketPool()
+    sync = VLLMWeightSync(32 * 1024, transport="shm")
+    try:
+        backend.rpc("rlcore_begin_update", {"version": 1})
+        buckets = iter_buckets(weights, 32 * 1024, device="cpu", allocator=pool.allocate)
+        for _ in range(3):  # the "dead trainer's" first buckets reach the engine
+            bucket = next(buckets)
+            seg = pool.segment_of(bucket.buffer)
+            backend.rpc("rlcore_load_bucket", bucket_request(bucket, seg.path, seg.capacity, True))
+        # ask the engine itself (another client of the server would), not through the backend's guard
+        with pytest.raises(Exception, match="refuses to compute with a mix of versions"):
+            backend._require_engine().generate([list(_prompts()[0].ids)], {"max_tokens": 2, "temperature": 0.0})
+        llm_engine = backend._require_engine().llm.llm_engine  # the refused client gives its request up
+        llm_engine.abort_request(list(llm_engine.output_processor.request_states), internal=True)
+        # a new trainer pushes: the stale update is ended, the complete push serves version B
+        report = sync.push(weights, backend, 2)
+        backend.reset_prefix_cache()
+        assert report.verified and backend.weight_version == 2
+        assert max_diff_against_transformers(backend, b) < 1e-5
+    finally:
+        pool.close()
+        sync.close()
+        backend.shutdown()

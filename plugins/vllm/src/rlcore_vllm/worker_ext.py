@@ -21,6 +21,10 @@ arrived (a partial push fails), and modules that share a parameter with a module
 reloaded (a tied ``lm_head``) are rebuilt too: layerwise reload processes only layers that
 received weights, which on CPU left the tied output layer computing with its old prepacked copy.
 
+While an update is active the model refuses to compute (a forward pre-hook raises): a trainer
+killed mid-push leaves an engine that serves nothing rather than a mix of versions. The next
+``rlcore_begin_update`` ends such a stale update first; the push that follows must be complete.
+
 This module is imported in the worker processes; it imports vLLM at module level on purpose.
 """
 
@@ -167,8 +171,13 @@ class RLCoreWorkerExtension:
 
         req = json.loads(request)
         state = self._rlcore_state()
+        stale = None
         if state["active"]:
-            raise RuntimeError(f"rlcore: a weight update (version {state['version']}) is already active on this worker")
+            if not req.get("replace_stale", True):
+                raise RuntimeError(f"rlcore: a weight update (version {state['version']}) is already active on this "
+                                   "worker")
+            stale = state["version"]  # its trainer died mid-push: end it; this push must be complete
+            self.rlcore_abort_update("{}")
         state["moe_fix"] = install_cpu_moe_update_fix()
         model = self._rlcore_model()
         state["expected"] = {name for name, _ in model.named_parameters()}
@@ -179,8 +188,24 @@ class RLCoreWorkerExtension:
             initialize_layerwise_reload(model)
         state["active"] = True
         state["version"] = req["version"]
+        self._rlcore_guard(True)
         return {"rank": int(getattr(self, "rank", 0)), "moe_fix": state["moe_fix"],
-                "coverage": state["manifest"] is not None}
+                "coverage": state["manifest"] is not None, "ended_stale_update": stale}
+
+    def _rlcore_guard(self, on: bool) -> None:
+        """Refuse to compute while an update is active (see the module docstring)."""
+        state = self._rlcore_state()
+        handle = state.pop("guard", None)
+        if handle is not None:
+            handle.remove()
+        if on:
+            version = state["version"]
+
+            def refuse(module, args):
+                raise RuntimeError(f"rlcore: the weight update to version {version} is in progress on this engine; "
+                                   "it refuses to compute with a mix of versions until the push completes")
+
+            state["guard"] = self._rlcore_model().register_forward_pre_hook(refuse)
 
     def _rlcore_segment(self, path: str, capacity: int) -> torch.Tensor:
         segments = self._rlcore_state()["segments"]
@@ -237,6 +262,7 @@ class RLCoreWorkerExtension:
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
         finally:
             state["active"] = False
+            self._rlcore_guard(False)
         # state derived from the old weights (vLLM's own reload_weights does the same)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)
@@ -253,12 +279,13 @@ class RLCoreWorkerExtension:
 
     def rlcore_abort_update(self, request: str) -> dict:
         """End a failed push: layers that got no weight get their old tensors back, partially
-        loaded ones are processed as they are (the trainer marks the engine as unknown)."""
+        loaded ones are processed as they are; the model keeps refusing to compute until a later
+        push completes (the trainer also marks the engine as unknown)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         state = self._rlcore_state()
         was_active = state["active"]
-        if was_active:
+        if was_active:  # the guard stays: the engine may hold a mix until a push completes
             state["active"] = False
             with self._rlcore_config():
                 finalize_layerwise_reload(self._rlcore_model(), self.vllm_config.model_config)
