@@ -238,7 +238,13 @@ def test_old_server_gets_no_session_and_layer_buckets(standin, policy_dir, tmp_p
     assert max(_updates_per_layer(standin.state()).values()) > 1  # 0.5.23: the session makes splits harmless
 
     standin.configure(version="0.5.20")
-    backend = _started(standin, policy_dir, tmp_path)
+    # a server started from a model with one more layer (a push must carry what the server holds)
+    deeper = tmp_path / "policy_deeper"
+    deeper.mkdir()
+    (deeper / "config.json").write_text(json.dumps({"num_hidden_layers": LAYERS + 1, "num_experts_per_tok": TOPK}))
+    (deeper / "tokenizer_config.json").write_text("{}")
+    save_file(dict(_weights(0, extra_layer=True)), str(deeper / "model.safetensors"))
+    backend = _started(standin, deeper, tmp_path)
     sync = SGLangTensorSync(_settings(standin), bucket_bytes=700, verify=False)
     new = _weights(2, extra_layer=True)
     sync.push(iter(new), backend, version=1)
