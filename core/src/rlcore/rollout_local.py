@@ -25,7 +25,7 @@ from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.rollout_seeds import CallSeeds, base_seed
-from rlcore.sync import Bucket, tensor_checksum
+from rlcore.sync import Bucket, WeightManifest, tensor_checksum
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
 LOCAL_CAPABILITIES = frozenset(
@@ -70,6 +70,7 @@ class LocalRollout:
         self.model: Any = None
         self.seam: RouterSeam | None = None
         self._views: dict[str, torch.Tensor] = {}
+        self._manifest: WeightManifest | None = None
         self._version = -1
         self._paused = False
         self._kv_released = False
@@ -91,6 +92,7 @@ class LocalRollout:
             p.requires_grad_(False)
         self.seam = RouterSeam(self.model)
         self._views = checkpoint_views(self.model)
+        self._manifest = None
         self._version = version
         self.eos_token_id = self.model.config.eos_token_id
 
@@ -99,6 +101,7 @@ class LocalRollout:
             self.seam.remove()
         self.model = None
         self._views = {}
+        self._manifest = None
 
     @property
     def weight_version(self) -> int:
@@ -226,19 +229,29 @@ class LocalRollout:
 
     # ----------------------------------------------------------------- receiving ---------
 
+    def weight_manifest(self) -> WeightManifest:
+        """The tensors this backend holds (checkpoint names and shapes; a tied output layer once,
+        under the embedding's name, as the export gives it)."""
+        if self._manifest is None:
+            self._manifest = WeightManifest({n: tuple(v.shape) for n, v in self._views.items()}, where="local rollout")
+        return self._manifest
+
     def _check_tensor(self, name: str, t: torch.Tensor) -> None:
-        live = self._views.get(name)
-        if live is None:
+        """Refuse, before loading, a tensor this backend does not hold or holds with another shape."""
+        why = self.weight_manifest().refusal(name, t.shape)
+        if why is None and self._views[name].dtype != t.dtype:
+            why = f"weight {name!r}: received {t.dtype}, the local rollout holds {self._views[name].dtype}"
+        if why is not None:
+            raise WeightSyncError(why, receiver_version=self._version)
+
+    def _check_complete(self, names: Iterable[str], version: int) -> None:
+        """A partial push is refused before anything is swapped in: the old version stays."""
+        missing = self.weight_manifest().missing(names)
+        if missing:
             raise WeightSyncError(
-                f"local rollout has no weight named {name!r} (it holds {len(self._views)} tensors, e.g. "
-                f"{next(iter(self._views), '')!r})",
-                receiver_version=self._version,
-            )
-        if tuple(live.shape) != tuple(t.shape) or live.dtype != t.dtype:
-            raise WeightSyncError(
-                f"weight {name!r}: received {tuple(t.shape)} {t.dtype}, expected {tuple(live.shape)} {live.dtype}",
-                receiver_version=self._version,
-            )
+                f"partial push of version {version}: {len(missing)} of {len(self._views)} weights did not arrive "
+                f"(e.g. {missing[:5]}); the local rollout stays on version {self._version}",
+                receiver_version=self._version)
 
     def begin_update(self, version: int) -> None:
         if self._staging is not None:
@@ -256,6 +269,7 @@ class LocalRollout:
     def commit_update(self, version: int) -> None:
         if self._staging is None or self._staging_version != version:
             raise WeightSyncError(f"commit_update({version}) without a matching begin_update", self._version)
+        self._check_complete(self._staging, version)
         with torch.no_grad():
             for name, t in self._staging.items():
                 self._views[name].copy_(t)
@@ -278,6 +292,7 @@ class LocalRollout:
             for name, t in load_file(str(f)).items():
                 self._check_tensor(name, t)
                 staged[name] = t
+        self._check_complete(staged, version)
         with torch.no_grad():
             for name, t in staged.items():
                 self._views[name].copy_(t.to(self.device))

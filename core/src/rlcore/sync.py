@@ -14,13 +14,16 @@ on one core of the CI machine).
 
 from __future__ import annotations
 
+import json
 import math
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 
-from rlcore.errors import BucketError
+from rlcore.errors import BucketError, WeightSyncError
 
 _P = (1 << 31) - 1  # Mersenne prime
 _W = 65521  # position weights cycle with this period (largest prime below 2^16)
@@ -232,3 +235,122 @@ def verify_checksums(sent: Mapping[str, int], received: Mapping[str, int]) -> li
     """Names whose checksum differs or is missing on the receiving side (empty = all good)."""
     bad = [n for n, c in sent.items() if received.get(n) != c]
     return bad
+
+
+# ------------------------------------------------------------------ verification ----------
+#
+# What a push's ``SyncReport`` says about the engine, in ``details["level"]`` (checks joined by
+# "+", weakest first; "none" when nothing was checked):
+#
+# * ``coverage``: every tensor the engine holds arrived, each name and shape checked against what
+#   the engine holds *before* it was loaded (a wrong shape, an unknown name or a missing tensor
+#   fails the push, naming the tensor). Tied heads: the engine's tied output layer is covered by
+#   its embedding and rebuilt from it on every push.
+# * ``exact``: checksums of the bytes the engine loaded equal the trainer's, tensor by tensor.
+# * ``probe``: the engine's log-probs on a probe sequence match the training engine's within a
+#   dtype tolerance (where bytes cannot be read back, e.g. vLLM's GPU transports).
+
+#: the checks a level may contain, in the order they are written
+LEVEL_CHECKS = ("coverage", "exact", "probe")
+
+
+def verification_level(*checks: str) -> str:
+    """``"coverage+exact"`` from the checks that passed (any order); ``"none"`` if none did."""
+    unknown = set(checks) - set(LEVEL_CHECKS)
+    if unknown:
+        raise ValueError(f"unknown verification checks {sorted(unknown)}; known: {LEVEL_CHECKS}")
+    got = [c for c in LEVEL_CHECKS if c in checks]
+    return "+".join(got) if got else "none"
+
+
+#: checkpoint names of an output layer that may be tied to the input embedding
+TIED_HEAD_NAMES = ("lm_head.weight",)
+
+
+class WeightManifest:
+    """The tensors an engine holds, in HF checkpoint names: ``{name: shape}``; ``optional`` names
+    (a tied output layer) may be left out of a push. Checks a push against it before loading."""
+
+    def __init__(self, shapes: Mapping[str, Iterable[int]], optional: Iterable[str] = (), where: str = "engine"):
+        self.shapes = {n: tuple(int(s) for s in shape) for n, shape in shapes.items()}
+        self.optional = frozenset(optional)
+        self.where = where
+
+    def refusal(self, name: str, shape: Iterable[int]) -> str | None:
+        """Why ``name`` with ``shape`` must not be loaded (``None`` if it may)."""
+        shape = tuple(int(s) for s in shape)
+        want = self.shapes.get(name)
+        if want is None:
+            if name in self.optional:
+                return None
+            close = [n for n in self.shapes if n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:2]
+            return (f"weight {name!r} {shape}: the {self.where} holds no tensor of that name "
+                    f"({len(self.shapes)} tensors{', e.g. ' + ', '.join(map(repr, close)) if close else ''})")
+        if want != shape:
+            return f"weight {name!r}: received shape {shape}, the {self.where} holds {want}"
+        return None
+
+    def check(self, named_shapes: Iterable[tuple[str, Iterable[int]]]) -> None:
+        """Raise :class:`WeightSyncError` naming every refused tensor (before anything is loaded)."""
+        bad = [r for n, s in named_shapes if (r := self.refusal(n, s)) is not None]
+        if bad:
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise WeightSyncError(f"refused {len(bad)} tensor(s) before loading: " + "; ".join(bad[:5]) + more,
+                                  receiver_version=None)
+
+    def missing(self, received: Iterable[str]) -> list[str]:
+        """Required names that did not arrive (sorted)."""
+        got = set(received)
+        return sorted(n for n in self.shapes if n not in got and n not in self.optional)
+
+    def check_complete(self, received: Iterable[str]) -> None:
+        miss = self.missing(received)
+        if miss:
+            raise WeightSyncError(
+                f"partial push: {len(miss)} of {len(self.shapes)} tensors the {self.where} holds did not arrive "
+                f"(e.g. {miss[:5]}); a push must carry every weight", receiver_version=None)
+
+    def checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass ``weights`` through, refusing each tensor before it goes on (so before a bucket
+        holding it is built) and, when the stream ends, raising if it was partial: the last
+        bucket is then never sent."""
+        seen: list[str] = []
+        for name, t in weights:
+            why = self.refusal(name, t.shape)
+            if why is not None:
+                raise WeightSyncError(f"refused before loading: {why}", receiver_version=None)
+            seen.append(name)
+            yield name, t
+        self.check_complete(seen)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, where: str = "engine") -> WeightManifest:
+        """Names and shapes from a HF directory's safetensors headers (no tensor data is read).
+        An output layer is optional when ``config.json`` ties it to the embedding."""
+        root = Path(model_dir)
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise WeightSyncError(f"no *.safetensors files in {root}: cannot tell which weights the {where} holds",
+                                  receiver_version=None)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    shapes[name] = tuple(entry["shape"])
+        cfg_path = root / "config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)))
+        return cls(shapes, optional=TIED_HEAD_NAMES if tied else (), where=where)
+
+
+def sync_level(report: object) -> str:
+    """The verification level a :class:`~rlcore.types.SyncReport` states (``details["level"]``);
+    a sync that states none reports ``"unstated"`` when it says verified, else ``"none"``."""
+    details = getattr(report, "details", None) or {}
+    level = details.get("level")
+    if level:
+        return str(level)
+    return "unstated" if getattr(report, "verified", False) else "none"

@@ -49,6 +49,7 @@ from rlcore.run_output import (
     write_run_marker,
 )
 from rlcore.stack import Stack, check_engine_head
+from rlcore.sync import sync_level
 from rlcore.tasks import RewardInput, Task, load_callable, make_prompts
 from rlcore.types import (
     BuildContext,
@@ -544,6 +545,7 @@ class Trainer:
                     "sync_bytes": report.bytes,
                     "sync_buckets": report.num_buckets,
                     "sync_verified": report.verified,
+                    "sync_level": sync_level(report),
                     "step_seconds": step_s,
                     "wall_seconds": wall,
                     "tokens_per_second": m["tokens"] / max(step_s, 1e-9),
@@ -572,7 +574,8 @@ class Trainer:
             self.step += 1
 
     def _progress(self, m: dict[str, Any], report: Any) -> None:
-        ok = "[green]✓[/]" if report.verified else "[yellow]unverified[/]"
+        level = sync_level(report)
+        ok = f"[green]✓ {level}[/]" if report.verified else f"[yellow]unverified ({level})[/]"
         self.console.print(
             f"step {m['step']:4d}/{self.cfg.training.steps}  reward {m['reward_mean']:.3f}  "
             f"kl {m.get('kl', 0.0):.4f}  entropy {m.get('entropy', 0.0):.3f}  "

@@ -1,20 +1,25 @@
 """The built-in weight syncs: ``inproc`` (buckets straight into an in-process receiver) and
 ``disk`` (safetensors in HF names, then a reload). Both stream the engine's export through the
-core bucket builder, verify every push with checksums of what the receiver holds, and version
-it. A push that fails midway raises and leaves the receiver on its previous version."""
+core bucket builder and version every push. Verification (``details["level"]``, see
+:mod:`rlcore.sync`): ``coverage`` where the receiver has a ``weight_manifest()`` (every tensor it
+holds arrived with its shape; the local receiver also refuses a wrong shape or a partial push
+before swapping anything in) and ``exact`` with ``verify`` (checksums of what the receiver holds
+after the push equal the sent ones). A push that fails midway raises and leaves the receiver on
+its previous version."""
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
 from rlcore.errors import WeightSyncError
-from rlcore.sync import Bucket, iter_buckets, verify_checksums
+from rlcore.sync import Bucket, iter_buckets, verification_level, verify_checksums
 from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport
 
 MB = 1 << 20
@@ -26,6 +31,7 @@ class _Tally:
 
     verify: bool
     sent: dict[str, int] = field(default_factory=dict)
+    shapes: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     nbytes: int = 0
     ntensors: int = 0
     nbuckets: int = 0
@@ -34,13 +40,27 @@ class _Tally:
         for bucket in iter_buckets(weights, bucket_bytes):
             if self.verify:
                 self.sent.update(bucket.checksums())
+            self.shapes += [(m.name, m.shape) for m in bucket.metas]
             yield bucket
             self.nbytes += bucket.nbytes
             self.ntensors += len(bucket.metas)
             self.nbuckets += 1
 
 
-def _verify(target: Any, sent: dict[str, int], version: int, method: str) -> int:
+def _verify(target: Any, tally: _Tally, version: int, method: str) -> tuple[int, str]:
+    """Check the receiver after a push; returns ``(tensors checked, level)``."""
+    checks = []
+    manifest = target.weight_manifest() if callable(getattr(target, "weight_manifest", None)) else None
+    if manifest is not None:
+        try:
+            manifest.check(tally.shapes)
+            manifest.check_complete(n for n, _ in tally.shapes)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{method} push of version {version}: {exc}", receiver_version=None) from exc
+        checks.append("coverage")
+    if not tally.verify:
+        return 0, verification_level(*checks)
+    sent = tally.sent
     got = target.weight_checksums(sent.keys())
     bad = verify_checksums(sent, got)
     if bad:
@@ -49,7 +69,8 @@ def _verify(target: Any, sent: dict[str, int], version: int, method: str) -> int
             f"receiver after the push (e.g. {bad[:3]}); it holds unverified weights",
             receiver_version=None,
         )
-    return len(sent)
+    checks.append("exact")
+    return len(sent), verification_level(*checks)
 
 
 class InprocSync:
@@ -77,9 +98,9 @@ class InprocSync:
                 f"{type(exc).__name__}: {exc}; the receiver stays on version {target.weight_version}",
                 receiver_version=before,
             ) from exc
-        checked = _verify(target, tally.sent, version, "inproc") if self.verify else 0
+        checked, level = _verify(target, tally, version, "inproc")
         return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
-                          verified=self.verify, checked=checked, method="inproc")
+                          verified=self.verify, checked=checked, method="inproc", details={"level": level})
 
     def close(self) -> None:
         pass
@@ -124,11 +145,11 @@ class DiskSync:
                 f"stays on version {target.weight_version}",
                 receiver_version=before,
             ) from exc
-        checked = _verify(target, tally.sent, version, "disk") if self.verify else 0
+        checked, level = _verify(target, tally, version, "disk")
         self._prune(version)
         return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method="disk",
-                          details={"path": str(final)})
+                          details={"path": str(final), "level": level})
 
     def _prune(self, version: int) -> None:
         prune_versions(self.directory, version, self.keep)

@@ -13,6 +13,7 @@ answers. They do not show SGLang's engine serving anything: it cannot run on the
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -237,7 +238,13 @@ def test_old_server_gets_no_session_and_layer_buckets(standin, policy_dir, tmp_p
     assert max(_updates_per_layer(standin.state()).values()) > 1  # 0.5.23: the session makes splits harmless
 
     standin.configure(version="0.5.20")
-    backend = _started(standin, policy_dir, tmp_path)
+    # a server started from a model with one more layer (a push must carry what the server holds)
+    deeper = tmp_path / "policy_deeper"
+    deeper.mkdir()
+    (deeper / "config.json").write_text(json.dumps({"num_hidden_layers": LAYERS + 1, "num_experts_per_tok": TOPK}))
+    (deeper / "tokenizer_config.json").write_text("{}")
+    save_file(dict(_weights(0, extra_layer=True)), str(deeper / "model.safetensors"))
+    backend = _started(standin, deeper, tmp_path)
     sync = SGLangTensorSync(_settings(standin), bucket_bytes=700, verify=False)
     new = _weights(2, extra_layer=True)
     sync.push(iter(new), backend, version=1)
@@ -338,3 +345,21 @@ def test_disk_sync_writes_a_loadable_version(standin, policy_dir, tmp_path):
     assert last["fields"]["weight_version"] == "1" and len(last["files"]) == report.num_buckets > 1
     assert {"config.json", "tokenizer_config.json"} <= set(last["others"])
     assert standin.state()["weights"] == _sent(new) and report.verified and backend.weight_version == 1
+
+
+def test_partial_push_and_wrong_shape_fail_although_sglangs_checksum_changes(standin, policy_dir, tmp_path):
+    """On main a push without some tensors passed: SGLang's checksum changed, which was taken as
+    verification. Now every push is checked against the checkpoint the server started from."""
+    standin.configure()
+    backend = _started(standin, policy_dir, tmp_path)
+    sync = SGLangTensorSync(_settings(standin), bucket_bytes=600, verify=True)
+    full = _weights(6)
+    gone = "model.layers.1.self_attn.qkv_proj.weight"
+    with pytest.raises(WeightSyncError, match=rf"partial push.*{re.escape(gone)}"):
+        sync.push(iter([(n, t) for n, t in full if n != gone]), backend, version=1)
+    bad = [(n, torch.cat([t, t[:, :1]], 1) if n == gone else t) for n, t in full]
+    with pytest.raises(WeightSyncError, match=rf"{re.escape(gone)}.*\(24, 9\).*\(24, 8\)"):
+        sync.push(iter(bad), backend, version=2)
+    assert gone not in {n for u in _updates(standin.state())[-1:] for n in u["received"]}, "refused before sending"
+    report = sync.push(iter(full), backend, version=3)
+    assert report.verified and report.details["level"] == "coverage" and backend.weight_version == 3

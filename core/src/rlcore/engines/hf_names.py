@@ -9,7 +9,8 @@ live parameter: reading it exports, copying into it loads.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from rlcore.errors import RLCoreError
 
@@ -18,13 +19,29 @@ _EXPERT_NAMES = {
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "qwen3_next": ("gate_proj", "up_proj", "down_proj"),
+    "olmoe": ("gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("w1", "w3", "w2"),
 }
+
+# model_type -> (in-memory module name, checkpoint module name) of the MoE block: transformers v5
+# renames Mixtral's ``block_sparse_moe`` to ``mlp`` on load (router included)
+_MOE_BLOCK_NAMES = {
+    "mixtral": (".mlp.", ".block_sparse_moe."),
+}
+
+
+def _checkpoint_name(model_type: str, name: str) -> str:
+    rename = _MOE_BLOCK_NAMES.get(model_type)
+    if rename is not None and rename[0] in name:
+        return name.replace(rename[0], rename[1], 1)
+    return name
 
 
 def checkpoint_tensors(model: Any) -> Iterator[tuple[str, Any]]:
     """``(checkpoint_name, view)`` for every parameter (tied weights once)."""
     model_type = getattr(model.config, "model_type", "")
-    for name, p in model.named_parameters():
+    for pname, p in model.named_parameters():
+        name = _checkpoint_name(model_type, pname)
         if name.endswith("experts.gate_up_proj") and p.dim() == 3:
             gate, up, _ = _names_for(model_type, name)
             prefix = name[: -len("gate_up_proj")]

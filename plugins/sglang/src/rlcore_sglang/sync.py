@@ -16,7 +16,12 @@ begin/end). A push that fails midway still closes the session and raises
 :class:`~rlcore.errors.WeightSyncError`; the server then holds a mix of versions (SGLang loads in
 place), which the error says.
 
-**Verification** (``sync.verify: true``) uses SGLang's own ``/weights_checker``:
+**Coverage** (every push, level ``coverage``): each tensor's name and shape are checked against the
+checkpoint the server started from before it is bucketed, and a stream that ends without every
+tensor of that checkpoint fails before its last bucket is sent (a tied ``lm_head`` may be left
+out). SGLang's checksum merely changing is no verification: it changes on a partial load too.
+
+**Transport self-test and drop detection** (``sync.verify: true``) use SGLang's own ``/weights_checker``:
 
 * once per run, before the first push: ``snapshot`` → ``reset_tensors`` (every engine tensor
   becomes random) → the checkpoint the server started from is sent again through this very
@@ -50,7 +55,7 @@ from typing import Any, TypeVar
 import torch
 from rlcore.errors import ConfigError, WeightSyncError
 from rlcore.serving import EngineServerError, answer_message
-from rlcore.sync import Bucket, iter_buckets
+from rlcore.sync import Bucket, WeightManifest, iter_buckets, verification_level
 from rlcore.types import SyncReport
 from rlcore.weight_sync import prune_versions
 
@@ -230,6 +235,15 @@ class _SGLangSync(ABC):
         self._last_fingerprint = stats.get("fingerprint")
         return {"engine_tensors": count, "sent_tensors": stats["tensors"], "seconds": time.perf_counter() - t0}
 
+    @staticmethod
+    def _manifest(backend: SGLangBackend) -> WeightManifest | None:
+        """What the server holds, in HF names: the checkpoint it started from (``None`` when the
+        backend did not start it from a local directory)."""
+        model_dir = backend.model_dir
+        if not model_dir or not Path(model_dir).is_dir() or not any(Path(model_dir).glob("*.safetensors")):
+            return None
+        return WeightManifest.from_checkpoint(model_dir, where="SGLang server")
+
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: Any, version: int) -> SyncReport:
         backend = self._backend(target)
         t0 = time.perf_counter()
@@ -246,6 +260,9 @@ class _SGLangSync(ABC):
         if self.verify and self._selftest is None:
             self._selftest = self._run_selftest(backend, first[1].device)
             details["selftest"] = self._selftest
+        manifest = self._manifest(backend)
+        if manifest is not None:
+            weights = manifest.checked(weights)
         try:
             stats = self._transfer(backend, weights, version)
         except WeightSyncError as exc:
@@ -276,6 +293,8 @@ class _SGLangSync(ABC):
             self._last_fingerprint, self._last_engine_checksum = fingerprint, digest
             details["engine_checksum"] = digest
         details.update({k: v for k, v in stats.items() if k not in ("tensors", "buckets", "bytes", "fingerprint")})
+        # SGLang's checksum changing is a sanity check, not a level: it changes on a partial load too
+        details["level"] = verification_level(*(["coverage"] if manifest is not None else []))
         return SyncReport(version, stats["tensors"], stats["buckets"], stats["bytes"], time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method=self.method, details=details)
 

@@ -6,12 +6,15 @@ Transports (``vllm.transport``):
   directly in a shared-memory segment (:class:`~rlcore_vllm.shm.SharedBucketPool`), and rlcore's
   worker extension maps it and loads it through vLLM's layerwise reload
   (:mod:`rlcore_vllm.worker_ext`). One RPC per bucket carries only names, shapes and offsets.
-  Every tensor is checksummed (:func:`rlcore.sync.tensor_checksum`) on the trainer side and, from
-  the bytes it loaded, in every worker; the push also fails when vLLM reports model parameters
-  it did not reach.
+  Level ``coverage+exact``: every tensor's name and shape are checked in the worker against the
+  checkpoint the engine was started from before it is loaded, the push fails unless every tensor
+  of that checkpoint arrived (a tied ``lm_head`` is covered by the embedding and rebuilt with it)
+  or when vLLM reports model parameters it did not reach; every tensor is checksummed
+  (:func:`rlcore.sync.tensor_checksum`) on the trainer side and, from the bytes it loaded, in
+  every worker.
 * ``nccl`` / ``ipc`` (GPU): vLLM's native weight-transfer API, one packed chunk per core bucket
   (:mod:`rlcore_vllm.native`). These engines return nothing per chunk, so verification compares
-  the engine's prompt log-probs on a probe sequence with the training engine's (``probe``).
+  the engine's prompt log-probs on a probe sequence with the training engine's (level ``probe``).
 
 A push that fails at any point raises :class:`~rlcore.errors.WeightSyncError` with
 ``receiver_version=None`` and leaves the backend marked as holding unknown weights: it refuses to
@@ -26,7 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from rlcore.errors import WeightSyncError
-from rlcore.sync import Bucket, iter_buckets, verify_checksums
+from rlcore.sync import LEVEL_CHECKS, Bucket, iter_buckets, verification_level, verify_checksums
 from rlcore.types import SyncReport
 
 from rlcore_vllm import native
@@ -87,6 +90,7 @@ class VLLMWeightSync:
             raise WeightSyncError(msg, receiver_version=None) from exc
         target.commit_push(version)
         pending = bool(details.get("probe_pending"))
+        details.setdefault("level", verification_level(*details.pop("checks", [])))
         return SyncReport(version, stats["tensors"], stats["buckets"], stats["bytes"], time.perf_counter() - t0,
                           verified=self.verify and not pending, checked=checked, method=f"vllm-{self.transport}",
                           details=details)
@@ -104,6 +108,8 @@ class VLLMWeightSync:
             raise WeightSyncError(f"vllm {self.transport} push of version {report.version} failed its probe after "
                                   f"the engine resumed: {reason}", receiver_version=None) from exc
         report.details["probe_pending"] = False
+        report.details["level"] = verification_level(
+            *[c for c in report.details.get("level", "").split("+") if c in LEVEL_CHECKS], "probe")
         report.verified = True
         report.checked = checked
         return report
@@ -145,11 +151,19 @@ class VLLMWeightSync:
         if mismatched:
             raise RuntimeError(f"{len(mismatched)} tensor(s) arrived in the worker with other bytes than sent "
                                f"(e.g. {sorted(set(mismatched))[:3]})")
+        not_sent = [f for f in finish if f.get("num_not_sent")]
+        if not_sent:
+            f = not_sent[0]
+            raise RuntimeError(f"partial push: {f['num_not_sent']} of the {f['num_manifest']} tensors the vLLM engine "
+                               f"holds did not arrive (e.g. {f['not_sent'][:5]}); layers that got them keep older "
+                               f"weights")
         missing = [f for f in finish if f.get("num_missing")]
         if missing:
             raise RuntimeError(f"the push did not reach {missing[0]['num_missing']} of {missing[0]['num_params']} vLLM "
                                f"parameters (e.g. {missing[0]['missing'][:5]}); they keep older weights")
+        checks = (["coverage"] if all(w.get("coverage") for w in workers) else []) + (["exact"] if self.verify else [])
         details = {"workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
+                   "checks": checks, "tied_refreshed": sorted({n for f in finish for n in f.get("refreshed", [])}),
                    "shm_resident_bytes": pool.resident_bytes, "moe_fix": any(w.get("moe_fix") for w in workers)}
         return (len(sent) if self.verify else 0), details
 
@@ -215,7 +229,7 @@ class VLLMWeightSync:
                     stats["tensors"] += len(bucket.metas)
                     stats["buckets"] += 1
             target.weight_transfer("finish", str(version) if start == "start" else None)
-        details: dict[str, Any] = {"draft_tensors": len(draft)}
+        details: dict[str, Any] = {"draft_tensors": len(draft), "checks": []}
         checked = 0
         if self.verify:
             if target.kv_cache_released:
@@ -224,6 +238,7 @@ class VLLMWeightSync:
                 details["probe_pending"] = True
             else:
                 checked = self._probe(target)
+                details["checks"] = ["probe"]
         return checked, details
 
     def _probe(self, target) -> int:

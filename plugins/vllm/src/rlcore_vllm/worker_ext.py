@@ -12,6 +12,19 @@ bucket is a shared-memory segment the trainer filled (:mod:`rlcore_vllm.shm`); t
 every tensor as it loads it (:func:`rlcore.sync.tensor_checksum`) and at finish reports every
 vLLM parameter the push did not reach.
 
+Before a bucket is loaded, every tensor's name and shape are checked against the checkpoint the
+engine was started from (:class:`rlcore.sync.WeightManifest`, read from the safetensors headers):
+vLLM's loaders narrow what they receive to the parameter's shard, so a tensor with an extra
+column, extra rows or a short expert matrix would otherwise load trimmed. A refusal, and any
+error of vLLM's loaders, names the tensor. At finish, every tensor of that checkpoint must have
+arrived (a partial push fails), and modules that share a parameter with a module that was
+reloaded (a tied ``lm_head``) are rebuilt too: layerwise reload processes only layers that
+received weights, which on CPU left the tied output layer computing with its old prepacked copy.
+
+While an update is active the model refuses to compute (a forward pre-hook raises): a trainer
+killed mid-push leaves an engine that serves nothing rather than a mix of versions. The next
+``rlcore_begin_update`` ends such a stale update first; the push that follows must be complete.
+
 This module is imported in the worker processes; it imports vLLM at module level on purpose.
 """
 
@@ -22,7 +35,8 @@ import json
 from typing import Any
 
 import torch
-from rlcore.sync import tensor_checksum
+from rlcore.errors import WeightSyncError
+from rlcore.sync import WeightManifest, tensor_checksum
 
 from rlcore_vllm.shm import map_segment
 
@@ -91,6 +105,48 @@ def _detach_pending_views(lo: int, hi: int) -> int:
     return copied
 
 
+def _manifest_of(model_path: str) -> WeightManifest | None:
+    """What the engine holds, in HF names and shapes: the checkpoint it was started from
+    (``None`` when that is not a local directory of safetensors, e.g. a hub id)."""
+    from pathlib import Path
+
+    if not Path(model_path).is_dir() or not any(Path(model_path).glob("*.safetensors")):
+        return None
+    return WeightManifest.from_checkpoint(model_path, where="vLLM engine")
+
+
+def _refresh_shared_modules(model: torch.nn.Module, loaded: set[str]) -> list[str]:
+    """Re-run weight post-processing for modules that share a parameter with a loaded one but got
+    no weight themselves (a tied ``lm_head``: on CPU its GEMM keeps a prepacked copy of the old
+    embedding). Returns the names of the parameters refreshed."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    refreshed = []
+    for names in groups.values():
+        if len(names) < 2 or not any(n in loaded for n in names):
+            continue
+        for name in names:
+            if name in loaded:
+                continue
+            module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            method = getattr(module, "quant_method", None)
+            if method is None:
+                continue  # plain module: computes from the shared parameter itself
+            if not type(method).__name__.startswith("Unquantized"):
+                raise RuntimeError(f"rlcore: {name!r} shares its weight with {[n for n in names if n != name]}, which "
+                                   f"was reloaded, and its {type(method).__name__} kernel cannot be rebuilt safely")
+            method.process_weights_after_loading(module)
+            refreshed.append(name)
+    return refreshed
+
+
+def _named_loader_error(exc: Exception, name: str | None, shape: Any) -> RuntimeError:
+    what = f"at weight {name!r} {tuple(shape)}" if name is not None else "before its first weight"
+    detail = str(exc) or repr(exc)
+    return RuntimeError(f"rlcore: vLLM's loader failed {what}: {type(exc).__name__}: {detail}")
+
+
 class RLCoreWorkerExtension:
     """Mixed into vLLM's worker; see the module docstring. State lives in ``_rlcore``."""
 
@@ -115,17 +171,41 @@ class RLCoreWorkerExtension:
 
         req = json.loads(request)
         state = self._rlcore_state()
+        stale = None
         if state["active"]:
-            raise RuntimeError(f"rlcore: a weight update (version {state['version']}) is already active on this worker")
+            if not req.get("replace_stale", True):
+                raise RuntimeError(f"rlcore: a weight update (version {state['version']}) is already active on this "
+                                   "worker")
+            stale = state["version"]  # its trainer died mid-push: end it; this push must be complete
+            self.rlcore_abort_update("{}")
         state["moe_fix"] = install_cpu_moe_update_fix()
         model = self._rlcore_model()
         state["expected"] = {name for name, _ in model.named_parameters()}
         state["loaded"] = set()
+        state["received"] = set()
+        state["manifest"] = _manifest_of(str(self.vllm_config.model_config.model))
         with self._rlcore_config():
             initialize_layerwise_reload(model)
         state["active"] = True
         state["version"] = req["version"]
-        return {"rank": int(getattr(self, "rank", 0)), "moe_fix": state["moe_fix"]}
+        self._rlcore_guard(True)
+        return {"rank": int(getattr(self, "rank", 0)), "moe_fix": state["moe_fix"],
+                "coverage": state["manifest"] is not None, "ended_stale_update": stale}
+
+    def _rlcore_guard(self, on: bool) -> None:
+        """Refuse to compute while an update is active (see the module docstring)."""
+        state = self._rlcore_state()
+        handle = state.pop("guard", None)
+        if handle is not None:
+            handle.remove()
+        if on:
+            version = state["version"]
+
+            def refuse(module, args):
+                raise RuntimeError(f"rlcore: the weight update to version {version} is in progress on this engine; "
+                                   "it refuses to compute with a mix of versions until the push completes")
+
+            state["guard"] = self._rlcore_model().register_forward_pre_hook(refuse)
 
     def _rlcore_segment(self, path: str, capacity: int) -> torch.Tensor:
         segments = self._rlcore_state()["segments"]
@@ -140,16 +220,33 @@ class RLCoreWorkerExtension:
         state = self._rlcore_state()
         if not state["active"]:
             raise RuntimeError("rlcore: rlcore_load_bucket outside rlcore_begin_update/rlcore_finish_update")
+        manifest: WeightManifest | None = state["manifest"]
+        if manifest is not None:  # before anything of this bucket is loaded
+            try:
+                manifest.check((name, shape) for name, _, shape, _, _ in req["tensors"])
+            except WeightSyncError as exc:
+                raise ValueError(f"rlcore: {exc}") from None
         buf = self._rlcore_segment(req["path"], int(req["capacity"]))
         views = []
         for name, dtype, shape, offset, nbytes in req["tensors"]:
             views.append((name, buf[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)))
         checksums = {name: tensor_checksum(t) for name, t in views} if req.get("verify", True) else {}
         model = self._rlcore_model()
-        with self._rlcore_config(), _no_mtp_completeness_check():
-            loaded = model.load_weights(views)
+        current: list[Any] = [None, ()]
+
+        def stream():
+            for name, t in views:
+                current[:] = [name, t.shape]
+                yield name, t
+
+        try:
+            with self._rlcore_config(), _no_mtp_completeness_check():
+                loaded = model.load_weights(stream())
+        except Exception as exc:  # noqa: BLE001 - re-raised with the tensor's name
+            raise _named_loader_error(exc, current[0], current[1]) from exc
         if loaded:
             state["loaded"].update(loaded)
+        state["received"].update(name for name, _ in views)
         copied = _detach_pending_views(buf.data_ptr(), buf.data_ptr() + buf.numel())
         return {"checksums": checksums, "pending_copies": copied}
 
@@ -165,22 +262,30 @@ class RLCoreWorkerExtension:
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
         finally:
             state["active"] = False
+            self._rlcore_guard(False)
         # state derived from the old weights (vLLM's own reload_weights does the same)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)
             if callable(fn):
                 fn()
+        with self._rlcore_config():
+            refreshed = _refresh_shared_modules(model, state["loaded"])
         missing = sorted(state["expected"] - state["loaded"])
-        return {"missing": missing[:20], "num_missing": len(missing), "num_params": len(state["expected"])}
+        manifest: WeightManifest | None = state["manifest"]
+        not_sent = manifest.missing(state["received"]) if manifest is not None else []
+        return {"missing": missing[:20], "num_missing": len(missing), "num_params": len(state["expected"]),
+                "not_sent": not_sent[:20], "num_not_sent": len(not_sent),
+                "num_manifest": len(manifest.shapes) if manifest is not None else 0, "refreshed": refreshed}
 
     def rlcore_abort_update(self, request: str) -> dict:
         """End a failed push: layers that got no weight get their old tensors back, partially
-        loaded ones are processed as they are (the trainer marks the engine as unknown)."""
+        loaded ones are processed as they are; the model keeps refusing to compute until a later
+        push completes (the trainer also marks the engine as unknown)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         state = self._rlcore_state()
         was_active = state["active"]
-        if was_active:
+        if was_active:  # the guard stays: the engine may hold a mix until a push completes
             state["active"] = False
             with self._rlcore_config():
                 finalize_layerwise_reload(self._rlcore_model(), self.vllm_config.model_config)
