@@ -30,10 +30,9 @@ from rlcore.errors import BatchShapeError, RLCoreError
 from rlcore.heads import check_head_input
 from rlcore.types import HeadInput, HeadOutput, VocabShard
 
-from rlcore_fused.plugin import BACKENDS
 from rlcore_fused.softmax_stats import exchange_records, finalize
 from rlcore_fused.torch_backend import TorchKernels
-from rlcore_fused.tuning import TritonConfig
+from rlcore_fused.tuning import BACKENDS, TritonConfig
 
 
 class FusedBackendError(RLCoreError, RuntimeError):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from rlcore import PLUGIN_API, hookimpl
 from rlcore.types import Cap, ForwardFnSpec, PluginSettings
 
+from rlcore_fused.tuning import BACKENDS
+
 __all__ = ["PLUGIN_API", "BACKENDS", "CAPABILITIES", "FusedSettings", "forward_fn", "plugin_settings",
            "validate_settings"]
 
@@ -49,8 +51,6 @@ class FusedSettings:
     loss_dw_fp32: bool = False
 
 
-#: ``fused.backend`` values (the head refuses others too)
-BACKENDS = ("auto", "triton", "torch")
 
 
 def _triton_installed() -> bool:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: ``fused.backend`` values: checked at config time (plugin.py) and by the head
+BACKENDS = ("auto", "triton", "torch")
+
 
 @dataclass(frozen=True)
 class TileConfig:
