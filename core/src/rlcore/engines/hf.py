@@ -21,8 +21,8 @@ import torch
 
 from rlcore.batch import PackedBatch
 from rlcore.engines.hf_names import checkpoint_tensors
-from rlcore.errors import MissingCapabilityError
 from rlcore.engines.hf_routers import RouterSeam
+from rlcore.errors import MissingCapabilityError
 from rlcore.types import (
     Cap,
     EngineOutput,

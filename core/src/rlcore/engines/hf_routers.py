@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlcore.engines.routing import apply_router_decision
+from rlcore.engines.routing import apply_router_decision, forward_state_of_router_call
 from rlcore.errors import BatchShapeError
 from rlcore.types import MicroBatchContext, RouteLayout, RouterCall, RouterDecision
 
@@ -91,11 +91,6 @@ class _ForwardPass:
     used: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation recomputation happens there)."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
 class RouterSeam:
     """Forward hooks on every MoE router of a transformers model (see module docstring).
 
@@ -167,19 +162,12 @@ class RouterSeam:
 
     def _hook_for(self, routed_index: int, layer: int):
         def hook(module, args, output):
-            st = self.state
-            recompute = False
+            st, recompute = forward_state_of_router_call(self.state, self.last, routed_index=routed_index,
+                                                         layer=layer)
             if st is None:
-                st = self.last
-                if st is None or not _in_backward():
-                    return None
-                recompute = True
+                return None
             logits, scores, indices = output
-            if recompute:
-                st.recomputed[routed_index] = st.recomputed.get(routed_index, 0) + 1
-                if st.recomputed[routed_index] > 1:
-                    raise BatchShapeError(f"MoE router of layer {layer} was recomputed twice for one forward")
-            else:
+            if not recompute:
                 st.ran[routed_index] = st.ran.get(routed_index, 0) + 1
             if st.dispatch is not None:
                 call = RouterCall(

@@ -11,11 +11,37 @@ collapses in the routing map and silently changes the token's expert weights).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from rlcore.errors import BatchShapeError
 from rlcore.types import RouterDecision
+
+_State = TypeVar("_State")
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (activation recomputation re-runs routers there)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def forward_state_of_router_call(live: _State | None, last: _State | None, *, routed_index: int,
+                                 layer: int) -> tuple[_State | None, bool]:
+    """Which forward a router call belongs to, and whether it is a recomputation: ``live`` (the
+    seam's state during a forward) when set; else, inside a backward, ``last`` (the last forward
+    with a dispatcher: activation recomputation re-runs its routers), counted in its
+    ``recomputed`` dict — a second recomputation of one router for one forward is an error; else
+    ``(None, False)``: the router runs outside any seam forward and routes natively."""
+    if live is not None:
+        return live, False
+    if last is None or not in_backward():
+        return None, False
+    recomputed: dict[int, int] = last.recomputed  # type: ignore[attr-defined]
+    recomputed[routed_index] = recomputed.get(routed_index, 0) + 1
+    if recomputed[routed_index] > 1:
+        raise BatchShapeError(f"MoE router of layer {layer} was recomputed twice for one forward")
+    return last, True
 
 
 def apply_router_decision(

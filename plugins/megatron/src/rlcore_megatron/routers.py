@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from rlcore.engines.routing import apply_router_decision
+from rlcore.engines.routing import apply_router_decision, forward_state_of_router_call, in_backward
 from rlcore.errors import RLCoreError
 from rlcore.types import MicroBatchContext, RouterCall
 
@@ -72,11 +72,6 @@ class RoutingState:
     #: routed index -> experts used in the forward when the dispatcher chose (for recomputation)
     used: dict[int, torch.Tensor] = field(default_factory=dict)
     recomputed: dict[int, int] = field(default_factory=dict)
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (where activation recomputation re-runs routers)."""
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def native_replay_available() -> bool:
@@ -131,16 +126,10 @@ class RouterSeam:
         says otherwise (see module docstring). Records them when asked. A router re-run in the
         backward of a replayed forward (activation recomputation) asks again with
         ``recompute=True`` and must get the same experts."""
-        st = self.state
-        recompute = False
+        st, recompute = forward_state_of_router_call(self.state, self.last, routed_index=site.routed_index,
+                                                     layer=site.layer)
         if st is None:
-            st = self.last
-            if st is None or not _in_backward():
-                return native_idx
-            recompute = True
-            n = st.recomputed[site.routed_index] = st.recomputed.get(site.routed_index, 0) + 1
-            if n > 1:
-                raise RLCoreError(f"router of layer {site.layer} was recomputed twice for one forward")
+            return native_idx
         idx = native_idx
         if st.dispatch is not None:
             call = RouterCall(
@@ -264,7 +253,7 @@ def _install_interception(seam: RouterSeam) -> None:
 
 def _enter(seam: RouterSeam, site: RouterSite):
     def hook(module, args):
-        live = seam.state is not None or (seam.last is not None and _in_backward())
+        live = seam.state is not None or (seam.last is not None and in_backward())
         _CURRENT.site = (seam, site) if live else None
 
     return hook
