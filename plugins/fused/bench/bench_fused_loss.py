@@ -73,10 +73,14 @@ def interleaved(fns: dict, device, rounds: int, reps: int) -> dict:
     """Every method timed ``reps`` calls per round, the methods in a rotating order, ``rounds``
     rounds: clock and power drift weighs on all alike. Median and min per method, and the median
     over rounds of each method's round median divided by floor4's."""
-    names = list(fns)
-    for fn in fns.values():  # warm-up (compiles, cuBLAS heuristics, allocator)
-        fn()
+    for name in list(fns):  # warm-up (compiles, cuBLAS heuristics, allocator); a failing method is reported
+        try:
+            fns[name]()
+        except Exception:  # noqa: BLE001
+            log(f"  {name} failed, left out:\n{traceback.format_exc()}")
+            del fns[name]
     sync(device)
+    names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in names}
     per_round: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
@@ -165,14 +169,19 @@ def measure(name, fn, device, reps_budget=2.5):
     return res
 
 
-def profile_parts(head, h, w, labels, mask, x, device):
+def profile_parts(head, h, w, labels, mask, x, device, trace=None):
     """CUDA time per kernel name over one fused-loss call (all streams), their total, and the
-    call's wall time under the profiler."""
+    call's wall time under the profiler; ``trace``: also write the host and device timeline
+    (Chrome trace, gzipped) there."""
+    import gzip
+    import os
+
     from torch.profiler import ProfilerActivity, profile
 
     fused_loss_call(head, h, w, labels, mask, x)
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=acts) as prof:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fused_loss_call(head, h, w, labels, mask, x)
@@ -180,7 +189,15 @@ def profile_parts(head, h, w, labels, mask, x, device):
         sync(device)
     parts: dict[str, float] = {}
     counts: dict[str, int] = {}
+    if trace:
+        tmp = f"{trace}.tmp.json"
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as src, gzip.open(f"{trace}.json.gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(tmp)
     for e in prof.key_averages():
+        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CPU"):
+            continue
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if t <= 0:
             continue
@@ -215,7 +232,8 @@ def grad_accuracy(device, H, V, T):
     out = {"T": T, "rounded_to_bf16": {"dX": rel_err(gx.to(h.dtype), gx), "dW": rel_err(gw.to(w.dtype), gw)}}
     heads = {"fused_loss": FusedHead(backend="triton"), "fused+torch_loss": FusedHead(backend="triton"),
              "fused_loss_dw_fp32": FusedHead(backend="triton", triton_config=TritonConfig(loss_dw_fp32=True)),
-             "fused_loss_896mib": FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=896))}
+             "fused_loss_compiled": FusedHead(backend="triton",
+                                              triton_config=TritonConfig(loss_compile_objective=True))}
     if PrevFusedHead is not None:
         heads["prev_fused_loss"] = PrevFusedHead(backend="triton")
     for name, head in heads.items():
@@ -223,9 +241,13 @@ def grad_accuracy(device, H, V, T):
         inp = HeadInput(hidden=hh, weight=ww, labels=labels, vocab=VocabShard.full(V))
         if "fused_loss" in name:
             inp.loss = LossRequest(OBJECTIVE, x)
-        o = head(inp)
-        loss_v = o.loss if o.loss is not None else (OBJECTIVE.value(o.logprobs, o.entropy, x) * x.weights).sum()
-        a, b = torch.autograd.grad(loss_v, (hh, ww))
+        try:
+            o = head(inp)
+            loss_v = o.loss if o.loss is not None else (OBJECTIVE.value(o.logprobs, o.entropy, x) * x.weights).sum()
+            a, b = torch.autograd.grad(loss_v, (hh, ww))
+        except Exception:  # noqa: BLE001 - a failing head is reported, not fatal
+            log(f"  accuracy T={T} {name} failed:\n{traceback.format_exc()}")
+            continue
         out[name] = {"dX": rel_err(a, gx), "dW": rel_err(b, gw), "logprob": rel_err(o.logprobs.detach(), lp),
                      "entropy": rel_err(o.entropy.detach(), ent), "loss": abs(float(loss_v) - float(loss)) / abs(float(loss))}
         log(f"  accuracy T={T} {name}: {out[name]}")
@@ -234,10 +256,11 @@ def grad_accuracy(device, H, V, T):
 
 
 def parse_variant(spec: str) -> TritonConfig:
-    """``block:warps:chunk_mib:dw_fp32[:overlap]``"""
+    """``block:warps:chunk_mib:dw_fp32[:overlap[:compile_objective]]``"""
     f = spec.split(":")
     return TritonConfig(loss_block=int(f[0]), loss_warps=int(f[1]), loss_chunk_mib=float(f[2]),
-                        loss_dw_fp32=f[3] == "1", loss_overlap=(f[4] != "0") if len(f) > 4 else True)
+                        loss_dw_fp32=f[3] == "1", loss_overlap=(f[4] != "0") if len(f) > 4 else True,
+                        loss_compile_objective=len(f) > 5 and f[5] == "1")
 
 
 def main() -> int:
@@ -314,10 +337,11 @@ def main() -> int:
         free_memory(device)
         if args.profile and T == 16384:
             x = token_inputs(h.detach(), w.detach(), labels, None, device)
-            run["profile_ms"] = profile_parts(head, h, w, labels, None, x, device)
+            run["profile_ms"] = profile_parts(head, h, w, labels, None, x, device, out_dir / "trace_fused_loss")
             if prev is not None:
                 log(" profile of the previous head:")
-                run["profile_prev_ms"] = profile_parts(prev, h, w, labels, None, x, device)
+                run["profile_prev_ms"] = profile_parts(prev, h, w, labels, None, x, device,
+                                                       out_dir / "trace_prev_fused_loss")
         res["runs"].append(run)
         save()
     for T in [int(t) for t in args.tokens.split(",")]:

@@ -242,3 +242,15 @@ def everything_masked_gives_zero(head):
 
 def test_everything_masked_torch_backend():
     everything_masked_gives_zero(FusedHead(backend="torch", chunk_tokens=7))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+def test_triton_on_gpu_compiled_objective_agrees():
+    """``loss_compile_objective``: the objective through torch.compile (dynamic shapes: chunks and
+    halves of several sizes here), against the reference path."""
+    from rlcore_fused.tuning import TritonConfig
+
+    case = _to(make_case(seed=23, T=300, H=256, vocab=5000, rows=5120), "cuda")
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=64 * 5000 * 4 / 2**20,
+                                                                  loss_compile_objective=True))
+    assert_paths_agree(head, case, OBJECTIVES["ppo+entropy+kl-k3"], rtol=2e-5, atol=1e-6, grad_rtol=1e-4)

@@ -113,6 +113,22 @@ def _token_slice(x: Any, lo: int, hi: int) -> Any:
                    correction=cut(x.correction), ref_logprobs=cut(x.ref_logprobs), seq_index=cut(x.seq_index))
 
 
+def _closed_form(objective: Any, logp: torch.Tensor, ent: torch.Tensor, x: Any):
+    out = objective.closed_form(logp, ent, x)
+    return out.value.float(), out.d_logprobs.float(), out.d_entropy.float()
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled_closed_form():
+    """:func:`_closed_form` through ``torch.compile`` (dynamic shapes: one compile serves every
+    chunk size), built on first use."""
+    if "closed_form" not in _COMPILED:
+        _COMPILED["closed_form"] = torch.compile(_closed_form, dynamic=True)
+    return _COMPILED["closed_form"]
+
+
 def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
     """The fused-loss path (``Cap.FUSED_LOSS``): ``inp.loss`` evaluated inside the head, the
     gradients of hidden states and weight formed in this forward with three GEMMs per token
@@ -143,9 +159,12 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
     # the objective's inputs compacted once; each chunk takes a slice of them (views, no copies)
     compact = req.inputs if dense else req.inputs_at(idx)
 
+    config = getattr(kernels, "config", None)
+    closed_form = _compiled_closed_form() if (dev.type == "cuda" and getattr(config, "loss_compile_objective", False)) \
+        else _closed_form
+
     def closed(lo: int, hi: int, logp: torch.Tensor, ent: torch.Tensor):
-        out = objective.closed_form(logp, ent, _token_slice(compact, lo, hi))
-        return out.value.float(), out.d_logprobs.float(), out.d_entropy.float()
+        return closed_form(objective, logp, ent, _token_slice(compact, lo, hi))
 
     with torch.no_grad():
         res = kernels.loss_grads(h.detach() if dense else h.detach().index_select(0, idx),

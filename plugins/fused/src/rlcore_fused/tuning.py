@@ -48,6 +48,9 @@ class TritonConfig:
     #: fused-loss path on CUDA: evaluate the objective of one half of a chunk on a side stream
     #: while the row kernel runs over the other half (False: everything on the current stream)
     loss_overlap: bool = True
+    #: fused-loss path on CUDA: run ``TokenObjective.closed_form`` through ``torch.compile``
+    #: (a few fused kernels per chunk instead of a chain of ~35 small ones)
+    loss_compile_objective: bool = False
 
 
 # Hopper (TMA descriptors): 8 warps (two warpgroups), 3 stages (196 KB of shared memory with the
