@@ -8,11 +8,15 @@ entropy bonus 1e-3, token-mean aggregation:
 * ``floor3``  the same without the recompute: what a head that knows the loss needs
 * ``fused_loss``  FusedHead(backend=triton) given the LossRequest: loss, dX, dW (autograd.grad)
 * ``fused+torch_loss``  today's path: FusedHead log-probs/entropy, core's TokenObjective.value, autograd
+* ``prev_fused_loss``  the fused-loss head before the single-read row statistics and the
+  overlapped objective (``rlcore_fused_prev``, built from git by run_on_gpu_loss.sh), if present
 * ``liger_grpo``  LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False), [T/2048, 2048, H] (T=16384 only)
 
-plus half the tokens masked, peak extra memory, a per-kernel profile of one fused-loss call,
-and gradient accuracy against float64 (T=1024 and T=4096: one and several token chunks).
-Writes $OUT/results.json.
+The floors and the heads are timed interleaved (``--rounds`` rounds of ``--reps`` calls each, the
+order rotating), so that clock and power drift weighs on all alike; ``x_floor4`` is the median
+over rounds of a method's round median divided by floor4's. Plus half the tokens masked, peak
+extra memory, a per-kernel profile of one fused-loss call, and gradient accuracy against float64
+(``--accuracy`` token counts: one and several token chunks). Writes $OUT/results.json.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import datetime
 import json
 import math
 import platform
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -35,12 +40,18 @@ from rlcore.types import HeadInput, LossRequest, VocabShard
 from rlcore_fused.head import FusedHead
 from rlcore_fused.tuning import TritonConfig
 
+try:  # the fused head as it was before this change (bench/run_on_gpu_loss.sh builds it from git)
+    from rlcore_fused_prev.head import FusedHead as PrevFusedHead
+except ImportError:
+    PrevFusedHead = None
+
 OBJECTIVE = TokenObjective(PPOClip(0.2, 0.28, 3.0), entropy_coef=1e-3)
 
 
-def floors(x, w, device):
+def floor_fns(x, w):
+    """The floors as callables over one shared [T, V] bf16 buffer (kept alive by the closures)."""
     T, V = x.shape[0], w.shape[0]
-    z = torch.empty(T, V, device=device, dtype=x.dtype)
+    z = torch.empty(T, V, device=x.device, dtype=x.dtype)
     dx = torch.empty_like(x)
     dw = torch.empty_like(w)
     m = torch.backends.cuda.matmul
@@ -55,9 +66,47 @@ def floors(x, w, device):
         torch.mm(z.t(), x, out=dw)
         m.allow_bf16_reduced_precision_reduction = prev
 
-    out = {"floor4": time_fn(lambda: seq(True), device, budget_s=2.5),
-           "floor3": time_fn(lambda: seq(False), device, budget_s=2.5)}
-    return out  # z is freed with this frame
+    return {"floor4": lambda: seq(True), "floor3": lambda: seq(False)}
+
+
+def interleaved(fns: dict, device, rounds: int, reps: int) -> dict:
+    """Every method timed ``reps`` calls per round, the methods in a rotating order, ``rounds``
+    rounds: clock and power drift weighs on all alike. Median and min per method, and the median
+    over rounds of each method's round median divided by floor4's."""
+    for name in list(fns):  # warm-up (compiles, cuBLAS heuristics, allocator); a failing method is reported
+        try:
+            fns[name]()
+        except Exception:  # noqa: BLE001
+            log(f"  {name} failed, left out:\n{traceback.format_exc()}")
+            del fns[name]
+    sync(device)
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    per_round: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            got = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fns[name]()
+                b.record()
+                b.synchronize()
+                got.append(a.elapsed_time(b))
+            times[name] += got
+            per_round[name].append(statistics.median(got))
+    out = {}
+    for k in names:
+        out[k] = {"ms": statistics.median(times[k]), "min_ms": min(times[k]), "max_ms": max(times[k]),
+                  "reps": len(times[k])}
+        if "floor4" in per_round:
+            ratios = [a / b for a, b in zip(per_round[k], per_round["floor4"], strict=True)]
+            out[k]["x_floor4_rounds"] = ratios
+            out[k]["x_floor4"] = statistics.median(ratios)
+        log(f"  {k}: {out[k]['ms']:.2f} ms (min {out[k]['min_ms']:.2f}, max {out[k]['max_ms']:.2f}, "
+            f"{len(times[k])} calls) x floor4 {out[k].get('x_floor4', math.nan):.3f}")
+    return out
 
 
 def token_inputs(h, w, labels, mask, device):
@@ -120,24 +169,47 @@ def measure(name, fn, device, reps_budget=2.5):
     return res
 
 
-def profile_parts(head, h, w, labels, mask, x, device):
+def profile_parts(head, h, w, labels, mask, x, device, trace=None):
+    """CUDA time per kernel name over one fused-loss call (all streams), their total, and the
+    call's wall time under the profiler; ``trace``: also write the host and device timeline
+    (Chrome trace, gzipped) there."""
+    import gzip
+    import os
+
     from torch.profiler import ProfilerActivity, profile
 
     fused_loss_call(head, h, w, labels, mask, x)
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=acts) as prof:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         fused_loss_call(head, h, w, labels, mask, x)
+        b.record()
         sync(device)
     parts: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    if trace:
+        tmp = f"{trace}.tmp.json"
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as src, gzip.open(f"{trace}.json.gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(tmp)
     for e in prof.key_averages():
+        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CPU"):
+            continue
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if t <= 0:
             continue
         parts[e.key[:90]] = parts.get(e.key[:90], 0.0) + t / 1e3
-    top = dict(sorted(parts.items(), key=lambda kv: -kv[1])[:12])
+        counts[e.key[:90]] = counts.get(e.key[:90], 0) + int(e.count)
+    top = dict(sorted(parts.items(), key=lambda kv: -kv[1])[:14])
     for k, v in top.items():
-        log(f"    {v:9.2f} ms  {k}")
-    return top
+        log(f"    {v:9.2f} ms  ({counts[k]:4d}x) {k}")
+    total = sum(parts.values())
+    log(f"    kernels total {total:.2f} ms ({sum(counts.values())} launches), wall {a.elapsed_time(b):.2f} ms")
+    return {"top": top, "counts": {k: counts[k] for k in top}, "total_ms": total, "launches": sum(counts.values()),
+            "wall_ms": a.elapsed_time(b)}
 
 
 def grad_accuracy(device, H, V, T):
@@ -159,20 +231,36 @@ def grad_accuracy(device, H, V, T):
     free_memory(device)
     out = {"T": T, "rounded_to_bf16": {"dX": rel_err(gx.to(h.dtype), gx), "dW": rel_err(gw.to(w.dtype), gw)}}
     heads = {"fused_loss": FusedHead(backend="triton"), "fused+torch_loss": FusedHead(backend="triton"),
-             "fused_loss_dw_fp32": FusedHead(backend="triton", triton_config=TritonConfig(loss_dw_fp32=True))}
+             "fused_loss_dw_fp32": FusedHead(backend="triton", triton_config=TritonConfig(loss_dw_fp32=True)),
+             "fused_loss_compiled": FusedHead(backend="triton",
+                                              triton_config=TritonConfig(loss_compile_objective=True))}
+    if PrevFusedHead is not None:
+        heads["prev_fused_loss"] = PrevFusedHead(backend="triton")
     for name, head in heads.items():
         hh, ww = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
         inp = HeadInput(hidden=hh, weight=ww, labels=labels, vocab=VocabShard.full(V))
-        if name.startswith("fused_loss"):
+        if "fused_loss" in name:
             inp.loss = LossRequest(OBJECTIVE, x)
-        o = head(inp)
-        loss_v = o.loss if o.loss is not None else (OBJECTIVE.value(o.logprobs, o.entropy, x) * x.weights).sum()
-        a, b = torch.autograd.grad(loss_v, (hh, ww))
+        try:
+            o = head(inp)
+            loss_v = o.loss if o.loss is not None else (OBJECTIVE.value(o.logprobs, o.entropy, x) * x.weights).sum()
+            a, b = torch.autograd.grad(loss_v, (hh, ww))
+        except Exception:  # noqa: BLE001 - a failing head is reported, not fatal
+            log(f"  accuracy T={T} {name} failed:\n{traceback.format_exc()}")
+            continue
         out[name] = {"dX": rel_err(a, gx), "dW": rel_err(b, gw), "logprob": rel_err(o.logprobs.detach(), lp),
                      "entropy": rel_err(o.entropy.detach(), ent), "loss": abs(float(loss_v) - float(loss)) / abs(float(loss))}
         log(f"  accuracy T={T} {name}: {out[name]}")
     log(f"  accuracy T={T} float64 rounded to bf16: {out['rounded_to_bf16']}")
     return out
+
+
+def parse_variant(spec: str) -> TritonConfig:
+    """``block:warps:chunk_mib:dw_fp32[:overlap[:compile_objective]]``"""
+    f = spec.split(":")
+    return TritonConfig(loss_block=int(f[0]), loss_warps=int(f[1]), loss_chunk_mib=float(f[2]),
+                        loss_dw_fp32=f[3] == "1", loss_overlap=(f[4] != "0") if len(f) > 4 else True,
+                        loss_compile_objective=len(f) > 5 and f[5] == "1")
 
 
 def main() -> int:
@@ -184,7 +272,10 @@ def main() -> int:
     ap.add_argument("--accuracy", default="1024,4096")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--torch-loss", action="store_true", help="also time today's fused head + torch loss")
-    ap.add_argument("--variants", default="", help="at T=16384: ';'-separated block:warps:chunk_mib:dw_fp32 configs")
+    ap.add_argument("--variants", default="",
+                    help="at T=16384: ';'-separated block:warps:chunk_mib:dw_fp32[:overlap] configs")
+    ap.add_argument("--rounds", default="4096:6,16384:5,65536:2", help="interleaved rounds per T (T:rounds,...)")
+    ap.add_argument("--reps", type=int, default=3, help="calls per method per round")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -192,13 +283,15 @@ def main() -> int:
     H, V = 4096, 151936
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "python": platform.python_version(), "H": H, "V": V, "runs": [],
-           "argv": sys.argv}
+           "argv": sys.argv, "prev_head": PrevFusedHead is not None}
     try:
         import triton
         res["triton"] = triton.__version__
     except ImportError:
         pass
     head = FusedHead(backend="triton")
+    prev = PrevFusedHead(backend="triton") if PrevFusedHead is not None else None
+    rounds = {int(k): int(r) for k, r in (p.split(":") for p in args.rounds.split(","))}
 
     def save():
         res["log"] = LOG
@@ -209,42 +302,46 @@ def main() -> int:
         h, w, labels, _, _ = make_inputs(T, H, V, device)
         h.requires_grad_(True)
         w.requires_grad_(True)
-        run = {"T": T, "floors": floors(h.detach(), w.detach(), device)}
-        f4, f3 = run["floors"]["floor4"]["ms"], run["floors"]["floor3"]["ms"]
-        log(f"  floor4 {f4:.2f} ms, floor3 {f3:.2f} ms")
+        run = {"T": T, "cases": {}}
         cases = [("all", None)]
         if args.masked:
             g = torch.Generator(device=device).manual_seed(5)
             cases.append(("half_masked", torch.rand(T, device=device, generator=g) < 0.5))
+        fl = floor_fns(h.detach(), w.detach())
         for case, mask in cases:
             x = token_inputs(h.detach(), w.detach(), labels, mask, device)
-            r = measure(f"fused_loss[{case}]", lambda m=mask, x=x: fused_loss_call(head, h, w, labels, m, x), device)
-            r["x_floor4"], r["x_floor3"] = r.get("ms", math.nan) / f4, r.get("ms", math.nan) / f3
-            run.setdefault("methods", []).append({"case": case, **r})
+            fns = dict(fl)
+            fns["fused_loss"] = lambda m=mask, x=x: fused_loss_call(head, h, w, labels, m, x)
+            if prev is not None:
+                fns["prev_fused_loss"] = lambda m=mask, x=x: fused_loss_call(prev, h, w, labels, m, x)
             if args.torch_loss:
-                r = measure(f"fused+torch_loss[{case}]", lambda m=mask, x=x: torch_loss_call(head, h, w, labels, m, x),
-                            device)
-                r["x_floor4"], r["x_floor3"] = r.get("ms", math.nan) / f4, r.get("ms", math.nan) / f3
-                run["methods"].append({"case": case, **r})
+                fns["fused+torch_loss"] = lambda m=mask, x=x: torch_loss_call(head, h, w, labels, m, x)
+            if case == "all" and T == 16384:
+                for spec in filter(None, args.variants.split(";")):
+                    vh = FusedHead(backend="triton", triton_config=parse_variant(spec))
+                    fns[f"fused_loss[{spec}]"] = lambda vh=vh, x=x: fused_loss_call(vh, h, w, labels, None, x)
+            log(f" case {case}: interleaved, {rounds.get(T, 2)} rounds x {args.reps} calls")
+            timed = interleaved(fns, device, rounds.get(T, 2), args.reps)
+            for name in fns:
+                if not name.startswith("floor"):
+                    timed[name]["extra_gib"] = peak_extra(fns[name], device)
+                    log(f"  {name}: extra {timed[name]['extra_gib']:.3f} GiB")
+            run["cases"][case] = timed
             if args.liger and case == "all" and T == 16384:
                 r = measure("liger_grpo", liger_call(h, w, labels, x), device, reps_budget=1.0)
+                f4 = timed["floor4"]["ms"]
                 r["x_floor4"] = r.get("ms", math.nan) / f4
-                run["methods"].append({"case": case, **r})
+                run["liger"] = r
             save()
-        if args.variants and T == 16384:
-            x = token_inputs(h.detach(), w.detach(), labels, None, device)
-            for spec in args.variants.split(";"):
-                b, nw, mib, d32 = spec.split(":")
-                cfg = TritonConfig(loss_block=int(b), loss_warps=int(nw), loss_chunk_mib=float(mib),
-                                   loss_dw_fp32=d32 == "1")
-                vh = FusedHead(backend="triton", triton_config=cfg)
-                r = measure(f"fused_loss[{spec}]", lambda vh=vh, x=x: fused_loss_call(vh, h, w, labels, None, x), device)
-                r["x_floor4"] = r.get("ms", math.nan) / f4
-                run.setdefault("variants", []).append({"config": spec, **r})
-                save()
+        del fl
+        free_memory(device)
         if args.profile and T == 16384:
             x = token_inputs(h.detach(), w.detach(), labels, None, device)
-            run["profile_ms"] = profile_parts(head, h, w, labels, None, x, device)
+            run["profile_ms"] = profile_parts(head, h, w, labels, None, x, device, out_dir / "trace_fused_loss")
+            if prev is not None:
+                log(" profile of the previous head:")
+                run["profile_prev_ms"] = profile_parts(prev, h, w, labels, None, x, device,
+                                                       out_dir / "trace_prev_fused_loss")
         res["runs"].append(run)
         save()
     for T in [int(t) for t in args.tokens.split(",")]:

@@ -249,9 +249,10 @@ def test_plugin_is_found_through_its_entry_point():
 def test_settings_section_configures_the_head(register_plugin, rlcore_config):
     register_plugin(plugin, "fused")
     cfg = rlcore_config("forward.name=fused", "fused.backend=torch", "fused.chunk_tokens=64",
-                        "fused.backward_chunk_mib=128")
+                        "fused.backward_chunk_mib=128", "fused.loss_chunk_mib=256", "fused.loss_compile_objective=true")
     head = SPEC.factory(BuildContext(config=cfg, settings=cfg.fused))
     assert head.backend == "torch" and head.chunk_tokens == 64 and head.triton_config.chunk_mib == 128
+    assert head.triton_config.loss_chunk_mib == 256 and head.triton_config.loss_compile_objective
 
 
 @pytest.mark.slow

@@ -194,3 +194,63 @@ def test_triton_on_gpu_matches_reference_path(name, dtype, dw_fp32):
     bf16 = dtype == torch.bfloat16
     assert_paths_agree(head, case, OBJECTIVES[name], rtol=1e-4 if bf16 else 2e-5, atol=1e-5 if bf16 else 1e-6,
                        grad_rtol=2e-2 if bf16 else 1e-4)
+
+
+def _record_path_agrees(case, objective, device, monkeypatch, **config):
+    """The Triton fused loss through the tensor-parallel record path (the row kernel's record, the
+    exchange and the merge; here an identity exchange: ``group_size`` patched to 2 with no group)
+    and with or without the side-stream objective gives what the in-kernel finalisation gives."""
+    import rlcore_fused.triton_backend as tb
+    from rlcore_fused.tuning import TritonConfig
+
+    case = _to(case, device)
+    base = fused_path(FusedHead(backend="triton", triton_config=TritonConfig(**config)), *case, objective)
+    serial = fused_path(FusedHead(backend="triton", triton_config=TritonConfig(loss_overlap=False, **config)),
+                        *case, objective)
+    monkeypatch.setattr(tb, "group_size", lambda group: 2)
+    record = fused_path(FusedHead(backend="triton", triton_config=TritonConfig(**config)), *case, objective)
+    for name, a, b, c in zip(("loss", "logprobs", "entropy", "dX", "dW"), base, serial, record, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m, n=name: f"overlap off, {n}: {m}")
+        torch.testing.assert_close(c.double(), a.double(), rtol=2e-5, atol=2e-6, msg=lambda m, n=name: f"record, {n}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+def test_triton_on_gpu_record_path_and_overlap_agree(monkeypatch):
+    case = make_case(seed=22, T=300, H=256, vocab=5000, rows=5120)
+    _record_path_agrees(case, OBJECTIVES["ppo+entropy+kl-k3"], "cuda", monkeypatch,
+                        loss_chunk_mib=64 * 5000 * 4 / 2**20)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_vocab_parallel_fused_loss_matches_float64(sequence_parallel):
+    """Two gloo processes, the vocab split in halves (rank 1's last rows padding): loss, log-probs,
+    entropy, dW rows and the summed dX against the unsharded float64 reference."""
+    from rlcore_fused.tp_check import run_fused_loss_tp_check
+
+    run_fused_loss_tp_check("torch", sequence_parallel=sequence_parallel)
+
+
+def everything_masked_gives_zero(head):
+    """No token carries loss: loss 0 and exactly zero gradients (no uninitialised dW)."""
+    h, w, labels, mask, x, vocab, t = make_case(seed=8)
+    none = torch.zeros_like(mask)
+    x = type(x)(**{**x.__dict__, "mask": none, "weights": torch.zeros_like(x.weights)})
+    loss, lp, ent, gh, gw = fused_path(head, h, w, labels, none, x, vocab, t, OBJECTIVES["ppo+entropy+kl-k3"])
+    assert float(loss) == 0 and lp.abs().max() == 0 and ent.abs().max() == 0
+    assert gh.abs().max() == 0 and gw.abs().max() == 0
+
+
+def test_everything_masked_torch_backend():
+    everything_masked_gives_zero(FusedHead(backend="torch", chunk_tokens=7))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+def test_triton_on_gpu_compiled_objective_agrees():
+    """``loss_compile_objective``: the objective through torch.compile (dynamic shapes: chunks and
+    halves of several sizes here), against the reference path."""
+    from rlcore_fused.tuning import TritonConfig
+
+    case = _to(make_case(seed=23, T=300, H=256, vocab=5000, rows=5120), "cuda")
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=64 * 5000 * 4 / 2**20,
+                                                                  loss_compile_objective=True))
+    assert_paths_agree(head, case, OBJECTIVES["ppo+entropy+kl-k3"], rtol=2e-5, atol=1e-6, grad_rtol=1e-4)

@@ -155,3 +155,23 @@ def test_fused_loss_kernels_bf16_in_place(dw_fp32):
     head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=11 * 608 * 4 / 2**20,
                                                                   loss_dw_fp32=dw_fp32))
     assert_paths_agree(head, case, OBJECTIVES["ppo+entropy+kl-k3"], rtol=1e-4, atol=1e-5, grad_rtol=2e-2)
+
+
+def test_fused_loss_record_path_matches_in_kernel_finalisation(monkeypatch):
+    """The tensor-parallel record path (record, exchange, merge) against the row kernel's own
+    finalisation, over several chunks split in halves (identity exchange: see the GPU twin in
+    test_fused_loss.py)."""
+    case = make_case(seed=13, vocab=600, rows=608, H=32)
+    _cases._record_path_agrees(case, OBJECTIVES["ppo+entropy+kl-k3"], "cpu", monkeypatch,
+                               loss_chunk_mib=11 * 608 * 4 / 2**20)
+
+
+def test_fused_loss_vocab_parallel_in_interpreter():
+    """The Triton fused loss in two gloo processes (the record path with a real exchange)."""
+    from rlcore_fused.tp_check import run_fused_loss_tp_check
+
+    run_fused_loss_tp_check("triton", loss_chunk_mib=11 * 28 * 4 / 2**20)
+
+
+def test_fused_loss_everything_masked():
+    _cases.everything_masked_gives_zero(FusedHead(backend="triton"))

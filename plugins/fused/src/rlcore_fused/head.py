@@ -21,7 +21,7 @@ or a CUDA device whose Triton cannot be imported, is an error rather than a sile
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -101,6 +101,34 @@ class _PrecomputedLoss(torch.autograd.Function):
         return None, gx, gw, None, None
 
 
+def _token_slice(x: Any, lo: int, hi: int) -> Any:
+    """``TokenInputs`` rows ``[lo, hi)``: every tensor on the token axis (the fields that
+    :meth:`rlcore.types.LossRequest.inputs_at` restricts) sliced, ``seq_tokens`` (per sequence)
+    kept."""
+    def cut(t):
+        return None if t is None else t[lo:hi]
+
+    return replace(x, old_logprobs=cut(x.old_logprobs), rollout_logprobs=cut(x.rollout_logprobs),
+                   advantages=cut(x.advantages), mask=cut(x.mask), weights=cut(x.weights),
+                   correction=cut(x.correction), ref_logprobs=cut(x.ref_logprobs), seq_index=cut(x.seq_index))
+
+
+def _closed_form(objective: Any, logp: torch.Tensor, ent: torch.Tensor, x: Any):
+    out = objective.closed_form(logp, ent, x)
+    return out.value.float(), out.d_logprobs.float(), out.d_entropy.float()
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled_closed_form():
+    """:func:`_closed_form` through ``torch.compile`` (dynamic shapes: one compile serves every
+    chunk size), built on first use."""
+    if "closed_form" not in _COMPILED:
+        _COMPILED["closed_form"] = torch.compile(_closed_form, dynamic=True)
+    return _COMPILED["closed_form"]
+
+
 def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
     """The fused-loss path (``Cap.FUSED_LOSS``): ``inp.loss`` evaluated inside the head, the
     gradients of hidden states and weight formed in this forward with three GEMMs per token
@@ -127,15 +155,21 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
             raise ValueError(f"temperature must be > 0, got {t}")
         inv_temp = torch.full((n,), 1.0 / t, dtype=torch.float32, device=dev)
     objective = req.objective
+    dense = n == T  # every token carries loss: no compaction copies
+    # the objective's inputs compacted once; each chunk takes a slice of them (views, no copies)
+    compact = req.inputs if dense else req.inputs_at(idx)
+
+    config = getattr(kernels, "config", None)
+    closed_form = _compiled_closed_form() if (dev.type == "cuda" and getattr(config, "loss_compile_objective", False)) \
+        else _closed_form
 
     def closed(lo: int, hi: int, logp: torch.Tensor, ent: torch.Tensor):
-        out = objective.closed_form(logp, ent, req.inputs_at(idx[lo:hi]))
-        return out.value.float(), out.d_logprobs.float(), out.d_entropy.float()
+        return closed_form(objective, logp, ent, _token_slice(compact, lo, hi))
 
-    dense = n == T  # every token carries loss: no compaction copies
     with torch.no_grad():
         res = kernels.loss_grads(h.detach() if dense else h.detach().index_select(0, idx),
-                                 inp.weight.detach()[: vocab.valid_rows], labels - vocab.start, inv_temp, group, closed)
+                                 inp.weight.detach()[: vocab.valid_rows], labels - vocab.start, inv_temp, group, closed,
+                                 shard_rows=inp.weight.shape[0])
         bad = (labels < 0) | (labels >= vocab.vocab_size)
         if bool(bad.any()):
             raise BatchShapeError(

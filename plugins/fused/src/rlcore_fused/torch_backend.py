@@ -81,10 +81,11 @@ class TorchKernels:
         return dx, (dw_acc.to(w_valid.dtype) if need_dw else None)
 
     def loss_grads(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor, inv_temp: torch.Tensor,
-                   group, objective: ObjectiveFn) -> LossResult:
+                   group, objective: ObjectiveFn, shard_rows: int | None = None) -> LossResult:
         """The fused-loss path (:mod:`rlcore_fused.loss_common`) in chunked torch: per chunk of
         ``chunk_tokens`` rows, fp32 logits once, the record (merged over ``group``), the
-        objective's derivatives, then ``∂L/∂logits`` into ``dX`` and an fp32 ``dW``."""
+        objective's derivatives, then ``∂L/∂logits`` into ``dX`` and an fp32 ``dW``. Every rank
+        forms the same chunks (``chunk_tokens``), so ``shard_rows`` is not needed here."""
         n, v = x.shape[0], w_valid.shape[0]
         wf = w_valid.float()
         dx = torch.zeros(x.shape, dtype=x.dtype, device=x.device)

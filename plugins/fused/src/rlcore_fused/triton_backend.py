@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from rlcore.distributed import group_size
 
 from rlcore_fused import triton_kernels as K
 from rlcore_fused.loss_common import LossResult, ObjectiveFn, chunk_tokens_for
@@ -290,15 +291,24 @@ class TritonKernels:
     # ------------------------------------------------------------------- fused loss ------
 
     def loss_grads(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor, inv_temp: torch.Tensor,
-                   group, objective: ObjectiveFn) -> LossResult:
+                   group, objective: ObjectiveFn, shard_rows: int | None = None) -> LossResult:
         """The fused-loss path: three GEMMs per token chunk (see :mod:`rlcore_fused.loss_common`).
 
         Per chunk of ``c`` tokens (``loss_chunk_mib`` of fp32 logits): cuBLAS writes the fp32
         logits ``X_c·Wᵀ`` (its fp32 accumulator, never rounded to 16 bits); a Triton row kernel
-        forms the fp32 softmax record; the record is merged over the TP group and the objective
-        gives ``∂L/∂logp``, ``∂L/∂H`` per token; a second row kernel overwrites the logits in place
-        with ``∂L/∂logits`` in the input dtype; cuBLAS forms ``dX_c = dl·W`` (one GEMM over the
-        whole vocabulary: fp32 accumulation, one rounding) and ``dW += dlᵀ·X_c``."""
+        reads them once for the token's log-prob, entropy, ``lse`` and ``E_p[z]`` (or, under
+        tensor parallelism, the record that one all-gather merges); the objective gives
+        ``∂L/∂logp``, ``∂L/∂H`` per token; a second row kernel overwrites the logits in place with
+        ``∂L/∂logits`` in the input dtype; cuBLAS forms ``dX_c = dl·W`` (one GEMM over the whole
+        vocabulary: fp32 accumulation, one rounding) and ``dW += dlᵀ·X_c``.
+
+        The row kernels run over the chunk's two halves, and on CUDA the objective of a half (a
+        chain of small torch kernels) runs on a side stream while the main stream's row kernel
+        works on the other half (``loss_overlap``), so it is off the critical path.
+
+        ``shard_rows``: this rank's weight rows, padding included (equal on every rank), which
+        sets the chunk size: every rank must form the same chunks, since each half-chunk is one
+        exchange, also a rank whose valid rows are fewer (padding) or none."""
         self._check_device(x)
         self._check_dtypes(x, w_valid)
         n, h = x.shape
@@ -307,31 +317,44 @@ class TritonKernels:
         x = x.contiguous()
         w_valid = w_valid.contiguous()
         dx = torch.empty(n, h, dtype=x.dtype, device=dev)
-        dw = torch.zeros(w_valid.shape, dtype=w_valid.dtype, device=dev) if v == 0 else \
-            torch.empty(w_valid.shape, dtype=w_valid.dtype, device=dev)  # the first chunk's GEMM writes it
+        # the first chunk's GEMM writes dW; with no rows or no tokens there is no chunk
+        dw = torch.empty(w_valid.shape, dtype=w_valid.dtype, device=dev) if (v and n) else \
+            torch.zeros(w_valid.shape, dtype=w_valid.dtype, device=dev)
         dw32 = torch.zeros(w_valid.shape, dtype=torch.float32, device=dev) \
             if (self.config.loss_dw_fp32 and v > 0) else None
-        logp_all = torch.empty(n, dtype=torch.float32, device=dev)
-        ent_all = torch.empty(n, dtype=torch.float32, device=dev)
-        total = torch.zeros((), dtype=torch.float32, device=dev)
+        # per-token results, written by the row kernel (or the TP merge) and the objective
+        per_token = torch.empty(7, n, dtype=torch.float32, device=dev)
+        logp_all, ent_all, lse2_all, mu_all, value_all, g_lp_all, g_ent_all = per_token.unbind(0)
         labels32 = labels_local.to(torch.int32).contiguous()
         scale = (inv_temp.float() * LOG2E).contiguous()
-        if v == 0:  # a rank holding only padding rows: its record is empty, its gradients zero
-            logp, ent, _lse, _mu, _ = finalize(exchange_records(empty_record(n, dev), group), True)
-            value, _g, _ge = objective(0, n, logp, ent)
-            logp_all.copy_(logp)
-            ent_all.copy_(ent)
-            total += value.sum()
-            dx.zero_()
-            return LossResult(total, logp_all, ent_all, dx, dw)
+        sharded = group_size(group) > 1
         vp = _cdiv(v, 8) * 8  # fp32 row stride: the 16-bit view's rows stay 16-byte aligned
-        c = chunk_tokens_for(self.config.loss_chunk_mib, vp, 4, most=n)
-        c = _cdiv(n, _cdiv(n, c))  # equal chunks: no small last chunk with inefficient GEMMs
+        c = chunk_tokens_for(self.config.loss_chunk_mib, _cdiv(max(v, shard_rows or 0), 8) * 8, 4, most=max(n, 1))
+        c = _cdiv(n, _cdiv(n, c)) if n else 1  # equal chunks: no small last chunk with inefficient GEMMs
         buf = torch.empty(c, vp, dtype=torch.float32, device=dev)
         aliased = x.dtype != torch.float32
         dl_buf = buf.view(x.dtype) if aliased else buf
         block = int(self.config.loss_block) if x.is_cuda else 256
         warps = int(self.config.loss_warps) if x.is_cuda else 1
+        main = torch.cuda.current_stream(dev) if x.is_cuda else None
+        side = torch.cuda.Stream(device=dev) if (x.is_cuda and self.config.loss_overlap) else None
+
+        def objective_into(a: int, b: int):
+            """The objective over rows [a, b) into the per-token buffers; on the side stream when
+            there is one (returns the event the main stream waits on)."""
+            def run():
+                value, g_lp, g_ent = objective(a, b, logp_all[a:b], ent_all[a:b])
+                value_all[a:b] = value
+                g_lp_all[a:b] = g_lp
+                g_ent_all[a:b] = g_ent
+            if side is None:
+                run()
+                return None
+            side.wait_stream(main)  # the row kernel's results for [a, b) are queued before this
+            with torch.cuda.stream(side):
+                run()
+                return side.record_event()
+
         reductions = _full_precision_reductions() if x.is_cuda else contextlib.nullcontext()
         with self._device_ctx(x), reductions:
             for lo in range(0, n, c):
@@ -339,30 +362,32 @@ class TritonKernels:
                 m = hi - lo
                 xc = x[lo:hi]
                 z = buf[:m, :v]
-                if x.is_cuda:
+                if v == 0:
+                    pass  # a rank holding only padding rows: empty records, zero gradients
+                elif x.is_cuda:
                     torch.mm(xc, w_valid.t(), out_dtype=torch.float32, out=z)
                 else:
                     z.copy_(xc.float() @ w_valid.float().t())
-                r = torch.empty(4, m, dtype=torch.float32, device=dev)
-                K.loss_row_stats_kernel[(m,)](
-                    z, buf.stride(0), labels32[lo:hi], scale[lo:hi], r, m, v,
-                    BLOCK=block, COMPUTE_ENTROPY=True, num_warps=warps,
-                )
-                nat = r.clone()  # base-2 → natural units, as in local_record
-                nat[0] *= LN2
-                nat[2] *= LN2
-                nat[3] = torch.where(r[3] > NEG_BIG / 2, r[3] * LN2, torch.full_like(r[3], NEG_BIG))
-                logp, ent, lse, mu, _ = finalize(exchange_records(nat, group), True)
-                value, g_lp, g_ent = objective(lo, hi, logp, ent)
-                logp_all[lo:hi] = logp
-                ent_all[lo:hi] = ent
-                total += value.sum()
+                # halves only where they buy overlap (and on CPU, where the tests exercise them);
+                # otherwise they would only add launches
+                mid = lo + (m + 1) // 2
+                halves = [(lo, mid), (mid, hi)] if m > 1 and (side is not None or not x.is_cuda) else [(lo, hi)]
+                events = []
+                for a, b in halves:
+                    self._loss_row_stats(buf, a - lo, a, b, v, labels32, scale, logp_all, ent_all, lse2_all,
+                                         mu_all, group if sharded else None, block, warps)
+                    events.append(objective_into(a, b))
+                if v == 0:
+                    continue
+                for (a, b), ev in zip(halves, events, strict=True):
+                    if ev is not None:
+                        main.wait_event(ev)
+                    K.loss_row_dlogits_kernel[(b - a,)](
+                        buf[a - lo:], buf.stride(0), dl_buf[a - lo:], dl_buf.stride(0), labels32[a:b], scale[a:b],
+                        lse2_all[a:b], mu_all[a:b], g_lp_all[a:b], g_ent_all[a:b], v,
+                        BLOCK=block, ALIASED=aliased, num_warps=warps,
+                    )
                 dl = dl_buf[:m, :v]
-                K.loss_row_dlogits_kernel[(m,)](
-                    z, buf.stride(0), dl, dl_buf.stride(0), labels32[lo:hi], scale[lo:hi],
-                    lse.contiguous(), mu.contiguous(), g_lp.float().contiguous(), g_ent.float().contiguous(), v,
-                    BLOCK=block, ALIASED=aliased, num_warps=warps,
-                )
                 if dw32 is not None:
                     torch.mm(dl, w_valid, out=dx[lo:hi]) if x.is_cuda else \
                         dx[lo:hi].copy_(dl.float() @ w_valid.float())
@@ -377,6 +402,39 @@ class TritonKernels:
                     dx[lo:hi] = (dl.float() @ w_valid.float()).to(dx.dtype)
                     prev = 0.0 if lo == 0 else dw.float()
                     dw.copy_((prev + dl.t().float() @ xc.float()).to(dw.dtype))
+        if side is not None:
+            main.wait_stream(side)  # the objective's last writes, before any buffer is reused
+        if v == 0:
+            dx.zero_()
         if dw32 is not None:
             dw.copy_(dw32)
-        return LossResult(total, logp_all, ent_all, dx, dw)
+        return LossResult(value_all.sum(), logp_all, ent_all, dx, dw)
+
+    @staticmethod
+    def _loss_row_stats(buf, row0, a, b, v, labels32, scale, logp_all, ent_all, lse2_all, mu_all, group, block, warps):
+        """Rows [a, b) of the chunk (buffer rows from ``row0``): log-prob, entropy, lse₂ and μ into
+        the per-token buffers; in-kernel when the vocabulary is whole, else through the record,
+        its all-gather over ``group`` and the merge."""
+        rows = b - a
+        if v == 0:
+            r = empty_record(rows, buf.device)
+        elif group is None:
+            K.loss_row_stats_kernel[(rows,)](
+                buf[row0:], buf.stride(0), labels32[a:b], scale[a:b], logp_all[a:b], logp_all[a:b], ent_all[a:b],
+                lse2_all[a:b], mu_all[a:b], rows, v, BLOCK=block, COMPUTE_ENTROPY=True, FINALIZE=True, num_warps=warps,
+            )
+            return
+        else:
+            r = torch.empty(4, rows, dtype=torch.float32, device=buf.device)
+            K.loss_row_stats_kernel[(rows,)](
+                buf[row0:], buf.stride(0), labels32[a:b], scale[a:b], r, r, r, r, r, rows, v,
+                BLOCK=block, COMPUTE_ENTROPY=True, FINALIZE=False, num_warps=warps,
+            )
+            r[0] *= LN2  # base-2 → natural units, as in local_record
+            r[2] *= LN2
+            r[3] = torch.where(r[3] > NEG_BIG / 2, r[3] * LN2, torch.full_like(r[3], NEG_BIG))
+        logp, ent, lse, mu, _ = finalize(exchange_records(r, group), True)
+        logp_all[a:b] = logp
+        ent_all[a:b] = ent
+        lse2_all[a:b] = lse * LOG2E
+        mu_all[a:b] = mu

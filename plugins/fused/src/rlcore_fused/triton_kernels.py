@@ -220,13 +220,19 @@ def backward_dlogits_kernel(
 
 @triton.jit
 def loss_row_stats_kernel(
-    z_ptr, stride_z, labels_ptr, scale_ptr, rec_ptr, N, V,
-    BLOCK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    z_ptr, stride_z, labels_ptr, scale_ptr, rec_ptr, logp_ptr, ent_ptr, lse2_ptr, mu_ptr, N, V,
+    BLOCK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, FINALIZE: tl.constexpr,
 ):
     """One program per token row of ``z`` (fp32 logits ``x·wᵀ`` over this rank's ``V`` valid
-    vocab rows). Writes the row's softmax record ``(m, s, w, t)`` to ``rec_ptr`` ``[4, N]`` in
-    base-2 units (``z₂ = z·scale``, ``scale = log₂e/τ``): an elementwise online softmax per lane,
-    merged across lanes at the end (no reduction inside the loop)."""
+    vocab rows): an elementwise online softmax per lane in base-2 units (``z₂ = z·scale``,
+    ``scale = log₂e/τ``), merged across lanes at the end (no reduction inside the loop).
+
+    ``FINALIZE`` (the whole vocabulary is in ``z``, no tensor-parallel merge): writes the token's
+    log-prob and entropy (natural units), ``lse₂ = log₂ Σ2^{z₂}`` and ``μ = E_p[z/τ]`` (natural
+    units) for the ∂L/∂logits kernel, so the host does no per-chunk arithmetic. Otherwise writes
+    the row's softmax record ``(m, s, w, t)`` in base-2 units to ``rec_ptr`` ``[4, N]`` for the
+    tensor-parallel merge."""
+    LN2: tl.constexpr = 0.6931471805599453
     row = tl.program_id(0)
     base = z_ptr + row.to(tl.int64) * stride_z
     scale = tl.load(scale_ptr + row)
@@ -255,16 +261,26 @@ def loss_row_stats_kernel(
     label = tl.load(labels_ptr + row)
     owned = (label >= 0) & (label < V)
     t = tl.load(base + tl.where(owned, label, 0).to(tl.int64)) * scale
-    t = tl.where(owned, t, NEG_BIG)
-    tl.store(rec_ptr + row, big_m)
-    tl.store(rec_ptr + N + row, total_s)
-    tl.store(rec_ptr + 2 * N + row, total_w)
-    tl.store(rec_ptr + 3 * N + row, t)
+    if FINALIZE:
+        log_s = tl.log2(total_s)
+        ratio = total_w / total_s
+        # (t − m) first: the difference of two large logits is exact, then the small log S
+        logp = tl.where(owned, (t - big_m - log_s) * LN2, NEG_BIG)
+        tl.store(logp_ptr + row, logp)
+        tl.store(ent_ptr + row, tl.maximum(log_s - ratio, 0.0) * LN2)
+        tl.store(lse2_ptr + row, big_m + log_s)
+        tl.store(mu_ptr + row, (big_m + ratio) * LN2)
+    else:
+        t = tl.where(owned, t, NEG_BIG)
+        tl.store(rec_ptr + row, big_m)
+        tl.store(rec_ptr + N + row, total_s)
+        tl.store(rec_ptr + 2 * N + row, total_w)
+        tl.store(rec_ptr + 3 * N + row, t)
 
 
 @triton.jit
 def loss_row_dlogits_kernel(
-    z_ptr, stride_z, dl_ptr, stride_dl, labels_ptr, scale_ptr, lse_ptr, mu_ptr, g_lp_ptr, g_ent_ptr, V,
+    z_ptr, stride_z, dl_ptr, stride_dl, labels_ptr, scale_ptr, lse2_ptr, mu_ptr, g_lp_ptr, g_ent_ptr, V,
     BLOCK: tl.constexpr, ALIASED: tl.constexpr,
 ):
     """One program per token row: ``dl[v] = ∂L/∂(x·w_v)`` from the row's fp32 logits ``z`` and
@@ -273,7 +289,7 @@ def loss_row_dlogits_kernel(
         ∂L/∂z' = g_lp·(onehot − p) − g_ent·p·(z' − μ),   z' = z/τ,  ∂L/∂z = (∂L/∂z')/τ
 
     i.e. ``dl = −2^{z·s − lse₂}·(a + b·z) + [v = target]·g_lp/τ`` with ``a = (g_lp − g_ent·μ)/τ``,
-    ``b = g_ent/τ²`` (``lse`` and ``μ = E_p[z']`` in natural units, ``s = log₂e/τ``).
+    ``b = g_ent/τ²`` (``lse₂`` in base-2 units, ``μ = E_p[z']`` in natural units, ``s = log₂e/τ``).
 
     ``ALIASED``: ``dl`` is the 16-bit view of the same storage as ``z`` (row ``r``'s ``dl`` lives
     in the first half of row ``r``'s fp32 bytes). Tile ``k``'s stores then land on fp32 elements
@@ -286,7 +302,7 @@ def loss_row_dlogits_kernel(
     drow = dl_ptr + row.to(tl.int64) * stride_dl
     scale = tl.load(scale_ptr + row)
     inv_t = scale * LN2
-    lse2 = tl.load(lse_ptr + row) * 1.4426950408889634  # natural → base-2 units
+    lse2 = tl.load(lse2_ptr + row)
     mu = tl.load(mu_ptr + row)
     g_lp = tl.load(g_lp_ptr + row)
     g_ent = tl.load(g_ent_ptr + row)

@@ -45,6 +45,12 @@ class TritonConfig:
     #: 2.3 GiB at V=151936, H=4096) instead of adding each chunk's cuBLAS result into the 16-bit
     #: dW (one rounding per chunk)
     loss_dw_fp32: bool = False
+    #: fused-loss path on CUDA: evaluate the objective of one half of a chunk on a side stream
+    #: while the row kernel runs over the other half (False: everything on the current stream)
+    loss_overlap: bool = True
+    #: fused-loss path on CUDA: run ``TokenObjective.closed_form`` through ``torch.compile``
+    #: (a few fused kernels per chunk instead of a chain of ~35 small ones)
+    loss_compile_objective: bool = False
 
 
 # Hopper (TMA descriptors): 8 warps (two warpgroups), 3 stages (196 KB of shared memory with the
