@@ -133,3 +133,28 @@ def test_examples_that_promise_replay_activate_it():
     for name in ("sglang_moe_mtp.yaml",):
         s = load_stack(str(ROOT / "examples" / name))
         assert "replay" in s.plugins.active and s.config.replay.mode == "R3", name
+
+
+def test_mismatch_off_under_r2_is_a_config_error_saying_why():
+    with pytest.raises(ConfigError, match="under R2 that pass routes natively"):
+        stack("replay.mode=R2", "algorithm.old_logprobs=recompute", "replay.mismatch_off=true")
+
+
+@pytest.mark.slow
+def test_mismatch_with_replay_off_and_on_per_step(tmp_path):
+    """The rollout serves in bf16 (it routes some tokens otherwise than the fp32 trainer): the
+    mismatch with replay on is core's logprob_mismatch (the replaying old-log-prob pass); the
+    extra native forward's mismatch is larger."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "plugins" / "replay" / "bench"))
+    from mismatch_on_off import run
+
+    r = run(2, tmp_path, prompts=4)
+    assert len(r) == 2
+    for x in r:
+        assert x["replay/logprob_mismatch_on_mean"] == pytest.approx(x["logprob_mismatch_mean"], rel=1e-5, abs=1e-7)
+        assert x["replay/logprob_mismatch_on_max"] == pytest.approx(x["logprob_mismatch_max"], rel=1e-5, abs=1e-7)
+        assert x["replay/logprob_mismatch_off_mean"] > 0 and x["replay/agreement"] < 1.0
+    assert sum(x["replay/logprob_mismatch_off_max"] for x in r) > sum(x["replay/logprob_mismatch_on_max"] for x in r)
+    assert sum(x["replay/logprob_mismatch_off_mean"] for x in r) > sum(x["replay/logprob_mismatch_on_mean"] for x in r)

@@ -37,12 +37,17 @@ class ReplaySettings:
       ``native``: MTP routers route natively.
     * ``agreement``: also compute the router's native top-k and report the fraction of tokens
       whose native experts equal the replayed ones (``replay/agreement``, per layer and mean).
+    * ``mismatch_off``: R3 only. Also run every old-log-prob micro-batch once more with native
+      routing (one extra forward + head, no gradient) and report the train-vs-rollout log-prob
+      mismatch with replay off next to the one with replay on
+      (``replay/logprob_mismatch_{off,on}_{mean,max}``): the number replay exists to shrink.
     """
 
     mode: str = "R3"
     on_missing: str = "error"
     mtp: str = "replay"
     agreement: bool = False
+    mismatch_off: bool = False
 
 
 def validate(section: Any) -> None:
@@ -76,6 +81,12 @@ def check_run_config(cfg: Any) -> bool:
             f"{cfg.algorithm.old_logprobs!r}, so the denominator would come from the rollout engine, whose "
             "routes R2 never sees: set algorithm.old_logprobs: recompute, or use replay.mode: R3",
             key="algorithm.old_logprobs")
+    if r.mode == "R2" and bool(r.get("mismatch_off", False)):
+        raise ConfigError(
+            "replay.mismatch_off compares the old-log-prob pass with and without the rollout engine's routes, "
+            "which only R3 replays there: under R2 that pass routes natively, so core's logprob_mismatch_mean/_max "
+            "already is the replay-off figure (and R2's replayed update reproduces it). Use replay.mode: R3 or "
+            "drop replay.mismatch_off", key="replay.mismatch_off")
     if cfg.engine.name == "megatron" and "megatron" in cfg and bool(cfg.megatron.get("moe_router_fusion", False)):
         raise ConfigError("megatron.moe_router_fusion computes top-k in a fused kernel that never consults the "
                           "router seam: replay would do nothing; turn it off", key="megatron.moe_router_fusion")
