@@ -52,11 +52,38 @@ def test_bad_values_name_the_key():
         stack("replay.mtp=decoder")
 
 
+SGLANG_R3 = ["plugins=[replay,sglang]", "rollout.backend=sglang", "sync.name=sglang-disk", "replay.mode=R3"]
+
+
 def test_r3_with_sglang_eagle_topk_above_one_is_refused():
-    with pytest.raises(ConfigError, match="speculative_eagle_topk=4"):
-        load_stack(TINY_MOE, ["plugins=[replay,sglang]", "rollout.backend=sglang", "sync.name=sglang-disk",
-                              "replay.mode=R3", "sglang.speculative_algorithm=EAGLE",
-                              "sglang.speculative_eagle_topk=4"])
+    with pytest.raises(ConfigError, match="speculative_eagle_topk=4 > 1 SGLang returns the routes of the wrong KV"):
+        load_stack(TINY_MOE, [*SGLANG_R3, "sglang.speculative_algorithm=EAGLE", "sglang.speculative_eagle_topk=4"])
+
+
+@pytest.mark.parametrize("overrides,why", [
+    # top-k left to SGLang: it chooses 4 for most architectures
+    (["sglang.speculative_algorithm=EAGLE3"], "speculative_eagle_topk is not set, so SGLang chooses it"),
+    # the flags given as launch_args, in both spellings
+    (["sglang.launch_args=[--speculative-algorithm,NEXTN,--speculative-eagle-topk=2]"], "speculative_eagle_topk=2"),
+    (["sglang.launch_args=[--speculative-algorithm=NGRAM]"], "all-zero routes"),
+    # the algorithm as a setting, the top-k in launch_args
+    (["sglang.speculative_algorithm=EAGLE", "sglang.launch_args=[--speculative-eagle-topk,3]"],
+     "speculative_eagle_topk=3"),
+    # top-k 1: rlcore-sglang refuses any speculative decoding with routed experts at start; say so now
+    (["sglang.speculative_algorithm=EAGLE", "sglang.speculative_eagle_topk=1"], "does not count the speculative verify"),
+])
+def test_r3_with_sglang_speculative_decoding_is_refused_at_config_time_saying_why(overrides, why):
+    with pytest.raises(ConfigError, match=why) as err:
+        load_stack(TINY_MOE, [*SGLANG_R3, *overrides])
+    assert "replay.mode: R2" in str(err.value)
+
+
+def test_r3_with_sglang_without_speculation_and_r2_with_speculation_are_accepted():
+    assert load_stack(TINY_MOE, SGLANG_R3).config.replay.mode == "R3"
+    s = load_stack(TINY_MOE, ["plugins=[replay,sglang]", "rollout.backend=sglang", "sync.name=sglang-disk",
+                              "replay.mode=R2", "algorithm.old_logprobs=recompute", "rollout.return_routed_experts=false",
+                              "sglang.speculative_algorithm=EAGLE", "sglang.speculative_eagle_topk=4"])
+    assert s.config.replay.mode == "R2"
 
 
 def test_replay_needs_the_router_seam_and_routes_from_the_rollout():
