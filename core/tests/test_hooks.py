@@ -189,6 +189,9 @@ def test_hook_forward_request(rlcore_plugin_manager, register_plugin):
     """), "r2")
     assert rlcore_plugin_manager.forward_request(_ctx("old_logprob")) == ForwardRequest(record_routes=True)
     assert rlcore_plugin_manager.forward_request(_ctx("train")) == ForwardRequest(mtp_hidden=True)
+    # native_logprobs merges like the others (any True wins)
+    merged = ForwardRequest(record_routes=True).merge(ForwardRequest(native_logprobs=True))
+    assert merged == ForwardRequest(record_routes=True, native_logprobs=True)
 
 
 def test_hook_step_end(rlcore_plugin_manager, register_plugin):

@@ -288,7 +288,10 @@ class RLCoreSpecs:
         :param ctx: the micro-batch about to run (step, phase, index, the packed batch).
         :return: a :class:`~rlcore.types.ForwardRequest` (``record_routes``: the engine
             records the experts every router chose into ``EngineOutput.routes``;
-            ``mtp_hidden``: the engine returns MTP hidden states), or ``None``.
+            ``mtp_hidden``: the engine returns MTP hidden states; ``native_logprobs``: core
+            runs the micro-batch once more with native routing, no router_hook chain and no
+            gradient, and hands its log-probs to postprocess as
+            ``ModelOutput.native_logprobs``), or ``None``.
 
         **Example:**
 

@@ -314,7 +314,8 @@ class Trainer:
                     loss_mask=mb.loss_mask, temperature=float(cfg.rollout.temperature),
                     sequence_parallel=out.sequence_parallel, compute_entropy=(phase == "train"), loss=request,
                 ))
-                results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn))
+                native = self._native_logprobs(mb, ctx, engine, hw) if req.native_logprobs else None
+                results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn, native))
                 for plugin, res in results:
                     for k, v in res.metrics.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
@@ -353,6 +354,17 @@ class Trainer:
         if logprob_out is not None:
             batch.fields[PHASE_OUTPUT[phase]] = logprob_out
         return out_metrics
+
+    def _native_logprobs(self, mb: PackedBatch, ctx: MicroBatchContext, engine: Any, hw: Any) -> torch.Tensor:
+        """The micro-batch's log-probs with every router routing natively (``forward_request``
+        asked ``native_logprobs``): one more forward, no router_hook chain, no gradient."""
+        with torch.no_grad():
+            out = engine.forward(mb, micro_batch=ctx)
+            return self.forward_fn(HeadInput(
+                hidden=out.hidden, weight=hw.weight, labels=mb.labels(), vocab=hw.vocab, loss_mask=mb.loss_mask,
+                temperature=float(self.cfg.rollout.temperature), sequence_parallel=out.sequence_parallel,
+                compute_entropy=False,
+            )).logprobs.detach().float()
 
     def _train_step(self) -> StepResult:
         cfg = self.cfg

@@ -12,7 +12,7 @@ import pytest
 @pytest.fixture(scope="session")
 def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     """HF directories beyond the conformance ones: tied embeddings, KV heads divisible by 2
-    (tensor parallelism), Qwen3-MoE with an MTP layer, Qwen2-MoE (shared expert with a gate)."""
+    (tensor parallelism), Qwen3-MoE with KV heads divisible by 2, Qwen3-MoE with an MTP layer, Qwen2-MoE (shared expert with a gate)."""
     from rlcore.testing.models import WORDS, make_model_dir, tiny_config
 
     root = tmp_path_factory.mktemp("rlcore-megatron-models")
@@ -20,6 +20,7 @@ def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     dirs["dense_tied"] = make_model_dir(root / "dense_tied", "qwen2", seed=6, tie_word_embeddings=True)
     dirs["dense_kv2"] = make_model_dir(root / "dense_kv2", "qwen2", seed=7, num_kv_heads=2)
     dirs["qwen2_moe"] = make_model_dir(root / "qwen2_moe", "qwen2_moe", seed=8)
+    dirs["moe_kv2"] = make_model_dir(root / "moe_kv2", "qwen3_moe", seed=10, num_kv_heads=2)
     dirs["moe_mtp"] = _mtp_model_dir(root / "moe_mtp", tiny_config("qwen3_moe", seed=9, mtp_layers=1), WORDS)
     return dirs
 

@@ -52,11 +52,38 @@ def test_bad_values_name_the_key():
         stack("replay.mtp=decoder")
 
 
+SGLANG_R3 = ["plugins=[replay,sglang]", "rollout.backend=sglang", "sync.name=sglang-disk", "replay.mode=R3"]
+
+
 def test_r3_with_sglang_eagle_topk_above_one_is_refused():
-    with pytest.raises(ConfigError, match="speculative_eagle_topk=4"):
-        load_stack(TINY_MOE, ["plugins=[replay,sglang]", "rollout.backend=sglang", "sync.name=sglang-disk",
-                              "replay.mode=R3", "sglang.speculative_algorithm=EAGLE",
-                              "sglang.speculative_eagle_topk=4"])
+    with pytest.raises(ConfigError, match="speculative_eagle_topk=4 > 1 SGLang returns the routes of the wrong KV"):
+        load_stack(TINY_MOE, [*SGLANG_R3, "sglang.speculative_algorithm=EAGLE", "sglang.speculative_eagle_topk=4"])
+
+
+@pytest.mark.parametrize("overrides,why", [
+    # top-k left to SGLang: it chooses 4 for most architectures
+    (["sglang.speculative_algorithm=EAGLE3"], "speculative_eagle_topk is not set, so SGLang chooses it"),
+    # the flags given as launch_args, in both spellings
+    (["sglang.launch_args=[--speculative-algorithm,NEXTN,--speculative-eagle-topk=2]"], "speculative_eagle_topk=2"),
+    (["sglang.launch_args=[--speculative-algorithm=NGRAM]"], "all-zero routes"),
+    # the algorithm as a setting, the top-k in launch_args
+    (["sglang.speculative_algorithm=EAGLE", "sglang.launch_args=[--speculative-eagle-topk,3]"],
+     "speculative_eagle_topk=3"),
+    # top-k 1: rlcore-sglang refuses any speculative decoding with routed experts at start; say so now
+    (["sglang.speculative_algorithm=EAGLE", "sglang.speculative_eagle_topk=1"], "does not count the speculative verify"),
+])
+def test_r3_with_sglang_speculative_decoding_is_refused_at_config_time_saying_why(overrides, why):
+    with pytest.raises(ConfigError, match=why) as err:
+        load_stack(TINY_MOE, [*SGLANG_R3, *overrides])
+    assert "replay.mode: R2" in str(err.value)
+
+
+def test_r3_with_sglang_without_speculation_and_r2_with_speculation_are_accepted():
+    assert load_stack(TINY_MOE, SGLANG_R3).config.replay.mode == "R3"
+    s = load_stack(TINY_MOE, ["plugins=[replay,sglang]", "rollout.backend=sglang", "sync.name=sglang-disk",
+                              "replay.mode=R2", "algorithm.old_logprobs=recompute", "rollout.return_routed_experts=false",
+                              "sglang.speculative_algorithm=EAGLE", "sglang.speculative_eagle_topk=4"])
+    assert s.config.replay.mode == "R2"
 
 
 def test_replay_needs_the_router_seam_and_routes_from_the_rollout():
@@ -133,3 +160,28 @@ def test_examples_that_promise_replay_activate_it():
     for name in ("sglang_moe_mtp.yaml",):
         s = load_stack(str(ROOT / "examples" / name))
         assert "replay" in s.plugins.active and s.config.replay.mode == "R3", name
+
+
+def test_mismatch_off_under_r2_is_a_config_error_saying_why():
+    with pytest.raises(ConfigError, match="under R2 that pass routes natively"):
+        stack("replay.mode=R2", "algorithm.old_logprobs=recompute", "replay.mismatch_off=true")
+
+
+@pytest.mark.slow
+def test_mismatch_with_replay_off_and_on_per_step(tmp_path):
+    """The rollout serves in bf16 (it routes some tokens otherwise than the fp32 trainer): the
+    mismatch with replay on is core's logprob_mismatch (the replaying old-log-prob pass); the
+    extra native forward's mismatch is larger."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "plugins" / "replay" / "bench"))
+    from mismatch_on_off import run
+
+    r = run(2, tmp_path, prompts=4)
+    assert len(r) == 2
+    for x in r:
+        assert x["replay/logprob_mismatch_on_mean"] == pytest.approx(x["logprob_mismatch_mean"], rel=1e-5, abs=1e-7)
+        assert x["replay/logprob_mismatch_on_max"] == pytest.approx(x["logprob_mismatch_max"], rel=1e-5, abs=1e-7)
+        assert x["replay/logprob_mismatch_off_mean"] > 0 and x["replay/agreement"] < 1.0
+    assert sum(x["replay/logprob_mismatch_off_max"] for x in r) > sum(x["replay/logprob_mismatch_on_max"] for x in r)
+    assert sum(x["replay/logprob_mismatch_off_mean"] for x in r) > sum(x["replay/logprob_mismatch_on_mean"] for x in r)

@@ -20,6 +20,10 @@ class ForwardRequest:
 
     record_routes: bool = False
     mtp_hidden: bool = False
+    #: also run the micro-batch once more with every router routing natively (no router_hook
+    #: chain, no gradient) and hand its per-token log-probs to postprocess
+    #: (``ModelOutput.native_logprobs``); costs one extra forward + head per micro-batch
+    native_logprobs: bool = False
 
     def merge(self, other: ForwardRequest | None) -> ForwardRequest:
         if other is None:
@@ -27,6 +31,7 @@ class ForwardRequest:
         return ForwardRequest(
             record_routes=self.record_routes or other.record_routes,
             mtp_hidden=self.mtp_hidden or other.mtp_hidden,
+            native_logprobs=self.native_logprobs or other.native_logprobs,
         )
 
 
@@ -38,6 +43,9 @@ class ModelOutput:
     head: HeadOutput
     head_weight: HeadWeight
     forward_fn: ForwardFn
+    #: ``[T]`` float32 log-probs of a forward with native routing, when a ``forward_request``
+    #: asked ``native_logprobs=True`` (else None)
+    native_logprobs: Any = None
 
 
 @dataclass

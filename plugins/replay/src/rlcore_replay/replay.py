@@ -83,6 +83,8 @@ class _StepStats:
     missing_samples: int = 0
     forwards: int = 0
     recomputed_forwards: int = 0
+    #: ``replay.mismatch_off``: "on"/"off" -> [sum |Δ|, tokens, max |Δ|] of trainer vs rollout log-probs
+    mismatch: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Replayer:
@@ -95,6 +97,7 @@ class Replayer:
         self.on_missing = str(s.on_missing)
         self.mtp = str(s.mtp)
         self.agreement = bool(s.agreement)
+        self.mismatch_off = bool(s.get("mismatch_off", False))
         self.forwards: dict[int, _Forward] = {}
         self.done: list[_Forward] = []  #: finished train forwards, whose backward may recompute
         self.stats = _StepStats()
@@ -145,6 +148,8 @@ class Replayer:
                 return ForwardRequest(record_routes=True)
             return None
         self.forwards[id(ctx)] = _Forward(ctx.phase, ctx.index, self._source(ctx))
+        if self.mismatch_off and ctx.phase == "old_logprob":
+            return ForwardRequest(native_logprobs=True)
         return None
 
     def router_hook(self, call: RouterCall) -> RouterDecision | None:
@@ -233,6 +238,8 @@ class Replayer:
         if fwd is None:
             return None
         self._finish(fwd, ctx)
+        if self.mismatch_off and ctx.phase == "old_logprob":
+            self._mismatch(ctx, output)
         if ctx.phase == "train":
             self.done.append(fwd)
         return None
@@ -260,6 +267,27 @@ class Replayer:
                 f"routers for routed layers {sorted(fwd.asked)} only (layers "
                 f"{sorted(layer for layer, _, _ in fwd.asked.values())}); a router that never runs, or routes "
                 f"from a model with more MoE layers")
+
+    def _mismatch(self, ctx: Any, output: Any) -> None:
+        """|trainer - rollout| log-probs over the micro-batch's loss tokens, with replay (this
+        forward) and without (the native forward core ran because forward_request asked)."""
+        if output.native_logprobs is None:
+            raise BatchShapeError(
+                f"replay.mismatch_off: step {ctx.step} old-log-prob micro-batch {ctx.index} came back without the "
+                f"native log-probs forward_request asked for (an engine loop that ignores native_logprobs)")
+        mb = ctx.batch
+        rollout = mb.fields.get("old_logprobs")
+        if rollout is None:
+            raise BatchShapeError(f"replay.mismatch_off: step {ctx.step} micro-batch {ctx.index} carries no rollout "
+                                  f"log-probs (field 'old_logprobs') to compare with")
+        mask = mb.loss_mask.bool()
+        target = rollout.float()[mask]
+        for key, lp in (("on", output.head.logprobs), ("off", output.native_logprobs)):
+            d = (lp.detach().float().to(target.device)[mask] - target).abs()
+            acc = self.stats.mismatch.setdefault(key, [0.0, 0, 0.0])
+            acc[0] += float(d.sum())
+            acc[1] += int(d.numel())
+            acc[2] = max(acc[2], float(d.max()) if d.numel() else 0.0)
 
     def _check_recompute(self) -> None:
         for fwd in self.done:
@@ -290,6 +318,9 @@ class Replayer:
             "replay/bytes_step": float(nbytes),
             "replay/bytes_per_token": nbytes / max(batch.num_tokens, 1),
         }
+        for key, (total, n, worst) in sorted(st.mismatch.items()):
+            out[f"replay/logprob_mismatch_{key}_mean"] = total / n if n else 0.0
+            out[f"replay/logprob_mismatch_{key}_max"] = worst
         if self.agreement:
             total = [0, 0]
             for layer, (a, n) in sorted(st.agree.items()):
