@@ -38,6 +38,7 @@ from rlcore.errors import (
     WeightSyncError,
 )
 from rlcore.faults import fault_point
+from rlcore.platforms import resolve_device
 from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
@@ -134,7 +135,13 @@ class Trainer:
             section = sections.get(spec.plugin)
             settings = cfg[section] if section else None
             return BuildContext(config=cfg, settings=settings, output_dir=str(self.out), engine=engine,
-                                extras={"task": self.task})
+                                extras={"task": self.task}, device=getattr(self, "device", None),
+                                platform=getattr(self, "platform", None))
+
+        # the device platform first: a vendor extension (torch_npu) is imported by its factory
+        platform_ctx = ctx_for(stack.platform) if stack.platform is not None else BuildContext(config=cfg)
+        resolved = resolve_device(cfg.engine.device, ctx=platform_ctx, spec=stack.platform)
+        self.platform, self.device = resolved.platform, resolved.device
 
         self.engine = stack.engine.factory(ctx_for(stack.engine))
         self.tokenizer = getattr(self.engine, "tokenizer", None)

@@ -48,6 +48,8 @@ from rlcore.types.providers import (
     EngineSpec,
     ForwardFnSpec,
     IncompatibleWith,
+    Platform,
+    PlatformSpec,
     PluginSettings,
     ProviderSpec,
     RequiresCapability,
@@ -71,7 +73,7 @@ __all__ = [
     # providers
     "PLUGIN_API", "normalise_name", "Cap", "ProviderSpec", "ForwardFnSpec", "RolloutBackendSpec",
     "WeightSyncSpec", "EngineSpec", "PluginSettings", "IncompatibleWith", "RequiresCapability",
-    "Constraint", "BuildContext",
+    "Constraint", "BuildContext", "PlatformSpec", "Platform",
     # forward
     "VocabShard", "HeadInput", "HeadOutput", "LossRequest", "ForwardFn", "RouteLayout", "ModelInfo", "RouterCall",
     "RouterDecision", "EngineOutput", "HeadWeight", "TrainingEngine", "RouterDispatch", "Phase",
