@@ -381,7 +381,8 @@ class RLCoreSpecs:
         :param call: which router (``layer`` id and ``routed_index`` in
             :class:`~rlcore.types.RouteLayout` order, ``is_mtp``), which tokens of the
             micro-batch it sees (``token_offset``, ``num_tokens``), the micro-batch context
-            (whose batch carries ``routes`` for R3/R2), and the router scores when available.
+            (whose batch carries the rollout's routes for R3: ``batch.routes()`` decodes the
+            compact ``routes`` / ``routes_native`` fields), and the router scores when available.
         :return: a :class:`~rlcore.types.RouterDecision` with ``[num_tokens, topk]`` integer
             expert indices to use (probabilities are recomputed from the router's own scores, so
             the router still gets gradients; negative rows route natively), or ``None``. Every
@@ -395,7 +396,7 @@ class RLCoreSpecs:
 
             @hookimpl
             def router_hook(call):
-                routes = call.micro_batch.batch.fields.get("routes")
+                routes = call.micro_batch.batch.routes()   # int64, -1 = route natively
                 if routes is None or call.is_mtp:
                     return None
                 rows = routes[call.token_offset: call.token_offset + call.num_tokens]
