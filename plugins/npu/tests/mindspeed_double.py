@@ -120,8 +120,9 @@ def _fixture_router_module() -> types.ModuleType:
     mod = types.ModuleType("mindspeed.fixture_router")
     from megatron.core.transformer.moe import moe_utils
 
-    mod.megatron_topk = moe_utils.topk_softmax_with_capacity  # megatron's own, captured at import
-    mod.topk_softmax_with_capacity = moe_utils.topk_softmax_with_capacity  # "imported by name"
+    # megatron's own (0.12/0.13 only: the function these patches target), captured at import
+    mod.megatron_topk = getattr(moe_utils, "topk_softmax_with_capacity", None)
+    mod.topk_softmax_with_capacity = mod.megatron_topk  # "imported by name"
     mod.calls = {"mindspeed_topk": 0, "mindspeed_routing": 0}
 
     def mindspeed_topk_softmax_with_capacity(logits, topk, capacity_factor=None, pad_to_capacity=False,

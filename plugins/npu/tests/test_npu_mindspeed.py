@@ -52,7 +52,8 @@ def mindspeed(monkeypatch):
     listeners = list(routers.SEAM_LISTENERS)
 
     def install(**args):
-        if name != "topk_softmax_with_capacity":
+        router_patches = args.get("fix_router") or args.get("moe_tp_extend_ep")
+        if router_patches and name != "topk_softmax_with_capacity":
             pytest.skip(f"MindSpeed's router patches target megatron-core 0.12.1 ({name} here)")
         return mindspeed_double.install(**args)
 
@@ -176,12 +177,12 @@ def test_transformer_config_rebuilt_by_mindspeed_keeps_rlcores_values_or_says_wh
     from rlcore_megatron.compat import transformer_config
     from rlcore_npu.mindspeed import check_config_kept
 
-    mindspeed(fix_router=True, some_mindspeed_only_flag=3)
+    mindspeed(use_fused_rmsnorm=True, some_mindspeed_only_flag=3)  # MindSpeed-only arguments
     required = dict(num_layers=2, hidden_size=64, num_attention_heads=2, num_moe_experts=8, moe_router_topk=2,
                     moe_router_load_balancing_type="none", add_bias_linear=False, use_cpu_initialization=True)
     config = transformer_config(required, {})
     assert type(config) is not TransformerConfig and isinstance(config, TransformerConfig)  # rebuilt class
-    assert config.fix_router is True and config.some_mindspeed_only_flag == 3  # unknown keys became fields
+    assert config.use_fused_rmsnorm is True and config.some_mindspeed_only_flag == 3  # unknown keys: fields
     check_config_kept(config, required)
     # a setting another plugin declared as a class attribute: MindSpeed's wrapper drops its value
     monkeypatch.setattr(TransformerConfig, "replay_mode", "off", raising=False)
