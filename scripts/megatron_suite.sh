@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A megatron-core engine suite: create or reuse .venvs/megatron-<X.Y> with megatron-core==VERSION
-# on the CPU build of torch, then run the rlcore-megatron plugin's tests (plugins/megatron/tests) in it.
+# on the CPU build of torch, then run the rlcore-megatron plugin's tests (plugins/megatron/tests and plugins/npu/tests) in it.
 #   scripts/megatron_suite.sh VERSION          (scripts/suites/megatron-0.12.sh and -0.16.sh call it)
 # Idempotent: the venv is stamped with a hash of its inputs; an unchanged venv is reused at once.
 # Install order: torch==2.13.0 first (-c scripts/constraints.txt keeps the CPU build), then
@@ -16,7 +16,7 @@ VENV="$ROOT/.venvs/$NAME"
 source scripts/lib/cpu_venv.sh
 
 inputs=(scripts/megatron_suite.sh scripts/lib/cpu_venv.sh "scripts/suites/$NAME.sh" scripts/constraints.txt core/pyproject.toml
-        plugins/megatron/pyproject.toml)
+        plugins/megatron/pyproject.toml plugins/replay/pyproject.toml plugins/npu/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}" -- "megatron-core==$MCORE")"
 if ! venv_is_current "$VENV" "$hash"; then
   echo "[$NAME] preparing $VENV" >&2
@@ -31,7 +31,9 @@ if ! venv_is_current "$VENV" "$hash"; then
     *)
       "${PIP[@]}" "megatron-core==$MCORE" ;;
   esac
-  "${PIP[@]}" --no-build-isolation -e "core[test]" -e plugins/megatron pytest hypothesis
+  # rlcore-replay and rlcore-npu need nothing beyond rlcore and megatron-core; rlcore-npu's
+  # MindSpeed / 0.12.1 compatibility tests run here against the real megatron-core
+  "${PIP[@]}" --no-build-isolation -e "core[test]" -e plugins/megatron -e plugins/replay -e plugins/npu pytest hypothesis
   venv_stamp "$VENV" "$hash"
   echo "[$NAME] $VENV ready" >&2
 fi
@@ -40,7 +42,7 @@ figures="$(mktemp)"
 trap 'rm -f "$figures"' EXIT
 set +e
 RLCORE_MEGATRON_FIGURES="$figures" PYTHONWARNINGS=ignore OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" \
-  "$VENV/bin/python" -m pytest plugins/megatron/tests -q -p no:cacheprovider -W ignore::UserWarning "$@"
+  "$VENV/bin/python" -m pytest plugins/megatron/tests plugins/npu/tests -q -p no:cacheprovider -W ignore::UserWarning "$@"
 rc=$?
 set -e
 if [ -s "$figures" ]; then

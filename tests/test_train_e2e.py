@@ -103,7 +103,7 @@ from rlcore.types import RouterDecision, PostprocessResult
 CALLS = {"replayed": 0}
 @hookimpl
 def router_hook(call):
-    routes = call.micro_batch.batch.fields.get("routes") if call.micro_batch else None
+    routes = call.micro_batch.batch.routes() if call.micro_batch else None  # compact ids decoded, -1 = native
     if routes is None:
         return None
     CALLS["replayed"] += 1

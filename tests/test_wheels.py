@@ -98,8 +98,10 @@ def test_pip_install_from_wheels_into_a_fresh_venv(wheel_dir, tmp_path):
     py = str(venv / "bin" / "python")
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(CONSTRAINTS)]
     _run([*pip, "torch==2.13.0"])                     # torch first, as the README says
-    # the pitch's line, then every other distribution's own line, each a separate pip call
-    lines = [["rlcore", "rlcore-fused"], *[[d] for d in DISTRIBUTIONS if d not in ("rlcore", "rlcore-fused")]]
+    # the pitch's line (with the Ascend plugin: issue 13's proof), then every other distribution's
+    # own line, each a separate pip call
+    first = ["rlcore", "rlcore-fused", "rlcore-npu"]
+    lines = [first, *[[d] for d in DISTRIBUTIONS if d not in first]]
     for names in lines:
         _run([*pip, "--find-links", str(wheel_dir), *names])
     listed = {row["name"]: row for row in json.loads(_run([str(venv / "bin" / "rlcore"), "plugins", "--json"]).stdout)}
@@ -112,3 +114,12 @@ def test_pip_install_from_wheels_into_a_fresh_venv(wheel_dir, tmp_path):
     where = _run([py, "-c", "import rlcore, rlcore_fused; print(rlcore.__file__); print(rlcore_fused.__file__)"]).stdout
     assert all(str(venv) in line for line in where.split()), where
     _run([str(venv / "bin" / "rlcore"), "check", str(ROOT / "examples" / "tiny.yaml")], cwd=tmp_path)
+    # rlcore-npu never pulls torch_npu (it breaks `import torch` where Ascend's CANN is absent), and
+    # `rlcore check` resolves the npu platform without importing it
+    probe = ("import importlib.util, torch; assert importlib.util.find_spec('torch_npu') is None; "
+             "print(torch.__version__)")
+    _run([py, "-c", probe])
+    npu_cfg = tmp_path / "npu.yaml"
+    npu_cfg.write_text("plugins: [npu]\nengine: {device: npu}\n")
+    shown = json.loads(_run([str(venv / "bin" / "rlcore"), "check", str(npu_cfg), "--json"], cwd=tmp_path).stdout)
+    assert (shown["platform"]["name"], shown["platform"]["dist_backend"]) == ("npu", "hccl")

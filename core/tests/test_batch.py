@@ -118,3 +118,50 @@ def test_align_total_pads_last_sequence():
     b = PackedBatch.pack([[1, 2, 3], [4, 5]], [1, 1], align=2, align_total=8)
     assert b.num_tokens == 8 and b.layout.padded_lens.tolist() == [4, 4]
     assert b.unpack(b.input_ids)[1].tolist() == [4, 5]
+
+
+# ---- compact routes: uint8 ids up to 256 experts, int16 beyond, native mask --------------------
+
+
+@pytest.mark.parametrize("num_experts,dtype", [(8, torch.uint8), (256, torch.uint8), (257, torch.int16),
+                                               (32768, torch.int16), (40000, torch.int32)])
+def test_compact_routes_round_trip_in_the_smallest_dtype(num_experts, dtype):
+    from rlcore.batch import compact_routes, expand_routes, route_id_dtype
+
+    g = torch.Generator().manual_seed(num_experts)
+    routes = torch.stack([torch.randperm(num_experts, generator=g)[:4] for _ in range(6 * 3)]).view(6, 3, 4)
+    routes[5] = -1  # the last token of a sequence: routes natively
+    routes[2, 1] = -1  # one layer of one token without a route
+    assert route_id_dtype(num_experts) == dtype
+    ids, native = compact_routes(routes, num_experts)
+    assert ids.dtype == dtype and native.dtype == torch.bool and native.shape == (6, 3)
+    assert native[5].all() and native[2, 1] and int(native.sum()) == 4
+    assert torch.equal(expand_routes(ids, native), routes.long())
+    assert ids.numel() * ids.element_size() + native.numel() == 6 * (3 * 4 * dtype.itemsize + 3)
+    if num_experts < 256:  # a native row read raw is an out-of-range id, refused by every router
+        assert int(ids[5].min()) == num_experts
+
+
+def test_routes_of_reads_compact_and_plain_fields_and_refuses_unmasked_uint8():
+    from rlcore.batch import compact_routes, routes_of
+
+    routes = torch.tensor([[[0, 1]], [[2, 3]], [[-1, -1]]])
+    ids, native = compact_routes(routes, 4)
+    assert torch.equal(routes_of({"routes": ids, "routes_native": native}), routes)
+    assert torch.equal(routes_of({"routes": routes.to(torch.int16)}), routes)  # plain signed: -1 kept
+    assert routes_of({}) is None
+    with pytest.raises(BatchShapeError, match="uint8 expert ids but no 'routes_native' mask"):
+        routes_of({"routes": ids})
+
+
+def test_compact_routes_follow_micro_batches_and_devices():
+    from rlcore.batch import compact_routes
+
+    routes = [torch.tensor([[[1, 2]], [[3, 0]]], dtype=torch.int16), torch.tensor([[[2, 1]]], dtype=torch.int16)]
+    b = PackedBatch.pack([[1, 2, 3], [4, 5]], [1, 1], input_fields={"routes": routes})
+    b.fields["routes"], b.fields["routes_native"] = compact_routes(b.fields["routes"], 4)
+    full = b.routes()
+    mbs = b.micro_batches(3)
+    assert len(mbs) == 2 and torch.equal(torch.cat([m.routes() for m in mbs]), full)
+    assert full[2].eq(-1).all() and full[4].eq(-1).all()  # each sequence's last token
+    assert torch.equal(b.to("cpu").routes(), full)

@@ -15,6 +15,7 @@ from rlcore.types import (
     ForwardFnSpec,
     ForwardRequest,
     MicroBatchContext,
+    PlatformSpec,
     PluginSettings,
     PostprocessResult,
     RolloutBackendSpec,
@@ -70,6 +71,37 @@ def test_hook_weight_sync(rlcore_plugin_manager, register_plugin):
 def test_hook_engine(rlcore_plugin_manager, register_plugin):
     register_plugin(_provider_module("eng", "engine", EngineSpec, "jax"), "eng")
     assert set(rlcore_plugin_manager.engines()) >= {"hf", "jax"}
+
+
+def test_hook_platform(rlcore_plugin_manager, register_plugin):
+    from rlcore.platforms import TorchDevicePlatform, resolve_device
+
+    activated = []
+
+    def activate(ctx):
+        activated.append(ctx)  # the vendor import would happen here, only when selected
+        return TorchDevicePlatform("cpu", "test-collectives")
+
+    mod = types.ModuleType("xpu_plugin")
+    mod.PLUGIN_API = 1
+    from rlcore import hookimpl
+
+    @hookimpl
+    def platform():
+        yield PlatformSpec(name="xpu", factory=activate, device_type="cpu", dist_backend="test-collectives",
+                           is_available=lambda: False)
+
+    mod.platform = platform
+    register_plugin(mod, "xpu_plugin", distribution="acme-xpu", version="1.0")
+    specs = rlcore_plugin_manager.platforms()
+    assert set(specs) == {"cpu", "cuda", "xpu"}
+    assert specs["cpu"].dist_backend == "gloo" and specs["cuda"].dist_backend == "nccl"
+    assert specs["xpu"].distribution == "acme-xpu 1.0" and not specs["xpu"].available()
+    assert activated == []  # listing never activates
+    got = resolve_device("xpu:0", specs, ctx="the-ctx", select=rlcore_plugin_manager.select)
+    assert activated == ["the-ctx"] and got.spec.name == "xpu" and got.platform.dist_backend == "test-collectives"
+    with pytest.raises(errors.UnknownProviderError, match="engine.device.*'npu'.*rlcore-npu"):
+        resolve_device("npu", specs, select=rlcore_plugin_manager.select)
 
 
 def test_provider_hook_must_return_descriptors(rlcore_plugin_manager):

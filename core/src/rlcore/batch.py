@@ -353,6 +353,12 @@ class PackedBatch:
         new.update(fields)
         return replace(self, fields=new)
 
+    def routes(self) -> torch.Tensor | None:
+        """The routed experts this batch carries, ``[T, routed_layers, topk]`` int64 with ``-1``
+        where a token routes natively, or ``None``. Read routes through this: the ``routes``
+        field is stored compactly (:func:`compact_routes`)."""
+        return routes_of(self.fields)
+
     def to(self, device: Any) -> PackedBatch:
         return replace(
             self,
@@ -411,6 +417,56 @@ class PackedBatch:
             )
             self.fields[key] = cur
         cur[t0:t1] = value.to(cur.device)
+
+
+#: per-token fields of compact routes: expert ids (:func:`route_id_dtype`) and, per token and routed
+#: layer, whether it routes natively (its ids are then meaningless)
+ROUTES = "routes"
+ROUTES_NATIVE = "routes_native"
+
+
+def route_id_dtype(num_experts: int) -> torch.dtype:
+    """The smallest dtype for expert ids: uint8 up to 256 experts, int16 up to 32768, else int32."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    return torch.int32
+
+
+def compact_routes(routes: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, L, K]`` integer routes (``-1`` = route natively) → (ids ``[T, L, K]`` in
+    :func:`route_id_dtype`, native ``[T, L]`` bool). Bytes per token: ``L·K·itemsize + L``
+    (Qwen3-30B-A3B, 48 layers × top-8 of 128 experts: 432 B, against 768 B in int16). A native
+    row's ids are ``num_experts`` where the dtype has room (an id out of range, refused loudly by
+    any router that reads raw ids without the mask), else 0."""
+    routes = routes.to(torch.int64)
+    native = (routes < 0).any(dim=-1)
+    dtype = route_id_dtype(num_experts)
+    fill = num_experts if num_experts <= (255 if dtype == torch.uint8 else torch.iinfo(dtype).max) else 0
+    ids = routes.masked_fill(native.unsqueeze(-1), fill).to(dtype)
+    return ids, native
+
+
+def expand_routes(ids: torch.Tensor, native: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`compact_routes`: int64 routes with ``-1`` rows where ``native``."""
+    return ids.to(torch.int64).masked_fill(native.unsqueeze(-1), -1)
+
+
+def routes_of(fields: Mapping[str, torch.Tensor], ids_key: str = ROUTES,
+              native_key: str = ROUTES_NATIVE) -> torch.Tensor | None:
+    """int64 routes with ``-1`` from a field mapping holding compact routes (ids + native mask),
+    or plain signed routes with ``-1`` (no mask field); ``None`` when there are none."""
+    ids = fields.get(ids_key)
+    if ids is None:
+        return None
+    native = fields.get(native_key)
+    if native is None:
+        if ids.dtype == torch.uint8:
+            raise BatchShapeError(f"field {ids_key!r} holds uint8 expert ids but no {native_key!r} mask says "
+                                  f"which tokens route natively")
+        return ids.to(torch.int64)
+    return expand_routes(ids, native)
 
 
 def sample_routes(routes: Any, layout: Any, seq_len: int, what: str) -> torch.Tensor:

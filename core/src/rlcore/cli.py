@@ -76,6 +76,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if desc.get("algorithm"):
         a = desc["algorithm"]
         con.print(f"  {'algorithm':16s} {a['name']:14s} from {a['distribution']}  loss_agg {a['loss_agg']}")
+    if desc.get("platform"):
+        pl = desc["platform"]
+        con.print(f"  {'platform':16s} {pl['name']:14s} from {pl['distribution']}  device {pl['device']}, "
+                  f"{pl['dist_backend']} between ranks")
     for hook, names in desc["chains"].items():
         con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
     for note in desc["notes"]:

@@ -3,7 +3,7 @@
 There are two kinds of hook (docs/hooks.md has the lifecycle diagram):
 
 * **Provider hooks** (``forward_fn``, ``rollout_backend``, ``weight_sync``, ``engine``,
-  ``algorithm``) return
+  ``algorithm``, ``platform``) return
   typed descriptors (:mod:`rlcore.types`) naming implementations. Every name must be unique
   across installed distributions; the config selects one by name.
 * **Chain hooks** (``forward_request``, ``postprocess``, ``router_hook``, ``step_end``) run every
@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ForwardRequest,
         MicroBatchContext,
         ModelOutput,
+        PlatformSpec,
         PluginSettings,
         PostprocessResult,
         RolloutBackendSpec,
@@ -47,7 +48,7 @@ PROJECT = "rlcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-PROVIDER_HOOKS = ("forward_fn", "rollout_backend", "weight_sync", "engine", "algorithm")
+PROVIDER_HOOKS = ("forward_fn", "rollout_backend", "weight_sync", "engine", "algorithm", "platform")
 CHAIN_HOOKS = ("forward_request", "postprocess", "router_hook", "step_end")
 DECLARATION_HOOKS = ("plugin_settings", "constraints")
 
@@ -276,6 +277,41 @@ class RLCoreSpecs:
                                     loss_agg="token-mean", source="Me et al. 2026, eq. 3")
         """
 
+    @hookspec
+    def platform(self) -> Iterable[PlatformSpec]:
+        """Register device platforms: where tensors live and how ranks talk.
+
+        **Kind:** provider; selected by the device type of ``engine.device`` (``npu`` and
+        ``npu:1`` select ``npu``; ``auto`` selects the one available accelerator platform, else
+        ``cpu``). Built-in: ``cpu`` (gloo) and ``cuda`` (nccl). **Called:** at plugin load (to
+        list names), when the config is resolved (``rlcore check`` shows the platform and
+        refuses an unknown device naming the plugin that provides it), and the selected spec's
+        ``factory(ctx: BuildContext)`` once per run, before any engine is built, returning the
+        activated :class:`~rlcore.types.Platform` (``device(index)``, ``device_count()``,
+        ``set_device(index)``, ``synchronize()``, ``dist_backend``).
+
+        The factory is the only place a vendor extension (``torch_npu``) may be imported; when it
+        is missing the factory raises :class:`~rlcore.errors.ConfigError` naming the install line.
+        ``is_available`` must stay cheap (no vendor import). Engines get the result as
+        ``BuildContext.device`` / ``BuildContext.platform``, and :func:`rlcore.platforms.platform_for`
+        answers for a ``torch.device`` anywhere (the torch.distributed backend for its ranks).
+
+        :return: an iterable of :class:`~rlcore.types.PlatformSpec` (``device_type``: torch's
+            device type; ``dist_backend``; ``is_available``).
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def platform():
+                def activate(ctx):
+                    from my_plugin.xpu import XPUPlatform   # imports the vendor extension
+                    return XPUPlatform()
+                yield PlatformSpec(name="xpu", factory=activate, dist_backend="xccl",
+                                   is_available=lambda: importlib.util.find_spec("xpu_ext") is not None)
+        """
+
     # ---------------------------------------------------------------------- chains -------
 
     @hookspec
@@ -348,7 +384,8 @@ class RLCoreSpecs:
         :param call: which router (``layer`` id and ``routed_index`` in
             :class:`~rlcore.types.RouteLayout` order, ``is_mtp``), which tokens of the
             micro-batch it sees (``token_offset``, ``num_tokens``), the micro-batch context
-            (whose batch carries ``routes`` for R3/R2), and the router scores when available.
+            (whose batch carries the rollout's routes for R3: ``batch.routes()`` decodes the
+            compact ``routes`` / ``routes_native`` fields), and the router scores when available.
         :return: a :class:`~rlcore.types.RouterDecision` with ``[num_tokens, topk]`` integer
             expert indices to use (probabilities are recomputed from the router's own scores, so
             the router still gets gradients; negative rows route natively), or ``None``. Every
@@ -362,7 +399,7 @@ class RLCoreSpecs:
 
             @hookimpl
             def router_hook(call):
-                routes = call.micro_batch.batch.fields.get("routes")
+                routes = call.micro_batch.batch.routes()   # int64, -1 = route natively
                 if routes is None or call.is_mtp:
                     return None
                 rows = routes[call.token_offset: call.token_offset + call.num_tokens]

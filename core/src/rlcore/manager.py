@@ -52,6 +52,7 @@ from rlcore.types import (
     ForwardFnSpec,
     ForwardRequest,
     IncompatibleWith,
+    PlatformSpec,
     PluginSettings,
     PostprocessResult,
     ProviderSpec,
@@ -86,6 +87,7 @@ _SPEC_TYPES: dict[str, type[ProviderSpec]] = {
     "weight_sync": WeightSyncSpec,
     "engine": EngineSpec,
     "algorithm": AlgorithmSpec,
+    "platform": PlatformSpec,
 }
 
 ALL_HOOKS = PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS
@@ -374,6 +376,10 @@ class PluginManager:
     def algorithms(self) -> dict[str, AlgorithmSpec]:
         """Registered algorithms (advantage estimator + policy loss), by name."""
         return self._providers("algorithm")  # type: ignore[return-value]
+
+    def platforms(self) -> dict[str, PlatformSpec]:
+        """Registered device platforms (built-in ``cpu``, ``cuda``), by name."""
+        return self._providers("platform")  # type: ignore[return-value]
 
     def providers(self, hook: str) -> dict[str, ProviderSpec]:
         if hook not in _SPEC_TYPES:

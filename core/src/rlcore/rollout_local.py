@@ -24,6 +24,7 @@ import torch
 from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import RolloutError, WeightSyncError
+from rlcore.platforms import run_device
 from rlcore.rollout_seeds import CallSeeds, base_seed
 from rlcore.sync import Bucket, WeightManifest, tensor_checksum
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
@@ -305,7 +306,5 @@ class LocalRollout:
 
 def build_local_rollout(ctx: Any) -> LocalRollout:
     cfg = ctx.config
-    device = cfg.engine.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = run_device(ctx)
     return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=base_seed(cfg))

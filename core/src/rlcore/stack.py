@@ -40,6 +40,8 @@ class Stack:
     gaps: dict[str, dict[str, str]] = field(default_factory=dict)
     #: the selected algorithm (``algorithm.name``)
     algorithm: Any = None
+    #: the device platform ``engine.device`` selects (a :class:`~rlcore.types.PlatformSpec`)
+    platform: Any = None
 
     def has(self, role: str, cap: str) -> bool:
         """Declared by the selected provider and available on this platform."""
@@ -70,6 +72,9 @@ class Stack:
                           {"name": self.algorithm.name, "plugin": self.algorithm.plugin,
                            "distribution": self.algorithm.distribution, "source": self.algorithm.source,
                            "loss_agg": self.config.algorithm.loss_agg}),
+            "platform": (None if self.platform is None else
+                         {**spec(self.platform), "device": str(self.config.engine.device),
+                          "dist_backend": self.platform.dist_backend}),
             "chains": self.chains,
             "notes": self.notes,
         }
@@ -112,6 +117,9 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
     sync = pm.select("weight_sync", cfg.sync.name, key="sync.name")
     stack = Stack(cfg, pm, engine, forward, rollout, sync)  # type: ignore[arg-type]
     stack.algorithm = pm.select("algorithm", cfg.algorithm.name, key="algorithm.name")
+    from rlcore.platforms import select_platform
+
+    stack.platform = select_platform(cfg.engine.device, pm.platforms(), select=pm.select)
     stack.chains = {hook: pm.implementers(hook) for hook in CHAIN_HOOKS}
 
     # the weight sync must be able to feed the backend

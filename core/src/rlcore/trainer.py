@@ -28,7 +28,7 @@ from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.spec import AdvantageInput
-from rlcore.batch import PackedBatch, sample_routes
+from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
 from rlcore.config import training_fingerprint
 from rlcore.errors import (
     CheckpointError,
@@ -38,6 +38,7 @@ from rlcore.errors import (
     WeightSyncError,
 )
 from rlcore.faults import fault_point
+from rlcore.platforms import resolve_device
 from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
@@ -134,7 +135,13 @@ class Trainer:
             section = sections.get(spec.plugin)
             settings = cfg[section] if section else None
             return BuildContext(config=cfg, settings=settings, output_dir=str(self.out), engine=engine,
-                                extras={"task": self.task})
+                                extras={"task": self.task}, device=getattr(self, "device", None),
+                                platform=getattr(self, "platform", None))
+
+        # the device platform first: a vendor extension (torch_npu) is imported by its factory
+        platform_ctx = ctx_for(stack.platform) if stack.platform is not None else BuildContext(config=cfg)
+        resolved = resolve_device(cfg.engine.device, ctx=platform_ctx, spec=stack.platform)
+        self.platform, self.device = resolved.platform, resolved.device
 
         self.engine = stack.engine.factory(ctx_for(stack.engine))
         self.tokenizer = getattr(self.engine, "tokenizer", None)
@@ -284,11 +291,17 @@ class Trainer:
                 else torch.full((len(seq) - 1, layout.num_routed, layout.topk), -1, dtype=torch.int16)
                 for i, (s, seq, ok) in enumerate(zip(samples, seqs, have, strict=True))]
             seq_fields["routes_present"] = torch.tensor(have)
-        return PackedBatch.pack(
+        batch = PackedBatch.pack(
             seqs, starts, target_fields=target, input_fields=inputs, seq_fields=seq_fields,
             align=int(getattr(self.engine, "sequence_alignment", 1)),
             pad_id=self.engine.info.pad_token_id,
         )
+        if "routes" in batch.fields:
+            # stored compactly from here on (uint8 ids up to 256 experts, int16 beyond, and a
+            # [T, layers] native mask); read them with batch.routes()
+            batch.fields["routes"], batch.fields[ROUTES_NATIVE] = compact_routes(batch.fields["routes"],
+                                                                                 layout.num_experts)
+        return batch
 
     def _forward_pass(self, batch: PackedBatch, phase: str, engine: Any, totals: StepTotals,
                       grad: bool) -> dict[str, float]:

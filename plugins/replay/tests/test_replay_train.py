@@ -103,7 +103,8 @@ def test_grpo_r3_from_the_local_rollout(tmp_path):
         assert 0.5 < x["replay/coverage"] < 1.0
         assert x["replay/forwards"] >= 2  # old_logprob + train micro-batches
         assert x["replay/missing_samples"] == 0
-        assert x["replay/bytes_per_token"] == 2 * 2 * 2  # int16 routes [T, 2 layers, top-2]
+        # core packs them compactly: uint8 ids [T, 2 layers, top-2] + a [T, 2] native mask
+        assert x["replay/bytes_per_token"] == 2 * 2 * 1 + 2 and x["replay/id_bytes"] == 1
         assert x["replay/agreement"] == pytest.approx(1.0, abs=0.02)  # same weights: native ≈ replayed
     assert max(x["logprob_mismatch_max"] for x in r) < 1e-4
 

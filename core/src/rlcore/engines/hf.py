@@ -23,6 +23,7 @@ from rlcore.batch import PackedBatch
 from rlcore.engines.hf_names import checkpoint_tensors
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import MissingCapabilityError
+from rlcore.platforms import run_device
 from rlcore.types import (
     Cap,
     EngineOutput,
@@ -199,9 +200,7 @@ def build_hf_engine(ctx: Any) -> HFEngine:
     from rlcore.engines.tiny import make_tiny_model, make_tokenizer
 
     ecfg = ctx.config.engine
-    device = ecfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = run_device(ctx)
     if ecfg.model.path:
         return HFEngine.from_pretrained(ecfg.model.path, device=device, dtype=ecfg.model.dtype)
     task = ctx.extras.get("task")

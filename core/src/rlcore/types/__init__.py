@@ -13,8 +13,12 @@ Conventions used throughout (see docs/architecture.md):
   quantities about a *target* token (log-probs, advantages, the loss mask) live at the position
   that predicts it. Routed experts live at the position whose forward pass chose them.
 * **Routes.** Routed experts are ``[tokens, routed_layers, topk]`` int16, ``-1`` where a token
-  has no route (padding, the last token of a sequence). ``routed_layers`` follows
-  :class:`RouteLayout`: decoder MoE layers in ascending layer index, then MTP layers.
+  has no route (padding, the last token of a sequence), as samples and engines hand them over.
+  ``routed_layers`` follows :class:`RouteLayout`: decoder MoE layers in ascending layer index,
+  then MTP layers. In a :class:`~rlcore.batch.PackedBatch` they are stored compactly: field
+  ``routes`` holds uint8 ids up to 256 experts (int16 up to 32768) and ``routes_native``
+  ``[tokens, routed_layers]`` says which rows route natively; read them with
+  ``batch.routes()`` (int64, ``-1`` restored).
 * **Vocab sharding.** The LM-head weight a forward_fn receives may be this rank's rows of a
   vocab-parallel weight; :class:`VocabShard` says which global ids it holds and which of them
   are padding.
@@ -48,6 +52,8 @@ from rlcore.types.providers import (
     EngineSpec,
     ForwardFnSpec,
     IncompatibleWith,
+    Platform,
+    PlatformSpec,
     PluginSettings,
     ProviderSpec,
     RequiresCapability,
@@ -71,7 +77,7 @@ __all__ = [
     # providers
     "PLUGIN_API", "normalise_name", "Cap", "ProviderSpec", "ForwardFnSpec", "RolloutBackendSpec",
     "WeightSyncSpec", "EngineSpec", "PluginSettings", "IncompatibleWith", "RequiresCapability",
-    "Constraint", "BuildContext",
+    "Constraint", "BuildContext", "PlatformSpec", "Platform",
     # forward
     "VocabShard", "HeadInput", "HeadOutput", "LossRequest", "ForwardFn", "RouteLayout", "ModelInfo", "RouterCall",
     "RouterDecision", "EngineOutput", "HeadWeight", "TrainingEngine", "RouterDispatch", "Phase",

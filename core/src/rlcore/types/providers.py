@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from rlcore.types.forward import TrainingEngine
 
@@ -181,6 +181,50 @@ class EngineSpec(ProviderSpec):
 
 
 @dataclass(frozen=True)
+class PlatformSpec(ProviderSpec):
+    """A device platform: ``factory(ctx: BuildContext) -> Platform``, selected by the device type
+    of ``engine.device`` (``cpu``, ``cuda``, ``npu``, ``cuda:1``; ``auto`` picks the one available
+    accelerator, else ``cpu``).
+
+    ``device_type`` is torch's device type (``torch.device(device_type)``); ``dist_backend`` the
+    torch.distributed backend its ranks use (``gloo``, ``nccl``, ``hccl``). ``is_available`` must
+    be cheap and import nothing heavy (``importlib.util.find_spec``, ``torch.cuda.is_available``):
+    it answers ``auto`` and ``rlcore check``. The factory *activates* the platform: it is the one
+    place a vendor extension (``torch_npu``) may be imported, and it raises
+    :class:`rlcore.errors.ConfigError` naming the install line when the extension is missing.
+    """
+
+    device_type: str = ""
+    dist_backend: str = "gloo"
+    is_available: Callable[[], bool] | None = None
+    kind: str = field(default="platform", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.device_type:
+            object.__setattr__(self, "device_type", self.name)
+
+    def available(self) -> bool:
+        return True if self.is_available is None else bool(self.is_available())
+
+
+@runtime_checkable
+class Platform(Protocol):
+    """What an activated platform offers core and engines (``rlcore.platforms``)."""
+
+    device_type: str
+    dist_backend: str
+
+    def device(self, index: int | None = None) -> Any: ...  # a torch.device
+
+    def device_count(self) -> int: ...
+
+    def set_device(self, index: int) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+@dataclass(frozen=True)
 class PluginSettings:
     """A plugin's own config section: ``section`` is the top-level YAML key, ``schema`` an
     omegaconf-compatible dataclass whose defaults are the plugin's defaults. ``validate``
@@ -230,7 +274,7 @@ class BuildContext:
     ``config`` is the whole resolved run config (an omegaconf ``DictConfig``); ``settings`` is
     the providing plugin's own section (or ``None``); ``output_dir`` is where the run writes;
     ``engine`` is the training engine once built (weight syncs and backends may need its model
-    info, e.g. the route layout).
+    info, e.g. the route layout); ``device`` / ``platform`` where it runs.
     """
 
     config: Any
@@ -238,3 +282,8 @@ class BuildContext:
     output_dir: str | None = None
     engine: TrainingEngine | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    #: the run's device (a ``torch.device``) and the activated :class:`Platform` it belongs to,
+    #: resolved by core from ``engine.device`` through the ``platform`` providers (``None`` when
+    #: a factory is called outside a run: :func:`rlcore.platforms.resolve_device` then)
+    device: Any = None
+    platform: Platform | None = None

@@ -352,10 +352,10 @@ class MegatronEngine:
 def build_megatron_engine(ctx: Any) -> MegatronEngine:
     """Factory of the ``megatron`` engine: from ``engine.model.path`` (an HF directory) or a
     tiny model created locally for the task, exactly as the ``hf`` engine creates it."""
+    from rlcore.platforms import run_device
+
     ecfg = ctx.config.engine
-    device = ecfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(run_device(ctx))  # the run's platform (cpu, cuda, or a plugin's: npu), resolved by core
     settings = settings_from_section(ctx.settings)
     if ecfg.model.path:
         source = HFSource.from_dir(ecfg.model.path)

@@ -45,16 +45,19 @@ def choose_attention_path(s: MegatronSettings, device: torch.device) -> str:
 
 
 def init_parallel(settings: MegatronSettings, device: torch.device) -> None:
-    """torch.distributed (gloo on CPU, NCCL on CUDA; a world of one unless launched by
-    torchrun) and megatron-core's model-parallel groups, once per process."""
+    """torch.distributed (the device platform's backend: gloo on CPU, NCCL on CUDA, HCCL on NPU; a
+    world of one unless launched by torchrun) and megatron-core's model-parallel groups, once per process."""
+    from rlcore.platforms import platform_for
+
+    platform = platform_for(device)  # gloo on CPU, nccl on CUDA, the platform's own (hccl on NPU)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = platform.dist_backend
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type != "cpu":
+        platform.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     from megatron.core import parallel_state as ps
 
     want = (settings.tensor_parallel_size, settings.expert_parallel_size)

@@ -74,6 +74,17 @@ class RoutingState:
     recomputed: dict[int, int] = field(default_factory=dict)
 
 
+#: called with every :class:`RouterSeam` right after it is installed: a platform plugin adapts the
+#: routers there (rlcore-npu binds methods megatron-core 0.12.1's routers lack and re-applies the
+#: interception after MindSpeed's patches). Add with :func:`add_seam_listener`.
+SEAM_LISTENERS: list[Callable[[RouterSeam], None]] = []
+
+
+def add_seam_listener(listener: Callable[[RouterSeam], None]) -> None:
+    if listener not in SEAM_LISTENERS:
+        SEAM_LISTENERS.append(listener)
+
+
 def native_replay_available() -> bool:
     """megatron-core's routing function takes a ``router_replay`` object (≥ 0.16)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
@@ -97,6 +108,8 @@ class RouterSeam:
             _install_native(self)
         else:
             _install_interception(self)
+        for listener in list(SEAM_LISTENERS):
+            listener(self)
 
     @property
     def state(self) -> RoutingState | None:
@@ -104,6 +117,16 @@ class RouterSeam:
 
     @state.setter
     def state(self, st: RoutingState | None) -> None:
+        if (st is not None and (st.dispatch is not None or st.record) and self.mode == "intercept"
+                and not interception_installed()):
+            # something replaced the routing function after the seam wrapped it (MindSpeed's
+            # repatch does): the routers would route without ever consulting the seam
+            raise RLCoreError(
+                "megatron-core's routing function in megatron.core.transformer.moe.router is no longer rlcore's "
+                "router seam (it was replaced after the seam was installed, e.g. by MindSpeed's repatch): routes "
+                "would be neither recorded nor replayed. Re-install it with "
+                "rlcore_megatron.routers.install_interception() after patching (rlcore-npu does this after "
+                "MindSpeed's patch_features/repatch)")
         prev, self._state = self._state, st
         if st is not None:
             self.last = None
@@ -226,7 +249,7 @@ def _active() -> tuple[RouterSeam, RouterSite] | None:
     return getattr(_CURRENT, "site", None)
 
 
-def _install_interception(seam: RouterSeam) -> None:
+def _routing_function() -> tuple[Any, str, int]:
     import megatron.core.transformer.moe.router as router_mod
 
     found = [(name, n) for name, n in _ROUTING_FUNCTIONS if getattr(router_mod, name, None) is not None]
@@ -236,16 +259,40 @@ def _install_interception(seam: RouterSeam) -> None:
             f"(looked for {', '.join(n for n, _ in _ROUTING_FUNCTIONS)}): this megatron-core is not supported"
         )
     name, returns = found[0]
-    fn = getattr(router_mod, name)
-    if not getattr(fn, _WRAPPED_MARK, False):
-        wrapped = _wrap_routing(fn, returns)
-        setattr(router_mod, name, wrapped)
-        # router.py imports the function by name; replace it where it is defined as well, so a
-        # router that looks it up there (a patched routing(), MindSpeed) goes through the seam too
-        import megatron.core.transformer.moe.moe_utils as moe_utils
+    return router_mod, name, returns
 
-        if getattr(moe_utils, name, None) is fn:
-            setattr(moe_utils, name, wrapped)
+
+def interception_installed() -> bool:
+    """The routing function megatron's router module calls is the seam's wrapper."""
+    router_mod, name, _ = _routing_function()
+    return bool(getattr(getattr(router_mod, name), _WRAPPED_MARK, False))
+
+
+def install_interception() -> Callable:
+    """Wrap the routing function the router module calls now (megatron-core's, or whatever a
+    patcher such as MindSpeed put there) and put the wrapper in every loaded module that holds
+    that function: the router module, ``moe_utils`` where it is defined, and any module that
+    imported it by name (a patched ``routing()`` looks it up in its own module). Idempotent;
+    returns the wrapper."""
+    import sys
+
+    router_mod, name, returns = _routing_function()
+    fn = getattr(router_mod, name)
+    if getattr(fn, _WRAPPED_MARK, False):
+        return fn
+    wrapped = _wrap_routing(fn, returns)
+    for module in list(sys.modules.values()):
+        try:
+            holds = module is not None and module.__dict__.get(name) is fn
+        except AttributeError:  # an odd entry in sys.modules without a namespace
+            continue
+        if holds:
+            setattr(module, name, wrapped)
+    return wrapped
+
+
+def _install_interception(seam: RouterSeam) -> None:
+    install_interception()
     for site in seam.sites:
         site.router.register_forward_pre_hook(_enter(seam, site))
         site.router.register_forward_hook(_leave)
@@ -267,7 +314,15 @@ def _wrap_routing(fn: Callable, returns: int) -> Callable:
     sig = inspect.signature(fn)
 
     def routing_with_seam(*args, **kwargs):
-        out = fn(*args, **kwargs)
+        if getattr(_CURRENT, "inside", False):
+            # a wrapper of ours inside another routing function that a patcher put around an
+            # earlier one (MindSpeed's patches replace whatever is in place): the outer one decides
+            return fn(*args, **kwargs)
+        _CURRENT.inside = True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _CURRENT.inside = False
         active = _active()
         if active is None:
             return out

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rlcore.batch import ROUTES_NATIVE, compact_routes, expand_routes, route_id_dtype, routes_of
 from rlcore.errors import BatchShapeError
 from rlcore.types import ForwardRequest, PostprocessResult, RouterCall, RouterDecision
 
@@ -41,26 +42,20 @@ PRESENT = "routes_present"
 
 def compact_dtype(num_experts: int) -> torch.dtype:
     """uint8 ids up to 256 experts, int16 up to 32768, else int32 (the native mask is separate,
-    so no id value is spent on "route natively")."""
-    if num_experts <= 256:
-        return torch.uint8
-    if num_experts <= 32768:
-        return torch.int16
-    return torch.int32
+    so no id value is spent on "route natively"): :func:`rlcore.batch.route_id_dtype`."""
+    return route_id_dtype(num_experts)
 
 
 def encode(routes: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, L, K]`` integer routes (-1 = native) → (ids ``[T, L, K]`` compact dtype, native
-    ``[T, L]`` bool). Bytes per token: ``L·K·itemsize + L``."""
-    native = (routes < 0).any(dim=-1)
-    ids = routes.clamp(min=0).to(compact_dtype(num_experts))
-    return ids, native
+    ``[T, L]`` bool), as core stores R3 routes (:func:`rlcore.batch.compact_routes`). Bytes per
+    token: ``L·K·itemsize + L``."""
+    return compact_routes(routes, num_experts)
 
 
 def decode(ids: torch.Tensor, native: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`encode`: int64 routes with -1 rows where ``native``."""
-    out = ids.to(torch.int64)
-    return out.masked_fill(native.unsqueeze(-1), -1)
+    return expand_routes(ids, native)
 
 
 @dataclass
@@ -118,7 +113,7 @@ class Replayer:
                     f"replay.mode R2: {where} has no routes recorded by the old-log-prob pass (it did not run, or "
                     f"the engine recorded nothing): R2 would silently route natively")
             return decode(ids, native)
-        routes = mb.fields.get(ROUTES)
+        routes = routes_of(mb.fields)  # core stores them compactly (uint8/int16 ids + native mask)
         if routes is None:
             if self.on_missing == "native":
                 self.stats.missing_samples += mb.num_seqs
@@ -137,7 +132,7 @@ class Replayer:
                     f"replay/missing_samples)")
             if ctx.phase == "old_logprob":  # counted once per step
                 self.stats.missing_samples += len(lacking)
-        return routes.to(torch.int64)
+        return routes
 
     # ------------------------------------------------------------------ hooks ------------
 
@@ -308,7 +303,8 @@ class Replayer:
             raise BatchShapeError(f"replay: forwards {left} of step {ctx.step} never reached postprocess")
         st, self.stats = self.stats, _StepStats()
         batch = ctx.batch
-        held = [batch.fields[k] for k in ((R2_IDS, R2_NATIVE) if self.mode == "R2" else (ROUTES,)) if k in batch.fields]
+        keys = (R2_IDS, R2_NATIVE) if self.mode == "R2" else (ROUTES, ROUTES_NATIVE)
+        held = [batch.fields[k] for k in keys if k in batch.fields]
         nbytes = sum(t.numel() * t.element_size() for t in held)
         out = {
             "replay/coverage": st.replayed / st.routed if st.routed else 0.0,
@@ -317,6 +313,8 @@ class Replayer:
             "replay/recomputed_forwards": float(st.recomputed_forwards),
             "replay/bytes_step": float(nbytes),
             "replay/bytes_per_token": nbytes / max(batch.num_tokens, 1),
+            # bytes per expert id as stored: 1 (uint8, <= 256 experts), 2 (int16), 4
+            "replay/id_bytes": float(held[0].element_size()) if held else 0.0,
         }
         for key, (total, n, worst) in sorted(st.mismatch.items()):
             out[f"replay/logprob_mismatch_{key}_mean"] = total / n if n else 0.0

@@ -1,0 +1,1 @@
+"""rlcore-npu: Ascend NPU platform and MindSpeed compatibility for routing replay."""
