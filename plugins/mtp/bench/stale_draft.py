@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-
+from rlcore.config import TinyModelConfig
 from rlcore.engines import mimo_layout
 from rlcore.engines.hf import HFEngine
 from rlcore.engines.tiny import make_tiny_model, make_tokenizer
@@ -38,11 +38,10 @@ def main() -> None:
     cfg = OmegaConf.load(ROOT / "examples" / "tiny_mtp.yaml")
     task = successor()
     tok = make_tokenizer(task.vocab)
-    tiny = OmegaConf.merge(OmegaConf.structured(__import__("rlcore.config", fromlist=["TinyModelConfig"]).TinyModelConfig),
-                           cfg.engine.model.tiny)
+    tiny = OmegaConf.merge(OmegaConf.structured(TinyModelConfig), cfg.engine.model.tiny)
     initial = make_tiny_model(tiny, tok)
     trained = make_tiny_model(tiny, tok)
-    state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+    state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)  # our own checkpoint
     trained.load_state_dict(state["engine"]["model"])
     stale = make_tiny_model(tiny, tok)
     stale.load_state_dict(state["engine"]["model"])
