@@ -3,13 +3,18 @@
 ``make_tokenizer`` builds a word-level tokenizer over a task's vocabulary; ``make_tiny_model``
 builds a randomly initialised transformers causal LM (dense Qwen2, Qwen2-MoE with a shared
 expert, or Qwen3-MoE) whose vocabulary is the tokenizer's. Head dim defaults to 64 (vLLM's CPU
-attention rejects 16).
+attention rejects 16). ``mtp_layers > 0`` with ``arch: qwen2`` builds MiMo: the Qwen2 model plus
+MTP layers in MiMo's checkpoint layout (:mod:`rlcore.engines.mimo`); for the MoE archs it only
+sets ``num_nextn_predict_layers`` (transformers builds no MTP layers; the megatron engine creates
+its own, the hf engine refuses: :func:`check_hf_mtp`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Sequence
+
+from rlcore.engines.mimo_layout import ARCHITECTURE, NUM_LAYERS_KEY
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 SUPPORTED_ARCHS = ("qwen2", "qwen2_moe", "qwen3_moe")
@@ -66,9 +71,20 @@ def tiny_config(tiny: Any, vocab_size: int, eos_id: int, pad_id: int) -> Any:
     if arch == "qwen2_moe":
         kw["shared_expert_intermediate_size"] = tiny.intermediate_size
     if tiny.mtp_layers:
-        # Not used by transformers' Qwen models; the megatron engine reads it (DeepSeek-V3 name).
-        kw["num_nextn_predict_layers"] = tiny.mtp_layers
+        # MiMo's (DeepSeek-V3's) name; vLLM and the megatron engine read it
+        kw[NUM_LAYERS_KEY] = tiny.mtp_layers
+        if arch == "qwen2":
+            kw["architectures"] = [ARCHITECTURE]
     return AutoConfig.for_model(arch, **kw)
+
+
+def check_hf_mtp(tiny: Any) -> None:
+    """The hf engine's MTP layers are MiMo's, over a dense Qwen2 model."""
+    if tiny.mtp_layers and tiny.arch != "qwen2":
+        raise ValueError(
+            f"engine.model.tiny.mtp_layers={tiny.mtp_layers} needs engine.model.tiny.arch 'qwen2' on the hf engine "
+            f"(its MTP layers are MiMo's, over a Qwen2 model), got {tiny.arch!r}"
+        )
 
 
 def init_tiny_weights(model: Any, std: float, seed: int) -> None:
@@ -93,7 +109,12 @@ def make_tiny_model(tiny: Any, tokenizer: Any, dtype: str = "float32") -> Any:
         pad_id=tokenizer.pad_token_id,
     )
     torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    if tiny.mtp_layers and tiny.arch == "qwen2":
+        from rlcore.engines.mimo import MiMoForCausalLM
+
+        model = MiMoForCausalLM._from_config(cfg, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
     init_tiny_weights(model, tiny.init_std, tiny.seed)
     return model
 
