@@ -147,6 +147,7 @@ def iter_buckets(
     keep_together: Callable[[str], str] | None = None,
     device: torch.device | str | None = None,
     allocator: Allocator | None = None,
+    group_by_dtype: bool = True,
 ) -> Iterator[Bucket]:
     """Stream named tensors into flattened, dtype-grouped, aligned buckets.
 
@@ -162,6 +163,10 @@ def iter_buckets(
     :param allocator: ``(nbytes, device) -> uint8 tensor`` to place buckets in, e.g. shared
         memory for another process; the default allocates a fresh buffer per bucket, so a
         consumer may keep a bucket while the next one is built.
+    :param group_by_dtype: one open bucket per dtype (the default, SGLang's flattened layout);
+        ``False`` keeps a single open bucket for all dtypes (each offset still aligned to its
+        tensor's item size, ``Bucket.dtype`` is then the first tensor's), so at most one buffer
+        is being filled at a time: what a fixed pool of buffers (:mod:`rlcore.transport`) needs.
 
     Buckets are yielded as soon as they are full; the rest are flushed at the end in the order
     their dtypes first appeared. ``Bucket.index`` counts yielded buckets.
@@ -171,7 +176,7 @@ def iter_buckets(
     if align_bytes is not None and align_bytes < 1:
         raise BucketError(f"align_bytes must be >= 1 (or None for the dtype's item size), got {align_bytes}")
     alloc = allocator or _default_allocator
-    open_buckets: dict[torch.dtype, _OpenBucket] = {}
+    open_buckets: dict[torch.dtype | None, _OpenBucket] = {}
     counter = 0
 
     def emit(ob: _OpenBucket) -> Bucket:
@@ -194,7 +199,8 @@ def iter_buckets(
                 ob.add(name, t, align)
             yield emit(ob)
             return
-        ob = open_buckets.get(dtype)
+        slot_key = dtype if group_by_dtype else None
+        ob = open_buckets.get(slot_key)
         if ob is not None:
             probe = ob.used
             for _, t in group:
@@ -204,7 +210,7 @@ def iter_buckets(
                 ob = None
         if ob is None:
             ob = _OpenBucket(dtype, bucket_bytes, dev, alloc)
-            open_buckets[dtype] = ob
+            open_buckets[slot_key] = ob
         for name, t in group:
             ob.add(name, t, align)
 
