@@ -202,3 +202,19 @@ def test_iter_buckets_ungrouped_keeps_one_buffer_open_and_aligned():
     got = {n: t for b in seen for n, t in b.tensors()}
     assert all(torch.equal(got[n], t) for n, t in _weights(4))
     assert {b.buffer.numel() <= 16 * KiB for b in seen[1:]} == {True}
+
+
+def test_iter_buckets_deferred_fused_copies_match_per_tensor_copies():
+    from rlcore.sync import iter_buckets
+
+    def contents(**kw):
+        return [(b.names, b.buffer.clone()) for b in iter_buckets(iter(_weights(5)), 16 * KiB, group_by_dtype=False,
+                                                                   **kw)]
+
+    plain, fused = contents(), contents(defer_copies=True)
+    assert [n for n, _ in plain] == [n for n, _ in fused]
+    for (_, a), (_, b) in zip(plain, fused, strict=True):  # padding bytes are uninitialised: compare tensors
+        assert a.numel() == b.numel()
+    got = {n: t for b in iter_buckets(iter(_weights(5)), 16 * KiB, group_by_dtype=False, defer_copies=True)
+           for n, t in b.tensors()}
+    assert all(torch.equal(got[n], t) for n, t in _weights(5))

@@ -121,11 +121,14 @@ def _round_up(x: int, a: int) -> int:
 
 
 class _OpenBucket:
-    def __init__(self, dtype: torch.dtype, capacity: int, device: torch.device, alloc: Allocator):
+    def __init__(self, dtype: torch.dtype, capacity: int, device: torch.device, alloc: Allocator,
+                 defer: bool = False):
         self.dtype = dtype
         self.buffer = alloc(capacity, device)
         self.metas: list[TensorMeta] = []
         self.used = 0
+        self.defer = defer
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fits(self, nbytes: int, align: int) -> bool:
         return _round_up(self.used, align) + nbytes <= self.buffer.numel()
@@ -134,9 +137,18 @@ class _OpenBucket:
         off = _round_up(self.used, align)
         nbytes = t.numel() * t.element_size()
         dst = self.buffer[off : off + nbytes].view(t.dtype).view(t.shape)
-        dst.copy_(t, non_blocking=False)
+        if self.defer:
+            self.pending.append((dst, t))
+        else:
+            dst.copy_(t, non_blocking=False)
         self.metas.append(TensorMeta(name, tuple(t.shape), t.dtype, off, nbytes))
         self.used = off + nbytes
+
+    def flush(self) -> None:
+        """The deferred copies, fused (one ``_foreach_copy_`` launch per bucket on a GPU)."""
+        if self.pending:
+            torch._foreach_copy_([d for d, _ in self.pending], [s for _, s in self.pending])
+            self.pending = []
 
 
 def iter_buckets(
@@ -148,6 +160,7 @@ def iter_buckets(
     device: torch.device | str | None = None,
     allocator: Allocator | None = None,
     group_by_dtype: bool = True,
+    defer_copies: bool = False,
 ) -> Iterator[Bucket]:
     """Stream named tensors into flattened, dtype-grouped, aligned buckets.
 
@@ -167,6 +180,10 @@ def iter_buckets(
         ``False`` keeps a single open bucket for all dtypes (each offset still aligned to its
         tensor's item size, ``Bucket.dtype`` is then the first tensor's), so at most one buffer
         is being filled at a time: what a fixed pool of buffers (:mod:`rlcore.transport`) needs.
+    :param defer_copies: copy a bucket's tensors when it is emitted, all at once
+        (``torch._foreach_copy_``: on a GPU one launch per bucket instead of one per tensor); the
+        source tensors stay referenced until then, i.e. up to one more bucket of memory when
+        the stream yields fresh tensors (gathers) rather than views of parameters.
 
     Buckets are yielded as soon as they are full; the rest are flushed at the end in the order
     their dtypes first appeared. ``Bucket.index`` counts yielded buckets.
@@ -181,6 +198,7 @@ def iter_buckets(
 
     def emit(ob: _OpenBucket) -> Bucket:
         nonlocal counter
+        ob.flush()
         b = Bucket(counter, ob.dtype, ob.buffer[: ob.used], ob.metas)
         counter += 1
         return b
@@ -194,7 +212,7 @@ def iter_buckets(
             need = _round_up(need, align) + t.numel() * t.element_size()
         dev = torch.device(device) if device is not None else group[0][1].device
         if need > bucket_bytes:  # oversize: a bucket of its own, the open one stays open
-            ob = _OpenBucket(dtype, need, dev, alloc)
+            ob = _OpenBucket(dtype, need, dev, alloc, defer_copies)
             for name, t in group:
                 ob.add(name, t, align)
             yield emit(ob)
@@ -209,7 +227,7 @@ def iter_buckets(
                 yield emit(ob)
                 ob = None
         if ob is None:
-            ob = _OpenBucket(dtype, bucket_bytes, dev, alloc)
+            ob = _OpenBucket(dtype, bucket_bytes, dev, alloc, defer_copies)
             open_buckets[slot_key] = ob
         for name, t in group:
             ob.add(name, t, align)

@@ -41,17 +41,21 @@ class WeightSender:
       (:func:`rlcore.sync.tensor_checksum`) is compared by the receiver with the bytes it reads
       (level ``exact``); the receiver's manifest adds ``coverage``. A bucket overwritten before
       it was read would fail here.
+    * ``fused_fill``: a bucket's tensors are copied into it in one fused launch when it is full
+      (:func:`rlcore.sync.iter_buckets` ``defer_copies``), which matters on a GPU with thousands
+      of small (expert) tensors; it holds a bucket's source tensors until then.
     * Versions: every push carries ``version``; the receiver's target commits it only when every
       bucket arrived and verified, and aborts otherwise.
     """
 
     def __init__(self, channel: Channel, plane: SenderPlane, slot_bytes: int, *, num_slots: int = 2,
-                 verify: bool = True, timeout: float | None = 600.0):
+                 verify: bool = True, timeout: float | None = 600.0, fused_fill: bool = False):
         if slot_bytes < 1:
             raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes}")
         self.channel, self.plane = channel, plane
         self.slot_bytes, self.num_slots = int(slot_bytes), int(num_slots)
         self.verify, self.timeout = bool(verify), timeout
+        self.fused_fill = bool(fused_fill)
         self.ledger = SlotLedger(self.num_slots)
         self.slot_waits = 0  # fills that had to wait for a hand-back (this push)
 
@@ -101,7 +105,7 @@ class WeightSender:
             self.plane.on_ready(ready[2])
             stream = split_oversize(weights, self.slot_bytes, parts)
             buckets = iter_buckets(stream, self.slot_bytes, device=self.plane.device, group_by_dtype=False,
-                                   allocator=lambda n, dev: self._allocate(n, dev, phases))
+                                   defer_copies=self.fused_fill, allocator=lambda n, dev: self._allocate(n, dev, phases))
             while True:
                 with phases("fill"):  # export (gathers included) + copies into the buffer
                     bucket = next(buckets, None)
