@@ -155,8 +155,9 @@ def test_tensor_parallel_export_streams_through_two_buffers(plane_kind, monkeypa
     data_a, data_b = CTX.Pipe()
     dist_init = {"init_method": init, "rank": world - 1, "world_size": world, "groups": [[0, 1], [0, world - 1]],
                  "data_group": 1, "src": 0}
+    shapes = {f"model.layers.{i}.mlp.weight": (rows, cols) for i in range(num)}
     procs = [CTX.Process(target=tt.receiver_main, args=(data_b, plane_kind), daemon=True,
-                         kwargs={"dist_init": dist_init, "result_conn": recv_child})]
+                         kwargs={"dist_init": dist_init, "result_conn": recv_child, "manifest_shapes": shapes})]
     for rank in range(world - 1):
         procs.append(CTX.Process(target=tt.trainer_rank_main, daemon=True,
                                  args=(data_a if rank == 0 else None, t0_child if rank == 0 else None, rank, world, init,
@@ -174,9 +175,10 @@ def test_tensor_parallel_export_streams_through_two_buffers(plane_kind, monkeypa
             if p.is_alive():
                 p.kill()
     assert res[0] == "result", res[1]
-    _, reports, extra_kib, model_bytes, reset_ok = sent
-    assert res[1] == 2 and res[2] == tt.full_checksums(num, rows, cols)
-    assert [r[1] for r in reports] == [num, num] and all(r[4]["level"] == "exact" for r in reports)
+    _, reports, extra_kib, model_bytes, reset_ok, refused = sent
+    assert res[1] == 2 and res[2] == tt.full_checksums(num, rows, cols), "the refused push left version 2"
+    assert "model.layers.0.mlp.weight.unknown" in refused and "holds no tensor of that name" in refused
+    assert [r[1] for r in reports] == [num, num] and all(r[4]["level"] == "coverage+exact" for r in reports)
     assert all(r[4]["transport"] == plane_kind for r in reports)
     print(f"\n[transport {plane_kind}] model {model_bytes / 2**20:.1f} MiB, buckets {reports[0][2]}, sender peak "
           f"extra RSS per push {[round(k / 1024, 1) for k in extra_kib]} MiB (2 buffers = 8 MiB), reset: {reset_ok}")

@@ -181,12 +181,22 @@ def trainer_rank_main(conn: Any, result_conn: Any, rank: int, world: int, init_m
                 reset_ok = peak_rss_reset() and reset_ok
                 reports.append(sender.send(sharded_export(shards, tp), version=v))
                 extra.append(rss_kib("VmHWM") - base)
+            # a push the receiver refuses at its first bucket (an unknown name): the sender must
+            # still drain the export, whose gathers the other ranks are in
+            stream = sharded_export(shards, tp)
+            bad = ((f"{n}.unknown" if i == 0 else n, t) for i, (n, t) in enumerate(stream))
+            try:
+                sender.send(bad, version=versions + 1)
+                refused = "not refused"
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                refused = f"{type(exc).__name__}: {exc}"
+            drain(stream)
             conn.send(("close",))
             sender.close()
             result_conn.send(("sent", [(r.version, r.num_tensors, r.num_buckets, r.bytes, r.details) for r in reports],
-                              extra, num * rows * cols * 4, reset_ok))
+                              extra, num * rows * cols * 4, reset_ok, refused))
         else:
-            for _ in range(versions):
+            for _ in range(versions + 1):
                 drain(sharded_export(shards, tp))
     finally:
         dist.barrier()

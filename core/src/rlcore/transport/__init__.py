@@ -20,7 +20,7 @@ every buffer and the verification are in :mod:`rlcore.transport.protocol` and
 :class:`WeightSender`; ``docs/transport.md`` has the whole story and what ran where.
 """
 
-from rlcore.transport.endpoints import WeightReceiver, WeightSender, drain
+from rlcore.transport.endpoints import SenderAborted, WeightReceiver, WeightSender, drain
 from rlcore.transport.planes import (
     CudaIpcPlane,
     CudaIpcReceiverPlane,
@@ -38,6 +38,6 @@ from rlcore.transport.protocol import Channel, PipeChannel, SlotLedger, Transpor
 
 __all__ = [
     "Channel", "CudaIpcPlane", "CudaIpcReceiverPlane", "DistPlane", "DistReceiverPlane", "PipeChannel",
-    "ReceiverPlane", "SenderPlane", "ShmPlane", "ShmReceiverPlane", "SlotLedger", "TransportError",
+    "ReceiverPlane", "SenderAborted", "SenderPlane", "ShmPlane", "ShmReceiverPlane", "SlotLedger", "TransportError",
     "WeightReceiver", "WeightSender", "drain", "map_segment", "receiver_plane_for", "shm_directory",
 ]

@@ -28,6 +28,10 @@ from rlcore.types import SyncReport
 MB = 1 << 20
 
 
+class SenderAborted(WeightSyncError):
+    """The sender aborted the push (its export failed, or it gave up)."""
+
+
 class WeightSender:
     """Streams ``(HF name, tensor)`` pairs into ``num_slots`` fixed buffers of ``slot_bytes`` and
     lends each filled buffer to the receiver until it hands it back.
@@ -227,18 +231,18 @@ class WeightReceiver:
                     msg = self.channel.recv(self.timeout)
                 kind = msg[0]
                 if kind == "abort":
-                    raise WeightSyncError(f"the sender aborted the push of version {version}: {msg[2]}",
-                                          receiver_version=None)
+                    raise SenderAborted(f"the sender aborted the push of version {version}: {msg[2]}",
+                                        receiver_version=None)
                 if kind == "end":
                     break
                 if kind != "bucket":
                     raise TransportError(f"protocol error: expected bucket/end from the sender, got {kind!r}")
                 _, index, slot, nbytes, tensors, parts, checksum = msg
                 real = [(parts[n][0], parts[n][2]) if n in parts else (n, shape) for n, _, shape, _, _ in tensors]
+                with phases("fetch"):  # first: on a dist plane the sender is in this bucket's broadcast
+                    view = self.plane.fetch(slot, nbytes)
                 if manifest is not None:
                     manifest.check(real)
-                with phases("fetch"):
-                    view = self.plane.fetch(slot, nbytes)
                 metas = [TensorMeta(n, tuple(shape), dtype_of(dt), off, nb) for n, dt, shape, off, nb in tensors
                          if n not in parts]
                 with phases("load"):
@@ -279,7 +283,7 @@ class WeightReceiver:
             try:
                 target.abort_update()
             finally:
-                self._fail(exc, aborted_by_sender=isinstance(exc, WeightSyncError) and "sender aborted" in str(exc))
+                self._fail(exc, aborted_by_sender=isinstance(exc, SenderAborted))
             raise
         checks = (["coverage"] if manifest is not None else []) + (["exact"] if verified == nbuckets else [])
         level = verification_level(*checks)
@@ -288,14 +292,17 @@ class WeightReceiver:
                 "phases": phases.as_dict()}
 
     def _fail(self, exc: BaseException, aborted_by_sender: bool) -> None:
-        """Tell the sender, then skip the rest of this push (up to its ``abort`` or ``end``)."""
+        """Tell the sender, then skip the rest of this push (up to its ``abort`` or ``end``),
+        still taking part in the transfer of every bucket announced meanwhile (a dist plane's
+        sender is blocked in that bucket's broadcast until the receiver joins it)."""
         if aborted_by_sender:
             self.channel.send(("aborted", None))
             return
         try:
             self.channel.send(("error", f"{type(exc).__name__}: {exc}"))
             while (msg := self.channel.recv(self.timeout))[0] not in ("abort", "end"):
-                pass
+                if msg[0] == "bucket":
+                    self.plane.discard(msg[2], msg[3])
             if msg[0] == "abort":
                 self.channel.send(("aborted", msg[1]))
         except TransportError:

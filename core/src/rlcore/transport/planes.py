@@ -96,6 +96,9 @@ class ReceiverPlane:
     def finished(self, slot: int) -> None:
         """Every read of the slot is issued; after this the slot may be handed back."""
 
+    def discard(self, slot: int, nbytes: int) -> None:
+        """A bucket of a push this side already failed: take part in its transfer, keep nothing."""
+
     def close(self) -> None:
         pass
 
@@ -292,6 +295,9 @@ class DistReceiverPlane(ReceiverPlane):
         view = self.slots[slot][:nbytes]
         dist.broadcast(view, src=self.src, group=self.group)
         return view
+
+    def discard(self, slot: int, nbytes: int) -> None:
+        self.fetch(slot, nbytes)
 
     def close(self) -> None:
         self.slots = []
