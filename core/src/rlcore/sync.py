@@ -48,6 +48,11 @@ def tensor_checksum(t: torch.Tensor) -> int:
         raw = raw.clone()
     words = raw.view(torch.int32)
     n = words.numel()
+    if n < _W:  # one partial row: the same sums without the 65521-wide column pass (small tensors)
+        w64 = words.to(torch.int64)
+        s1 = int(w64.sum()) % _P
+        s2 = int(((w64 % _P) * torch.arange(1, n + 1, dtype=torch.int64, device=w64.device)).sum()) % _P
+        return (s1 << 31) | (s2 ^ (n & 0x7FFFFFFF))
     full = n - n % _W
     if full:
         colsum = words[:full].view(-1, _W).sum(dim=0, dtype=torch.int64)
