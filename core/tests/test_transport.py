@@ -102,10 +102,20 @@ def test_slow_receiver_never_reads_a_reused_buffer():
 
 
 def test_refused_shape_and_failing_export_leave_the_previous_version():
+    """Also the TCP channel (ChannelListener / connect_channel), as processes without a shared
+    pipe (Ray actors) connect."""
+    from rlcore.transport import ChannelListener
+
     shapes = {n: tuple(t.shape) for n, t in _weights(0)}
     shapes["model.norm.weight"] = (8,)
-    conn, proc = _start_receiver(plane_kind="shm", manifest_shapes=shapes)
-    sender = WeightSender(PipeChannel(conn, "receiver"), ShmPlane(), slot_bytes=16 * KiB)
+    listener = ChannelListener()
+    result, child = CTX.Pipe()
+    proc = CTX.Process(target=tt.receiver_main, args=(("tcp", listener.address, listener.authkey), "shm"),
+                       kwargs={"manifest_shapes": shapes, "result_conn": child}, daemon=True)
+    proc.start()
+    channel = listener.accept("receiver")
+    conn = channel.conn
+    sender = WeightSender(channel, ShmPlane(), slot_bytes=16 * KiB)
 
     def broken():
         yield from _weights(3)[:4]
@@ -117,8 +127,13 @@ def test_refused_shape_and_failing_export_leave_the_previous_version():
         with pytest.raises(WeightSyncError, match="export died"):
             sender.send(broken(), version=2)
     finally:
-        res = _finish(conn, proc)
+        conn.send(("close",))
+        assert result.poll(60), "the receiver did not answer"
+        res = result.recv()
+        proc.join(30)
         sender.close()
+        listener.close()
+    assert res[0] == "result", res
     assert res[1] == 0 and res[3] == 2, "nothing was committed, both pushes aborted"
 
 

@@ -60,7 +60,8 @@ class TensorStore:
 
 def receiver_main(conn: Any, plane_kind: str, manifest_shapes: dict | None = None, delay: float = 0.0,
                   dist_init: dict | None = None, result_conn: Any = None) -> None:
-    """Serve pushes until the sender sends ``("close",)``, then answer on ``result_conn``
+    """Serve pushes (over ``conn``, or a TCP channel when ``conn`` is ``("tcp", address, authkey)``)
+    until the sender sends ``("close",)``, then answer on ``result_conn``
     (default: ``conn``) with ``("result", version, checksums, aborted, summaries)`` (or
     ``("crash", text)``). ``dist_init``: join a gloo world (``init_method``, ``rank``,
     ``world_size``), create ``groups`` (lists of ranks, in the trainers' order) and receive over
@@ -68,6 +69,10 @@ def receiver_main(conn: Any, plane_kind: str, manifest_shapes: dict | None = Non
     from rlcore.transport import PipeChannel, WeightReceiver, receiver_plane_for
 
     torch.set_num_threads(1)
+    if isinstance(conn, tuple) and conn[0] == "tcp":  # ("tcp", address, authkey): a ChannelListener
+        from rlcore.transport import connect_channel
+
+        conn = connect_channel(conn[1], conn[2], "trainer").conn
     result_conn = result_conn if result_conn is not None else conn
     store = TensorStore(delay=delay)
     try:

@@ -34,10 +34,17 @@ from rlcore.transport.planes import (
     receiver_plane_for,
     shm_directory,
 )
-from rlcore.transport.protocol import Channel, PipeChannel, SlotLedger, TransportError
+from rlcore.transport.protocol import (
+    Channel,
+    ChannelListener,
+    PipeChannel,
+    SlotLedger,
+    TransportError,
+    connect_channel,
+)
 
 __all__ = [
-    "Channel", "CudaIpcPlane", "CudaIpcReceiverPlane", "DistPlane", "DistReceiverPlane", "PipeChannel",
+    "Channel", "ChannelListener", "CudaIpcPlane", "CudaIpcReceiverPlane", "DistPlane", "DistReceiverPlane", "PipeChannel",
     "ReceiverPlane", "SenderAborted", "SenderPlane", "ShmPlane", "ShmReceiverPlane", "SlotLedger", "TransportError",
-    "WeightReceiver", "WeightSender", "drain", "map_segment", "receiver_plane_for", "shm_directory",
+    "WeightReceiver", "WeightSender", "connect_channel", "drain", "map_segment", "receiver_plane_for", "shm_directory",
 ]

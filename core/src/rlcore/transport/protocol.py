@@ -81,6 +81,37 @@ class PipeChannel:
         self.conn.close()
 
 
+class ChannelListener:
+    """Where one end waits for the other over TCP, for processes that share no pipe (Ray actors,
+    processes on two hosts): ``address`` and ``authkey`` go to the peer, which calls
+    :func:`connect_channel`; :meth:`accept` returns the :class:`PipeChannel`. The authkey keeps
+    other processes out (``multiprocessing.connection``'s HMAC challenge)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, authkey: bytes | None = None):
+        import os
+        from multiprocessing.connection import Listener
+
+        self.authkey = authkey if authkey is not None else os.urandom(32)
+        self._listener = Listener((host, port), authkey=self.authkey)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._listener.address
+
+    def accept(self, peer: str = "peer") -> PipeChannel:
+        return PipeChannel(self._listener.accept(), peer)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def connect_channel(address: tuple[str, int], authkey: bytes, peer: str = "peer") -> PipeChannel:
+    """The other end of a :class:`ChannelListener`."""
+    from multiprocessing.connection import Client
+
+    return PipeChannel(Client(tuple(address), authkey=authkey), peer)
+
+
 def expect(channel: Channel, kinds: tuple[str, ...], timeout: float | None, peer: str) -> tuple:
     """The next message, which must be one of ``kinds``; a peer's ``error`` becomes a raise."""
     msg = channel.recv(timeout)
