@@ -48,6 +48,11 @@ def tensor_checksum(t: torch.Tensor) -> int:
         raw = raw.clone()
     words = raw.view(torch.int32)
     n = words.numel()
+    if n < _W:  # one partial row: the same sums without the 65521-wide column pass (small tensors)
+        w64 = words.to(torch.int64)
+        s1 = int(w64.sum()) % _P
+        s2 = int(((w64 % _P) * torch.arange(1, n + 1, dtype=torch.int64, device=w64.device)).sum()) % _P
+        return (s1 << 31) | (s2 ^ (n & 0x7FFFFFFF))
     full = n - n % _W
     if full:
         colsum = words[:full].view(-1, _W).sum(dim=0, dtype=torch.int64)
@@ -121,11 +126,14 @@ def _round_up(x: int, a: int) -> int:
 
 
 class _OpenBucket:
-    def __init__(self, dtype: torch.dtype, capacity: int, device: torch.device, alloc: Allocator):
+    def __init__(self, dtype: torch.dtype, capacity: int, device: torch.device, alloc: Allocator,
+                 defer: bool = False):
         self.dtype = dtype
         self.buffer = alloc(capacity, device)
         self.metas: list[TensorMeta] = []
         self.used = 0
+        self.defer = defer
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fits(self, nbytes: int, align: int) -> bool:
         return _round_up(self.used, align) + nbytes <= self.buffer.numel()
@@ -134,9 +142,18 @@ class _OpenBucket:
         off = _round_up(self.used, align)
         nbytes = t.numel() * t.element_size()
         dst = self.buffer[off : off + nbytes].view(t.dtype).view(t.shape)
-        dst.copy_(t, non_blocking=False)
+        if self.defer:
+            self.pending.append((dst, t))
+        else:
+            dst.copy_(t, non_blocking=False)
         self.metas.append(TensorMeta(name, tuple(t.shape), t.dtype, off, nbytes))
         self.used = off + nbytes
+
+    def flush(self) -> None:
+        """The deferred copies, fused (one ``_foreach_copy_`` launch per bucket on a GPU)."""
+        if self.pending:
+            torch._foreach_copy_([d for d, _ in self.pending], [s for _, s in self.pending])
+            self.pending = []
 
 
 def iter_buckets(
@@ -147,6 +164,8 @@ def iter_buckets(
     keep_together: Callable[[str], str] | None = None,
     device: torch.device | str | None = None,
     allocator: Allocator | None = None,
+    group_by_dtype: bool = True,
+    defer_copies: bool = False,
 ) -> Iterator[Bucket]:
     """Stream named tensors into flattened, dtype-grouped, aligned buckets.
 
@@ -162,6 +181,14 @@ def iter_buckets(
     :param allocator: ``(nbytes, device) -> uint8 tensor`` to place buckets in, e.g. shared
         memory for another process; the default allocates a fresh buffer per bucket, so a
         consumer may keep a bucket while the next one is built.
+    :param group_by_dtype: one open bucket per dtype (the default, SGLang's flattened layout);
+        ``False`` keeps a single open bucket for all dtypes (each offset still aligned to its
+        tensor's item size, ``Bucket.dtype`` is then the first tensor's), so at most one buffer
+        is being filled at a time: what a fixed pool of buffers (:mod:`rlcore.transport`) needs.
+    :param defer_copies: copy a bucket's tensors when it is emitted, all at once
+        (``torch._foreach_copy_``: on a GPU one launch per bucket instead of one per tensor); the
+        source tensors stay referenced until then, i.e. up to one more bucket of memory when
+        the stream yields fresh tensors (gathers) rather than views of parameters.
 
     Buckets are yielded as soon as they are full; the rest are flushed at the end in the order
     their dtypes first appeared. ``Bucket.index`` counts yielded buckets.
@@ -171,11 +198,12 @@ def iter_buckets(
     if align_bytes is not None and align_bytes < 1:
         raise BucketError(f"align_bytes must be >= 1 (or None for the dtype's item size), got {align_bytes}")
     alloc = allocator or _default_allocator
-    open_buckets: dict[torch.dtype, _OpenBucket] = {}
+    open_buckets: dict[torch.dtype | None, _OpenBucket] = {}
     counter = 0
 
     def emit(ob: _OpenBucket) -> Bucket:
         nonlocal counter
+        ob.flush()
         b = Bucket(counter, ob.dtype, ob.buffer[: ob.used], ob.metas)
         counter += 1
         return b
@@ -189,12 +217,13 @@ def iter_buckets(
             need = _round_up(need, align) + t.numel() * t.element_size()
         dev = torch.device(device) if device is not None else group[0][1].device
         if need > bucket_bytes:  # oversize: a bucket of its own, the open one stays open
-            ob = _OpenBucket(dtype, need, dev, alloc)
+            ob = _OpenBucket(dtype, need, dev, alloc, defer_copies)
             for name, t in group:
                 ob.add(name, t, align)
             yield emit(ob)
             return
-        ob = open_buckets.get(dtype)
+        slot_key = dtype if group_by_dtype else None
+        ob = open_buckets.get(slot_key)
         if ob is not None:
             probe = ob.used
             for _, t in group:
@@ -203,8 +232,8 @@ def iter_buckets(
                 yield emit(ob)
                 ob = None
         if ob is None:
-            ob = _OpenBucket(dtype, bucket_bytes, dev, alloc)
-            open_buckets[dtype] = ob
+            ob = _OpenBucket(dtype, bucket_bytes, dev, alloc, defer_copies)
+            open_buckets[slot_key] = ob
         for name, t in group:
             ob.add(name, t, align)
 

@@ -11,12 +11,14 @@ memory bandwidth rather than page-fault speed.
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rlcore.transport.planes import map_segment, shm_directory
+
+__all__ = ["Segment", "SharedBucketPool", "map_segment", "shm_directory"]
 
 
 @dataclass
@@ -24,16 +26,6 @@ class Segment:
     path: str
     capacity: int
     tensor: torch.Tensor
-
-
-def shm_directory() -> str:
-    """``/dev/shm`` where it exists (RAM-backed), else the temp dir."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def map_segment(path: str, capacity: int) -> torch.Tensor:
-    """A ``uint8 [capacity]`` tensor over the shared file at ``path`` (MAP_SHARED)."""
-    return torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
 
 
 class SharedBucketPool:

@@ -118,29 +118,50 @@ class VLLMWeightSync:
         if self.pool is None:
             self.pool = SharedBucketPool()
         pool = self.pool
+        # seconds per phase: trainer side (fill = export + copy into shared memory, checksum,
+        # rpc = each bucket's collective_rpc round trip), worker side (summed over workers' calls:
+        # check_map, verify, load = vLLM's loaders, detach), begin/finish (layerwise reload set-up
+        # and finalisation); rpc minus the worker's own time is the RPC's transfer overhead
+        phases = dict.fromkeys(("begin", "fill", "checksum", "rpc", "finish"), 0.0)
+        worker: dict[str, float] = {}
+        tb = time.perf_counter()
         workers = target.rpc("rlcore_begin_update", {"version": version})
+        phases["begin"] = time.perf_counter() - tb
         sent: dict[str, int] = {}
         mismatched: list[str] = []
         pending_copies = 0
         t_load = 0.0
         try:
-            for bucket in iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=pool.allocate):
+            buckets = iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=pool.allocate)
+            while True:
+                tf = time.perf_counter()
+                bucket = next(buckets, None)
+                phases["fill"] += time.perf_counter() - tf
+                if bucket is None:
+                    break
                 seg = pool.segment_of(bucket.buffer)
                 if self.verify:
+                    tc = time.perf_counter()
                     sums = bucket.checksums()
                     sent.update(sums)
+                    phases["checksum"] += time.perf_counter() - tc
                 t1 = time.perf_counter()
                 results = target.rpc("rlcore_load_bucket", bucket_request(bucket, seg.path, seg.capacity, self.verify))
                 t_load += time.perf_counter() - t1
                 pool.release(bucket.buffer)
                 for res in results:
                     pending_copies += int(res.get("pending_copies", 0))
+                    for k, v in res.get("seconds", {}).items():
+                        worker[k] = worker.get(k, 0.0) + float(v)
                     if self.verify:
                         mismatched += verify_checksums(sums, {k: int(v) for k, v in res["checksums"].items()})
                 stats["bytes"] += bucket.nbytes
                 stats["tensors"] += len(bucket.metas)
                 stats["buckets"] += 1
+            phases["rpc"] = t_load
+            tfin = time.perf_counter()
             finish = target.rpc("rlcore_finish_update", {"version": version})
+            phases["finish"] = time.perf_counter() - tfin
         except BaseException:
             pool.release_all()
             try:
@@ -163,6 +184,7 @@ class VLLMWeightSync:
                                f"parameters (e.g. {missing[0]['missing'][:5]}); they keep older weights")
         checks = (["coverage"] if all(w.get("coverage") for w in workers) else []) + (["exact"] if self.verify else [])
         details = {"workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
+                   "phases": phases, "worker_phases": worker,
                    "checks": checks, "tied_refreshed": sorted({n for f in finish for n in f.get("refreshed", [])}),
                    "shm_resident_bytes": pool.resident_bytes, "moe_fix": any(w.get("moe_fix") for w in workers)}
         return (len(sent) if self.verify else 0), details

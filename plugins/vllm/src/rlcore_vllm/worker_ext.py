@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from typing import Any
 
 import torch
@@ -216,6 +217,7 @@ class RLCoreWorkerExtension:
         return seg
 
     def rlcore_load_bucket(self, request: str) -> dict:
+        t0 = time.perf_counter()
         req = json.loads(request)
         state = self._rlcore_state()
         if not state["active"]:
@@ -230,7 +232,9 @@ class RLCoreWorkerExtension:
         views = []
         for name, dtype, shape, offset, nbytes in req["tensors"]:
             views.append((name, buf[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)))
+        t1 = time.perf_counter()
         checksums = {name: tensor_checksum(t) for name, t in views} if req.get("verify", True) else {}
+        t2 = time.perf_counter()
         model = self._rlcore_model()
         current: list[Any] = [None, ()]
 
@@ -247,8 +251,12 @@ class RLCoreWorkerExtension:
         if loaded:
             state["loaded"].update(loaded)
         state["received"].update(name for name, _ in views)
+        t3 = time.perf_counter()
         copied = _detach_pending_views(buf.data_ptr(), buf.data_ptr() + buf.numel())
-        return {"checksums": checksums, "pending_copies": copied}
+        t4 = time.perf_counter()
+        # seconds per phase in the worker: decode + manifest check + map, checksum, vLLM's loaders
+        return {"checksums": checksums, "pending_copies": copied,
+                "seconds": {"check_map": t1 - t0, "verify": t2 - t1, "load": t3 - t2, "detach": t4 - t3}}
 
     def rlcore_finish_update(self, request: str) -> dict:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
