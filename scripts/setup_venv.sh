@@ -19,7 +19,7 @@ fi
 
 echo "[setup] preparing $VENV (first run takes about a minute)" >&2
 venv_create_cpu_torch "$VENV"
-editables=(-e "core[test,tensorboard]")
+editables=(-e "core[test,tensorboard,ray]")
 for d in plugins/*/; do [ -f "$d/pyproject.toml" ] && editables+=(-e "$d"); done
 "${PIP[@]}" --no-build-isolation "${editables[@]}" pytest hypothesis ruff
 # the example plugin is installed as an outsider would install it: a regular, non-editable install

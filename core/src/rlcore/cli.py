@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from rlcore import __version__
 from rlcore.errors import RLCoreError
@@ -94,9 +94,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.output:
         overrides.append(f"output.dir={args.output}")
     stack = load_stack(args.config, overrides)
-    trainer = Trainer(stack, resume=args.resume, overwrite=args.overwrite,
-                      allow_config_change=args.allow_config_change)
-    summary = trainer.run()
+    flags = {"resume": args.resume, "overwrite": args.overwrite, "allow_config_change": args.allow_config_change}
+    if stack.config.cluster.backend == "ray":
+        from rlcore.cluster.ray_launch import train_on_ray
+
+        summary = train_on_ray(stack, **flags)
+    else:
+        from rlcore.cluster.worker import refuse_foreign_launcher
+
+        refuse_foreign_launcher(stack.config)
+        summary = Trainer(stack, **flags).run()
     return 0 if summary.get("completed", False) else 1
 
 
