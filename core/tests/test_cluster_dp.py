@@ -22,12 +22,12 @@ STEP = ["training.steps=1", "rollout.n=4", "data.prompts_per_step=15", "training
         "algorithm.kl_coef=0.05", "output.progress=false", "output.tensorboard=false", "output.plot=false"]
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, errors: object) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, errors: object, extra: list[str], resume: bool) -> None:
     try:
         from rlcore.cluster.worker import config_yaml, run_rank
 
-        stack = load_stack(str(EXAMPLE), STEP + [f"output.dir={out}"])
-        run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}")
+        stack = load_stack(str(EXAMPLE), STEP + extra + [f"output.dir={out}"])
+        run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}", resume=resume)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")  # type: ignore[attr-defined]
         raise
@@ -39,11 +39,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_ranks(out: Path, extra: list[str] = (), resume: bool = False) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(out), errors, list(extra), resume))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert all(p.exitcode == 0 for p in procs), msgs
+
+
 def _final_params(out: Path) -> dict[str, torch.Tensor]:
     state, _record, _ = load_checkpoint(out)
     return state["engine"]["model"]
 
 
+@pytest.mark.slow
 def test_two_data_parallel_ranks_take_the_same_step_as_one(tmp_path):
     from rlcore.trainer import Trainer
 
@@ -51,16 +66,7 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(tmp_path):
     Trainer(load_stack(str(EXAMPLE), STEP + [f"output.dir={one}"])).run()
 
     two = tmp_path / "two"
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(two), errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert all(p.exitcode == 0 for p in procs), msgs
+    _two_ranks(two)
 
     a, b = _final_params(one), _final_params(two)
     assert set(a) == set(b)
@@ -76,6 +82,14 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(tmp_path):
     # rank 0 wrote one metrics line, one run marker, one checkpoint; rank 1 wrote nothing
     assert len(read_metrics(two)) == 1
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+
+    # resumed onto both ranks from rank 0's checkpoint (read by rank 0, broadcast): a second step
+    Trainer(load_stack(str(EXAMPLE), STEP + ["training.steps=2", f"output.dir={one}"]), resume=True).run()
+    _two_ranks(two, ["training.steps=2"], resume=True)
+    assert [r["step"] for r in read_metrics(two)] == [0, 1]
+    a, b = _final_params(one), _final_params(two)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 2e-5
+    assert read_metrics(one)[1]["reward_mean"] == read_metrics(two)[1]["reward_mean"]
 
 
 def test_step_moves_the_parameters(tmp_path):
