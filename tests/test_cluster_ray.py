@@ -12,6 +12,7 @@ probability across its uniform draw, which is rare: the test allows one sample i
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -50,21 +51,20 @@ def two_nodes():
 
 
 def test_two_ranks_two_replicas_on_two_nodes_match_one_process(two_nodes, tmp_path):
-    from rlcore.cluster.ray_launch import train_on_ray
+    from rlcore.cli import main
     from rlcore.trainer import Trainer
 
-    t0 = time.perf_counter()
-    summary = train_on_ray(load_stack(str(EXAMPLE), RUN + RAY + [f"output.dir={tmp_path / 'ray'}"]))
+    t0 = time.perf_counter()  # the command a user types (Ray is already up: the run joins it)
+    assert main(["train", str(EXAMPLE), *RUN, *RAY, "--output", str(tmp_path / "ray")]) == 0
     t_ray = time.perf_counter() - t0
     t0 = time.perf_counter()
     Trainer(load_stack(str(EXAMPLE), RUN + ["rollout.seed_per_prompt=true", f"output.dir={tmp_path / 'one'}"])).run()
     t_one = time.perf_counter() - t0
 
-    placement = summary["cluster"]
+    placement = json.loads((tmp_path / "ray" / "cluster.json").read_text())
     nodes = {w["node"] for w in placement["trainer_ranks"] + placement["rollout_replicas"]}
     assert len(placement["trainer_ranks"]) == 2 and len(placement["rollout_replicas"]) == 2
     assert len(nodes) == 2, placement  # 4 one-CPU bundles on two 2-CPU nodes: both nodes are used
-    assert (tmp_path / "ray" / "cluster.json").exists()
 
     ray_rows, one_rows = read_metrics(tmp_path / "ray"), read_metrics(tmp_path / "one")
     assert [r["step"] for r in ray_rows] == list(range(STEPS)) == [r["step"] for r in one_rows]
@@ -98,7 +98,7 @@ def test_a_killed_replica_is_an_error_naming_it(two_nodes, tmp_path):
     while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path):
         assert time.monotonic() < deadline and thread.is_alive(), outcome
         time.sleep(0.5)
-    victim = ray.get_actor("rlcore-rollout-1")
+    victim = ray.get_actor(next(n for n in ray.util.list_named_actors() if n.endswith("-rollout-1")))
     os.kill(ray.get(victim.where.remote())["pid"], signal.SIGKILL)
     killed = time.monotonic()
     thread.join(timeout=120)

@@ -148,3 +148,19 @@ def test_torchrun_is_refused_with_a_pointer_to_ray(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "WORLD_SIZE=2" in err and "cluster.backend=ray" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_shares_and_bundles():
+    from omegaconf import OmegaConf
+    from rlcore.cluster.data_parallel import shard_bounds
+    from rlcore.cluster.ray_launch import plan_bundles
+    from rlcore.config import RunConfig
+
+    assert [shard_bounds(7, r, 3) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    assert [shard_bounds(1, r, 2) for r in range(2)] == [(0, 1), (1, 1)]  # a rank may get nothing
+    c = OmegaConf.structured(RunConfig).cluster
+    c.trainer.dp, c.rollout.replicas = 2, 2
+    c.rollout.resources.num_gpus = c.trainer.resources.num_gpus = 0.5
+    assert plan_bundles(c) == ([{"CPU": 1.0, "GPU": 0.5}] * 2 + [{"CPU": 1.0, "GPU": 0.5}] * 2, [0, 1], [2, 3])
+    c.placement = "colocated"
+    assert plan_bundles(c) == ([{"CPU": 2.0, "GPU": 1.0}] * 2, [0, 1], [0, 1])

@@ -554,7 +554,7 @@ class Trainer:
                 if cfg.output.checkpoint_every and (self.step + 1) % cfg.output.checkpoint_every == 0:
                     self._checkpoint(wall)
                 self.step += 1
-                if limit and wall > limit:
+                if limit and self.ranks.broadcast(wall > limit):  # every rank stops at the same step
                     self.console.print(f"[yellow]stopping:[/] training.max_wall_seconds={limit:g} reached")
                     completed = self.step >= cfg.training.steps
                     break

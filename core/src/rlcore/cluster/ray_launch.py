@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,7 @@ def train_on_ray(stack: Any, *, resume: bool = False, overwrite: bool = False, a
     cfg.output.dir = str(Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve())
     text = config_yaml(cfg)
     say = console.print if console is not None else print
+    tag = uuid.uuid4().hex[:8]  # actor names of this run (a previous run's may not be released yet)
     conn = _Cluster(ray, c)
     pg, actors = None, []
     try:
@@ -146,10 +148,10 @@ def train_on_ray(stack: Any, *, resume: bool = False, overwrite: bool = False, a
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
                         **kw)
 
-        replicas = [ray.remote(RolloutReplica).options(**on(b, c.rollout.resources, name=f"rlcore-rollout-{j}"))
+        replicas = [ray.remote(RolloutReplica).options(**on(b, c.rollout.resources, name=f"rlcore-{tag}-rollout-{j}"))
                     .remote(text, j, cfg.output.dir) for j, b in enumerate(replica_bundle)]
         world = len(rank_bundle)
-        ranks = [ray.remote(TrainerRankActor).options(**on(b, c.trainer.resources, name=f"rlcore-trainer-{i}"))
+        ranks = [ray.remote(TrainerRankActor).options(**on(b, c.trainer.resources, name=f"rlcore-{tag}-trainer-{i}"))
                  .remote(i, world) for i, b in enumerate(rank_bundle)]
         actors = replicas + ranks
         placement = {"trainer_ranks": ray.get([r.where.remote() for r in ranks], timeout=float(c.timeout_s)),
