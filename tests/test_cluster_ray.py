@@ -108,3 +108,25 @@ def test_a_killed_replica_is_an_error_naming_it(two_nodes, tmp_path):
     assert "rollout replica 1 of 2 died" in str(err)
     print(f"\nerror {time.monotonic() - killed:.1f} s after the kill: {err}")
     assert len(read_metrics(tmp_path)) < 200
+
+
+class _SilentReplica:
+    """A real actor that never answers (a replica stuck in a kernel, or a wedged node)."""
+
+    def generate(self, prompts, params):
+        time.sleep(3600)
+
+
+def test_a_silent_replica_times_out(two_nodes):
+    from rlcore.cluster.fleet import RolloutFleet
+    from rlcore.types import Prompt, SamplingSettings
+
+    silent = ray.remote(_SilentReplica).options(num_cpus=0).remote()
+    try:
+        fleet = RolloutFleet([silent], timeout_s=2)
+        t0 = time.monotonic()
+        with pytest.raises(RolloutError, match=r"replica 0 of 1 did not answer generate within cluster.rollout.timeout_s=2"):
+            fleet.generate([Prompt(ids=[1, 2], index=0)], SamplingSettings(n=1, temperature=1.0, max_new_tokens=2))
+        assert time.monotonic() - t0 < 30
+    finally:
+        ray.kill(silent)

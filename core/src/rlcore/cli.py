@@ -76,6 +76,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if desc.get("algorithm"):
         a = desc["algorithm"]
         con.print(f"  {'algorithm':16s} {a['name']:14s} from {a['distribution']}  loss_agg {a['loss_agg']}")
+    c = stack.config.cluster
+    if c.backend == "ray":
+        t = c.trainer
+        con.print(f"  {'cluster':16s} ray ({c.address or f'local, {c.local_nodes} node(s)'}): trainer ranks dp={t.dp} "
+                  f"tp={t.tp} ep={t.ep} pp={t.pp}, {c.rollout.replicas} rollout replica(s), {c.placement}")
     for hook, names in desc["chains"].items():
         con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
     for note in desc["notes"]:
