@@ -33,7 +33,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny.yaml"
 STEPS = 8
 RUN = [f"training.steps={STEPS}", "data.prompts_per_step=8", "rollout.n=8", "output.progress=false",
        "output.tensorboard=false", "output.plot=false", "output.checkpoint_every=0"]
-RAY = ["cluster.backend=ray", "cluster.trainer.dp=2", "cluster.rollout.replicas=2", "cluster.timeout_s=240"]
+#: small buckets: a push is many buckets, at most two in flight through the object store
+RAY = ["sync.bucket_mb=0.25", "cluster.backend=ray", "cluster.trainer.dp=2", "cluster.rollout.replicas=2", "cluster.timeout_s=240"]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_two_ranks_two_replicas_on_two_nodes_match_one_process(two_nodes, tmp_pa
     assert max(diffs) <= 1 / 64 + 1e-9, (a, b)
     assert sum(d == 0 for d in diffs) >= STEPS - 2, (a, b)
     assert all(r["sync_verified"] and r["sync_level"] == "coverage+exact" for r in ray_rows)
-    assert ray_rows[-1]["weight_version"] == STEPS
+    assert ray_rows[-1]["weight_version"] == STEPS and ray_rows[-1]["sync_buckets"] > 2
 
 
 def test_a_killed_replica_is_an_error_naming_it(two_nodes, tmp_path):

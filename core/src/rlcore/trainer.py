@@ -93,8 +93,7 @@ class Trainer:
 
     def __init__(self, stack: Stack, resume: bool = False, console: Any = None, *, overwrite: bool = False,
                  allow_config_change: bool = False, ranks: Ranks = SINGLE):
-        self.stack = stack
-        self.ranks = ranks  # several trainer ranks: only the writer touches the output dir (cluster/ranks.py)
+        self.stack, self.ranks = stack, ranks  # several ranks: only the writer writes outputs (cluster/ranks.py)
         self.cfg = cfg = stack.config
         self.pm = stack.plugins
         self.resume = resume
@@ -106,9 +105,11 @@ class Trainer:
         on_writer(ranks, lambda: prepare_output_dir(self.out, resume=resume, overwrite=overwrite))
         self.fingerprint = training_fingerprint(cfg)
         # a checkpoint that is damaged or from another config fails here, before the model loads
-        self._resume_from = on_writer(ranks, lambda: load_checkpoint(self.out, self.fingerprint, allow_config_change)
-                                      if resume else write_run_marker(self.out, {"rlcore_version": __version__,
-                                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+        self._resume_from = on_writer(ranks, lambda: load_checkpoint(self.out, self.fingerprint,
+                                                                     allow_config_change)) if resume else None
+        if not resume:
+            on_writer(ranks, lambda: write_run_marker(self.out, {"rlcore_version": __version__,
+                                                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         if console is None:
             from rich.console import Console
 

@@ -9,7 +9,8 @@ gradients is exactly the gradient of one rank with the whole batch: gradients ar
 with SUM (not averaged), then every rank takes the same optimizer step. The no-grad passes'
 log-probs and the metric sums are all-reduced the same way. Only the writer pushes weights to the
 rollout; the other ranks drain the export (collective exports stay in step) and follow its
-version.
+version. A postprocess plugin's per-token batch updates (recorded routes) cover this rank's
+sequences only, which is all it reads: every pass gives a rank the same share.
 """
 
 from __future__ import annotations

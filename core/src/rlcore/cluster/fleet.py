@@ -99,7 +99,7 @@ class RolloutFleet:
         self._version = -1
         self._caps: frozenset[str] | None = None
         self._manifest: WeightManifest | None = None
-        self._pending: list[Any] = []
+        self._pending: list[list[Any]] = []  # per bucket in flight: one ack per replica
 
     # every remote call goes through here: a dead or silent replica is an error naming it
     def _get(self, refs: list[Any], indices: list[int], what: str) -> list[Any]:
@@ -183,12 +183,17 @@ class RolloutFleet:
     def receive_bucket(self, bucket: Bucket) -> None:
         import ray
 
+        # at most two buckets in flight: wait for every replica to have staged the one before the
+        # last before putting a new one, so the object store holds ~2 buckets, not the model
+        while len(self._pending) >= 2:
+            self._get(self._pending.pop(0), list(range(len(self.replicas))), "receive_bucket")
         ref = ray.put(replace(bucket, buffer=bucket.buffer.cpu()))  # one copy in the object store for all
-        self._pending += [r.call.remote("receive_bucket", ref) for r in self.replicas]
+        self._pending.append([r.call.remote("receive_bucket", ref) for r in self.replicas])
 
     def commit_update(self, version: int) -> None:
         pending, self._pending = self._pending, []
-        self._get(pending, [i % len(self.replicas) for i in range(len(pending))], "receive_bucket")
+        for acks in pending:
+            self._get(acks, list(range(len(self.replicas))), "receive_bucket")
         self._all("commit_update", version)
         self._version = version
 
