@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from rlcore import __version__
 from rlcore.errors import RLCoreError
@@ -80,6 +80,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         pl = desc["platform"]
         con.print(f"  {'platform':16s} {pl['name']:14s} from {pl['distribution']}  device {pl['device']}, "
                   f"{pl['dist_backend']} between ranks")
+    c = stack.config.cluster
+    if c.backend == "ray":
+        t = c.trainer
+        con.print(f"  {'cluster':16s} ray ({c.address or f'local, {c.local_nodes} node(s)'}): trainer ranks dp={t.dp} "
+                  f"tp={t.tp} ep={t.ep} pp={t.pp}, {c.rollout.replicas} rollout replica(s), {c.placement}")
     for hook, names in desc["chains"].items():
         con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
     for note in desc["notes"]:
@@ -98,9 +103,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.output:
         overrides.append(f"output.dir={args.output}")
     stack = load_stack(args.config, overrides)
-    trainer = Trainer(stack, resume=args.resume, overwrite=args.overwrite,
-                      allow_config_change=args.allow_config_change)
-    summary = trainer.run()
+    flags = {"resume": args.resume, "overwrite": args.overwrite, "allow_config_change": args.allow_config_change}
+    if stack.config.cluster.backend == "ray":
+        from rlcore.cluster.ray_launch import train_on_ray
+
+        summary = train_on_ray(stack, **flags)
+    else:
+        from rlcore.cluster.worker import refuse_foreign_launcher
+
+        refuse_foreign_launcher(stack.config)
+        summary = Trainer(stack, **flags).run()
     return 0 if summary.get("completed", False) else 1
 
 

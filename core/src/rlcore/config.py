@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from rlcore.algorithms.spec import LOSS_AGGREGATIONS
+from rlcore.cluster.settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
 from rlcore.errors import ConfigError
 
 
@@ -50,7 +52,7 @@ class ModelConfig:
     """``path``: an HF model directory; when empty a tiny model is created from ``tiny`` (and a
     tokenizer is built locally for the task)."""
 
-    path: Optional[str] = None
+    path: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: str = "float32"
 
@@ -79,7 +81,11 @@ class RolloutConfig:
     unset, ``training.seed``. Changing it changes the samples only: prompts and the model's
     initialisation follow ``training.seed``. ``draft_depths`` (``local`` backend): sample
     speculatively with the model's first ``draft_depths`` MTP layers as the draft (0: off); the
-    output distribution is unchanged (:mod:`rlcore.rollout_speculative`)."""
+    output distribution is unchanged (:mod:`rlcore.rollout_speculative`).
+    ``seed_per_prompt``: each prompt's samples draw
+    from a seed of their own (the step's seed and the prompt's index), so they do not depend on
+    which prompts share a call, nor on how prompts are split across rollout replicas (local
+    backend); unset, on exactly when ``cluster.rollout.replicas`` > 1."""
 
     backend: str = "local"
     n: int = 8
@@ -89,8 +95,9 @@ class RolloutConfig:
     max_new_tokens: int = 4
     release_kv_cache: str = "auto"
     return_routed_experts: bool = False
-    seed: Optional[int] = None
+    seed: int | None = None
     draft_depths: int = 0
+    seed_per_prompt: bool | None = None
 
 
 @dataclass
@@ -177,7 +184,7 @@ class OutputConfig:
     """``checkpoint_every``: steps between checkpoints (0 = only at the end);
     ``keep_checkpoints``: how many of the newest good checkpoints stay on disk."""
 
-    dir: Optional[str] = None
+    dir: str | None = None
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     tensorboard: bool = True
@@ -198,6 +205,7 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 CORE_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
@@ -427,6 +435,8 @@ def _check_values(cfg: DictConfig) -> None:
         if ":" not in val:
             raise ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key)
     _check_ranges(cfg)
+    check_cluster(cfg)
+    resolve_seed_per_prompt(cfg)
 
 
 #: numeric keys of core's sections and the range each must lie in (an algorithm's own keys, e.g.
@@ -505,6 +515,7 @@ FINGERPRINT_EXCLUDED = (
     "sync.bucket_mb",
     "sync.verify",
     "engine.device",
+    "cluster.",  # where ranks run; data-parallel ranks hold the same weights, so any size resumes
 )
 
 

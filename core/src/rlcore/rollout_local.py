@@ -72,11 +72,38 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return torch.log_softmax(logits, dim=-1)
 
 
+def row_uniforms(call_seed: int, rows: Sequence[Prompt], n: int, steps: int, device: Any) -> torch.Tensor:
+    """``[rows, steps]`` uniforms, row *i* (copy ``i % n`` of its prompt) from a CPU generator seeded
+    with the call's seed, the prompt's index and the copy: the same wherever the row is sampled,
+    whichever other rows share the call."""
+    out = torch.empty((len(rows), steps), dtype=torch.float64)
+    for i, p in enumerate(rows):
+        out[i] = torch.rand(steps, generator=torch.Generator().manual_seed(row_seed(call_seed, p, i, n)),
+                            dtype=torch.float64)
+    return out.to(device)
+
+
+def row_seed(call_seed: int, prompt: Prompt, row: int, n: int) -> int:
+    """The seed of row ``row`` (copy ``row % n`` of ``prompt``) in a call seeded ``call_seed``."""
+    return ((int(call_seed) * 1_000_003 + int(prompt.index)) * 1_031 + row % n) % (1 << 63)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row: the first whose cumulative probability exceeds ``u`` (scaled by the row's
+    total, so rounding never runs past the end; zero-probability tokens are never picked)."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u.double() * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
 class LocalRollout:
     """See module docstring."""
 
-    def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0, draft_depths: int = 0):
+    def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0, draft_depths: int = 0,
+                 seed_per_prompt: bool = False):
         self.device = torch.device(device)
+        #: every row samples from its own seed (see :func:`row_uniforms`), not one generator per call
+        self.seed_per_prompt = seed_per_prompt
         self.dtype = getattr(torch, dtype)
         self._seeds = CallSeeds(seed)
         self.model: Any = None
@@ -199,7 +226,9 @@ class LocalRollout:
             ids[i, P - len(p.ids):] = torch.tensor(p.ids, dtype=torch.long, device=dev)
             mask[i, P - len(p.ids):] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        gen = torch.Generator(device=dev).manual_seed(self._seeds.next(params.seed))
+        call_seed = self._seeds.next(params.seed)
+        gen = torch.Generator(device=dev).manual_seed(call_seed)
+        uniforms = row_uniforms(call_seed, seqs, params.n, params.max_new_tokens, dev) if self.seed_per_prompt else None
         stop = set(params.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=dev) if stop else None
 
@@ -232,6 +261,8 @@ class LocalRollout:
             lp = process_logits(logits, params.temperature, params.top_k, params.top_p)
             if params.temperature <= 0:
                 tok = lp.argmax(dim=-1)
+            elif uniforms is not None:
+                tok = inverse_cdf(lp.exp(), uniforms[:, t])
             else:
                 tok = torch.multinomial(lp.exp(), 1, generator=gen).squeeze(1)
             tok = torch.where(done, torch.full_like(tok, pad), tok)
@@ -279,11 +310,14 @@ class LocalRollout:
     def _generate_speculative(self, seqs: list[Prompt], params: SamplingSettings) -> list[Sample]:
         if params.return_routed_experts:
             raise RolloutError("local rollout: rollout.draft_depths (speculative) cannot return routed experts")
-        gen = torch.Generator(device=self.device).manual_seed(self._seeds.next(params.seed))
+        call_seed = self._seeds.next(params.seed)
+        gen = torch.Generator(device=self.device).manual_seed(call_seed)
         stop = set(params.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
         stats = DraftStats()
         samples, peak = [], 0
-        for p in seqs:
+        for i, p in enumerate(seqs):
+            if self.seed_per_prompt:  # a row's samples do not depend on which rows share the call
+                gen = torch.Generator(device=self.device).manual_seed(row_seed(call_seed, p, i, params.n))
             toks, lps, stopped, kv = generate_one(self.model, list(p.ids), params, self.draft_depths, gen, stop,
                                                   stats, process_logits)
             peak = max(peak, kv)
@@ -385,7 +419,8 @@ def build_local_rollout(ctx: Any) -> LocalRollout:
     cfg = ctx.config
     device = run_device(ctx)
     return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=base_seed(cfg),
-                        draft_depths=int(cfg.rollout.draft_depths))
+                        draft_depths=int(cfg.rollout.draft_depths),
+                        seed_per_prompt=bool(cfg.rollout.seed_per_prompt))
 
 
 def _cache_bytes(past: Any) -> int:

@@ -173,6 +173,32 @@ class MetricsWriter:
             self.tb.close()
 
 
+class NullMetrics:
+    """The metrics of a trainer rank that is not the writer: nothing is written."""
+
+    tb_note = ""
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def quiet_transformers() -> None:
+    """transformers prints progress bars for every save/load; a step line is enough."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+
+
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
     path = Path(out_dir) / METRICS_FILE
     if not path.exists():

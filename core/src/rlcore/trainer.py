@@ -29,6 +29,7 @@ from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
+from rlcore.cluster.ranks import SINGLE, Ranks, on_writer
 from rlcore.config import training_fingerprint
 from rlcore.errors import (
     CheckpointError,
@@ -42,9 +43,11 @@ from rlcore.push import push_weights, rollout_metrics
 from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
+    NullMetrics,
     load_checkpoint,
     plot_rewards,
     prepare_output_dir,
+    quiet_transformers,
     read_metrics,
     save_checkpoint,
     write_run_marker,
@@ -63,18 +66,6 @@ from rlcore.types import (
     SamplingSettings,
     StepContext,
 )
-
-
-def _quiet_transformers() -> None:
-    """transformers prints progress bars for every save/load; a step line is enough."""
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except Exception:  # noqa: BLE001 - cosmetic only
-        pass
-
 
 #: where the no-grad passes leave their log-probs in the step batch ("old_logprobs" holds the
 #: rollout engine's behaviour log-probs, which the importance ratio uses)
@@ -102,8 +93,8 @@ class Trainer:
     """Builds the selected providers and runs GRPO. ``run()`` returns a summary dict."""
 
     def __init__(self, stack: Stack, resume: bool = False, console: Any = None, *, overwrite: bool = False,
-                 allow_config_change: bool = False):
-        self.stack = stack
+                 allow_config_change: bool = False, ranks: Ranks = SINGLE):
+        self.stack, self.ranks = stack, ranks  # several ranks: only the writer writes outputs (cluster/ranks.py)
         self.cfg = cfg = stack.config
         self.pm = stack.plugins
         self.resume = resume
@@ -112,19 +103,21 @@ class Trainer:
             raise ConfigError("rollout.temperature must be > 0 for RL training (sampling)", key="rollout.temperature")
         self.out = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         # one run per directory: a new run needs it empty, --resume needs a checkpoint in it
-        prepare_output_dir(self.out, resume=resume, overwrite=overwrite)
+        on_writer(ranks, lambda: prepare_output_dir(self.out, resume=resume, overwrite=overwrite))
         self.fingerprint = training_fingerprint(cfg)
         # a checkpoint that is damaged or from another config fails here, before the model loads
-        self._resume_from = load_checkpoint(self.out, self.fingerprint, allow_config_change) if resume else None
+        self._resume_from = on_writer(ranks, lambda: load_checkpoint(self.out, self.fingerprint,
+                                                                     allow_config_change)) if resume else None
         if not resume:
-            write_run_marker(self.out, {"rlcore_version": __version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            on_writer(ranks, lambda: write_run_marker(self.out, {"rlcore_version": __version__,
+                                                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         if console is None:
             from rich.console import Console
 
-            console = Console(highlight=False, soft_wrap=True, quiet=not cfg.output.progress)
+            console = Console(highlight=False, soft_wrap=True, quiet=not (cfg.output.progress and ranks.writer))
         self.console = console
 
-        _quiet_transformers()
+        quiet_transformers()
         torch.manual_seed(cfg.training.seed)
         random.seed(cfg.training.seed)
         self.task: Task = load_callable(cfg.data.task, "data.task")(cfg.data)
@@ -165,7 +158,7 @@ class Trainer:
         #: the field the ratio's denominator comes from
         self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
         self.router = self.pm.router_hook if self.pm.has_router_hooks() else None
-        self.metrics = MetricsWriter(self.out, tensorboard=cfg.output.tensorboard)
+        self.metrics = MetricsWriter(self.out, tensorboard=cfg.output.tensorboard) if ranks.writer else NullMetrics()
         self.step = 0
         self.version = 0
         self.wall_before = 0.0  # wall seconds of earlier (resumed) segments
@@ -191,7 +184,7 @@ class Trainer:
         self._check_weights_finite("rollout engine starts from them", hint="the model loaded (engine.model.path, or "
                                    "the checkpoint resumed) holds NaN/inf")
         model_dir = self.out / "policy_hf"
-        self.engine.save_hf(model_dir)
+        on_writer(self.ranks, lambda: self.engine.save_hf(model_dir))
         self.backend.start(str(model_dir), version=self.version)
         declared = self.stack.rollout_backend.capabilities
         runtime = self.backend.capabilities()
@@ -233,7 +226,7 @@ class Trainer:
 
     def _checkpoint(self, wall: float) -> None:
         self._check_weights_finite("checkpoint")
-        save_checkpoint(self.out, {
+        on_writer(self.ranks, lambda: save_checkpoint(self.out, {
             "engine": self.engine.state_dict(),
             "step": self.step,
             "version": self.version,
@@ -242,7 +235,7 @@ class Trainer:
             "python_rng": random.getstate(),
             "rlcore_version": __version__,
         }, {"step": self.step, "version": self.version, "rlcore_version": __version__, "config": self.fingerprint},
-            keep=int(self.cfg.output.keep_checkpoints))
+            keep=int(self.cfg.output.keep_checkpoints)))
 
     # ------------------------------------------------------------------- non-finite guards --
 
@@ -309,7 +302,7 @@ class Trainer:
         cfg = self.cfg
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
-        mbs = batch.micro_batches(cfg.training.micro_batch_tokens)
+        mbs = self._micro_batches(batch)
         logprob_out = torch.zeros(batch.num_tokens, device=batch.device) if phase != "train" else None
         for i, mb in enumerate(mbs):
             ctx = MicroBatchContext(step=self.step, phase=phase, index=i, count=len(mbs), batch=mb, config=cfg,
@@ -357,6 +350,7 @@ class Trainer:
                 else:
                     start = mb.token_offset - batch.token_offset
                     logprob_out[start: start + mb.num_tokens] = head.logprobs.detach().float()
+        self._reduce_pass(phase, sums, counts, logprob_out)
         if phase == "train":
             n = max(sums.pop("_tokens", 0.0), 1.0)
             for k in objmod.TOKEN_MEAN_METRICS:
@@ -378,6 +372,12 @@ class Trainer:
                 temperature=float(self.cfg.rollout.temperature), sequence_parallel=out.sequence_parallel,
                 compute_entropy=False,
             )).logprobs.detach().float()
+
+    def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+        return batch.micro_batches(self.cfg.training.micro_batch_tokens)
+
+    def _reduce_pass(self, phase: str, sums: dict, counts: dict, logprob_out: torch.Tensor | None) -> None:
+        """After a pass over this rank's micro-batches (data parallelism: cluster/data_parallel.py)."""
 
     def _train_step(self) -> StepResult:
         cfg = self.cfg
@@ -560,7 +560,7 @@ class Trainer:
                 if cfg.output.checkpoint_every and (self.step + 1) % cfg.output.checkpoint_every == 0:
                     self._checkpoint(wall)
                 self.step += 1
-                if limit and wall > limit:
+                if limit and self.ranks.broadcast(wall > limit):  # every rank stops at the same step
                     self.console.print(f"[yellow]stopping:[/] training.max_wall_seconds={limit:g} reached")
                     completed = self.step >= cfg.training.steps
                     break
@@ -570,7 +570,7 @@ class Trainer:
             self.metrics.close()
             self.backend.shutdown()
             self.sync.close()
-        return self._summary(completed)
+        return self._summary(completed) if self.ranks.writer else {"completed": completed, "rank": self.ranks.rank}
 
     def _checkpoint_final(self, wall: float) -> None:
         if self.step > 0:

@@ -1,0 +1,220 @@
+"""Rollout replicas as Ray actors, and the fleet the writer rank talks to as one rollout backend.
+
+:class:`RolloutReplica` is the actor: it builds ``rollout.backend`` from the run's config in its
+own process and serves it. :class:`RolloutFleet` is what the writer trainer rank holds: it splits
+each ``generate`` call's prompts across the replicas (contiguous, sizes differing by at most one,
+every sample of a prompt on the same replica) and concatenates the answers in prompt order; it
+receives weight pushes (it is a :class:`~rlcore.types.BucketReceiver` and a
+:class:`~rlcore.types.DiskReceiver`) and forwards each bucket to every replica through Ray's
+object store (one ``ray.put`` per bucket, read by all replicas). A replica that dies is a
+:class:`~rlcore.errors.RolloutError` naming it, at once (Ray reports the actor's death); one
+that does not answer within ``cluster.rollout.timeout_s`` is the same error, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rlcore.errors import RolloutError, WeightSyncError
+from rlcore.sync import Bucket, WeightManifest
+from rlcore.types import Prompt, Sample, SamplingSettings
+
+
+def split_prompts(prompts: Sequence[Prompt], parts: int) -> list[list[Prompt]]:
+    """Contiguous shares of ``prompts`` whose sizes differ by at most one (empty shares dropped)."""
+    base, extra = divmod(len(prompts), parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        if stop > start:
+            out.append(list(prompts[start:stop]))
+        start = stop
+    return out
+
+
+def read_dir(path: str | Path) -> dict[str, bytes]:
+    """Every file under ``path`` (relative name -> bytes): an HF directory shipped to another node."""
+    root = Path(path)
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+class RolloutReplica:
+    """One rollout replica (made a Ray actor by :mod:`rlcore.cluster.ray_launch`)."""
+
+    def __init__(self, config_yaml: str, index: int, output_dir: str):
+        from rlcore.cluster.worker import stack_from_yaml
+        from rlcore.run_output import quiet_transformers
+        from rlcore.types import BuildContext
+
+        quiet_transformers()
+        self.index = index
+        stack = stack_from_yaml(config_yaml)
+        self.backend = stack.rollout_backend.factory(BuildContext(
+            config=stack.config, settings=None, output_dir=output_dir, engine=None, extras={}))
+        self._dir = tempfile.mkdtemp(prefix=f"rlcore-replica{index}-")
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        return {"replica": self.index, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+    def capabilities(self) -> frozenset[str]:
+        return frozenset(self.backend.capabilities())
+
+    def start(self, files: dict[str, bytes], version: int) -> int:
+        model_dir = Path(self._dir) / "policy_hf"
+        for name, data in files.items():
+            (model_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (model_dir / name).write_bytes(data)
+        self.backend.start(str(model_dir), version=version)
+        return self.backend.weight_version
+
+    def generate(self, prompts: list[Prompt], params: SamplingSettings) -> list[Sample]:
+        return self.backend.generate(prompts, params)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Any other backend method (pause, resume, release_memory, begin_update, ...)."""
+        return getattr(self.backend, method)(*args)
+
+    def weight_version(self) -> int:
+        return self.backend.weight_version
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+class RolloutFleet:
+    """The replicas as one rollout backend (see the module docstring)."""
+
+    def __init__(self, replicas: Sequence[Any], timeout_s: float = 600.0):
+        if not replicas:
+            raise RolloutError("a rollout fleet needs at least one replica")
+        self.replicas = list(replicas)
+        self.timeout_s = float(timeout_s)
+        self._version = -1
+        self._caps: frozenset[str] | None = None
+        self._manifest: WeightManifest | None = None
+        self._pending: list[list[Any]] = []  # per bucket in flight: one ack per replica
+
+    # every remote call goes through here: a dead or silent replica is an error naming it
+    def _get(self, refs: list[Any], indices: list[int], what: str) -> list[Any]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        out: list[Any] = []
+        for ref, i in zip(refs, indices, strict=True):
+            try:
+                out.append(ray.get(ref, timeout=self.timeout_s))
+            except RayActorError as exc:
+                detail = " ".join(str(exc).split())[:300]
+                raise RolloutError(f"rollout replica {i} of {len(self.replicas)} died during {what}: {detail}") from exc
+            except GetTimeoutError as exc:
+                raise RolloutError(f"rollout replica {i} of {len(self.replicas)} did not answer {what} within "
+                                   f"cluster.rollout.timeout_s={self.timeout_s:g} s") from exc
+        return out
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        refs = [r.call.remote(method, *args) for r in self.replicas]
+        return self._get(refs, list(range(len(refs))), method)
+
+    def capabilities(self) -> frozenset[str]:
+        if self._caps is None:
+            caps = self._get([r.capabilities.remote() for r in self.replicas], list(range(len(self.replicas))),
+                             "capabilities")
+            self._caps = frozenset.intersection(*caps)
+        return self._caps
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def start(self, model_dir: str, version: int = 0) -> None:
+        import ray
+
+        files = ray.put(read_dir(model_dir))  # replicas on other nodes cannot read the writer's disk
+        self._get([r.start.remote(files, version) for r in self.replicas], list(range(len(self.replicas))), "start")
+        self._version = version
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingSettings) -> list[Sample]:
+        shares = split_prompts(prompts, len(self.replicas))
+        refs = [self.replicas[i].generate.remote(share, params) for i, share in enumerate(shares)]
+        out: list[Sample] = []
+        for part in self._get(refs, list(range(len(refs))), "generate"):
+            out.extend(part)
+        return out
+
+    def pause(self) -> None:
+        self._all("pause")
+
+    def resume(self) -> None:
+        self._all("resume")
+
+    def release_memory(self, tags: frozenset[str]) -> None:
+        self._all("release_memory", tags)
+
+    def resume_memory(self, tags: frozenset[str]) -> None:
+        self._all("resume_memory", tags)
+
+    def reset_prefix_cache(self) -> None:
+        self._all("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        except RolloutError:
+            pass  # a replica already gone has nothing left to shut down
+
+    # ------------------------------------------------------------ receiving (sync) ---------
+
+    def weight_manifest(self) -> WeightManifest:
+        if self._manifest is None:
+            self._manifest = self._get([self.replicas[0].call.remote("weight_manifest")], [0], "weight_manifest")[0]
+        return self._manifest
+
+    def begin_update(self, version: int) -> None:
+        self._all("begin_update", version)
+        self._pending = []
+
+    def receive_bucket(self, bucket: Bucket) -> None:
+        import ray
+
+        # at most two buckets in flight: wait for every replica to have staged the one before the
+        # last before putting a new one, so the object store holds ~2 buckets, not the model
+        while len(self._pending) >= 2:
+            self._get(self._pending.pop(0), list(range(len(self.replicas))), "receive_bucket")
+        ref = ray.put(replace(bucket, buffer=bucket.buffer.cpu()))  # one copy in the object store for all
+        self._pending.append([r.call.remote("receive_bucket", ref) for r in self.replicas])
+
+    def commit_update(self, version: int) -> None:
+        pending, self._pending = self._pending, []
+        for acks in pending:
+            self._get(acks, list(range(len(self.replicas))), "receive_bucket")
+        self._all("commit_update", version)
+        self._version = version
+
+    def abort_update(self) -> None:
+        self._pending = []
+        try:
+            self._all("abort_update")
+        except RolloutError:
+            pass  # the push fails anyway; the error that made it fail is the one to report
+
+    def load_from_disk(self, model_dir: str, version: int) -> None:
+        self._all("load_from_disk", model_dir, version)
+        self._version = version
+
+    def weight_checksums(self, names: Any = None) -> dict[str, int]:
+        """Replica 0's checksums, after checking every other replica holds the same."""
+        names = list(names) if names is not None else None
+        sums = self._all("weight_checksums", names)
+        for i, other in enumerate(sums[1:], start=1):
+            bad = sorted(n for n in sums[0] if other.get(n) != sums[0][n])
+            if bad:
+                raise WeightSyncError(f"rollout replica {i} holds other weights than replica 0 after the push "
+                                      f"({len(bad)} tensors differ, e.g. {bad[:3]})", receiver_version=None)
+        return sums[0]

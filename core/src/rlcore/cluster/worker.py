@@ -1,0 +1,89 @@
+"""A trainer rank in its own process: joins torch.distributed and runs the data-parallel trainer.
+
+Used by the Ray actors (:mod:`rlcore.cluster.ray_launch`) and, without Ray, by anything that
+starts the processes itself (the tests spawn two with ``torch.multiprocessing``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+from omegaconf import OmegaConf
+
+#: set in every process the cluster layer starts; ``rlcore train`` under another launcher
+#: (torchrun) refuses to run (see :func:`refuse_foreign_launcher`)
+LAUNCHED_ENV = "RLCORE_CLUSTER_RANK"
+
+
+def stack_from_yaml(config_yaml: str) -> Any:
+    """The stack of a resolved config shipped as YAML (the same plugins activate in this process)."""
+    from rlcore.stack import load_stack
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(config_yaml)
+    try:
+        return load_stack(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(rank: int, world: int, master: str, device: str, timeout_s: float) -> str:
+    """torch.distributed over TCP: gloo on CPU, NCCL on CUDA. Returns the backend."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else "gloo"
+    os.environ[LAUNCHED_ENV] = str(rank)
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES
+    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return backend
+
+
+def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: Any = None, resume: bool = False,
+             overwrite: bool = False, allow_config_change: bool = False) -> dict[str, Any]:
+    """Build the stack, join the group, train; the summary of the run (the writer's is the full one)."""
+    import torch.distributed as dist
+
+    from rlcore.cluster.data_parallel import DataParallelTrainer
+    from rlcore.cluster.ranks import TorchRanks
+
+    stack = stack_from_yaml(config_yaml)
+    cfg = stack.config
+    init_distributed(rank, world, master, str(cfg.engine.device), float(cfg.cluster.timeout_s))
+    try:
+        trainer = DataParallelTrainer(stack, TorchRanks(), rollout=rollout, resume=resume, overwrite=overwrite,
+                                      allow_config_change=allow_config_change)
+        return trainer.run()
+    finally:
+        dist.destroy_process_group()
+
+
+def config_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+def refuse_foreign_launcher(cfg: Any) -> None:
+    """``rlcore train`` started as one of several processes by another launcher (torchrun sets
+    ``WORLD_SIZE``): every rank would write the same metrics and checkpoints and start its own
+    rollout, so it is refused with the supported way."""
+    from rlcore.errors import ConfigError
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and LAUNCHED_ENV not in os.environ:
+        raise ConfigError(
+            f"rlcore train was started as one of {world} processes (WORLD_SIZE={world}, e.g. by torchrun), which "
+            f"is not supported: every rank would write the same outputs. Run one process with "
+            f"cluster.backend=ray (cluster.trainer.dp=N; pip install 'rlcore[ray]'); see docs/scale.md",
+            key="cluster.backend")

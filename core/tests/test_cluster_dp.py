@@ -1,0 +1,166 @@
+"""Data parallelism over two trainer ranks (gloo, two processes, no Ray): one step gives the same
+parameters as one rank with the whole batch; only rank 0 writes; a bad cluster: section fails at
+config time naming the key; torchrun is refused with a pointer to the Ray path."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rlcore.errors import ConfigError
+from rlcore.run_output import load_checkpoint, read_metrics
+from rlcore.stack import load_stack
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml"
+#: several micro-batches per rank, an uneven split (15 prompts x 4 samples over 2 ranks) and the
+#: reference pass (KL in the loss) all take part
+STEP = ["training.steps=1", "rollout.n=4", "data.prompts_per_step=15", "training.micro_batch_tokens=64",
+        "algorithm.kl_coef=0.05", "output.progress=false", "output.tensorboard=false", "output.plot=false"]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, errors: object, extra: list[str], resume: bool) -> None:
+    try:
+        from rlcore.cluster.worker import config_yaml, run_rank
+
+        stack = load_stack(str(EXAMPLE), STEP + extra + [f"output.dir={out}"])
+        run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}", resume=resume)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")  # type: ignore[attr-defined]
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(out: Path, extra: list[str] = (), resume: bool = False) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(out), errors, list(extra), resume))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert all(p.exitcode == 0 for p in procs), msgs
+
+
+def _final_params(out: Path) -> dict[str, torch.Tensor]:
+    state, _record, _ = load_checkpoint(out)
+    return state["engine"]["model"]
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_take_the_same_step_as_one(tmp_path):
+    from rlcore.trainer import Trainer
+
+    one = tmp_path / "one"
+    Trainer(load_stack(str(EXAMPLE), STEP + [f"output.dir={one}"])).run()
+
+    two = tmp_path / "two"
+    _two_ranks(two)
+
+    a, b = _final_params(one), _final_params(two)
+    assert set(a) == set(b)
+    diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    # float32 sums in another order (two shards, then the all-reduce) differ by ~1e-7 relative;
+    # the first AdamW update is lr * g / (|g| + eps), which scales an absolute error in g by
+    # lr / eps = 1e5 where |g| is near eps: bound 1% of the step (lr = 1e-3), and most elements exact
+    assert float(diffs.max()) < 1e-5, f"parameters after one step differ by up to {float(diffs.max()):.3g}"
+    assert float((diffs < 1e-7).float().mean()) > 0.99
+    ma, mb = read_metrics(one)[0], read_metrics(two)[0]
+    for key in ("loss", "grad_norm", "kl", "entropy", "reward_mean", "logprob_mismatch_max"):
+        assert ma[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-7), key
+    # rank 0 wrote one metrics line, one run marker, one checkpoint; rank 1 wrote nothing
+    assert len(read_metrics(two)) == 1
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+
+    # resumed onto both ranks from rank 0's checkpoint (read by rank 0, broadcast): a second step
+    Trainer(load_stack(str(EXAMPLE), STEP + ["training.steps=2", f"output.dir={one}"]), resume=True).run()
+    _two_ranks(two, ["training.steps=2"], resume=True)
+    assert [r["step"] for r in read_metrics(two)] == [0, 1]
+    a, b = _final_params(one), _final_params(two)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 2e-5
+    assert read_metrics(one)[1]["reward_mean"] == read_metrics(two)[1]["reward_mean"]
+
+
+def test_step_moves_the_parameters(tmp_path):
+    """The comparison above is not vacuous: one step changes the weights by far more than 1e-6."""
+    from rlcore.trainer import Trainer
+
+    stack = load_stack(str(EXAMPLE), STEP + [f"output.dir={tmp_path}"])
+    trainer = Trainer(stack)
+    before = {k: v.clone() for k, v in trainer.engine.model.state_dict().items()}
+    trainer.run()
+    after = _final_params(tmp_path)
+    assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-4
+
+
+@pytest.mark.parametrize("override,key", [
+    ("cluster.backend=slurm", "cluster.backend"),
+    ("cluster.trainer.dp=2", "cluster.trainer.dp"),
+    ("cluster.placement=everywhere", "cluster.placement"),
+    ("cluster.rollout.replicas=0", "cluster.rollout.replicas"),
+    ("cluster.trainer.resources.num_cpus=-1", "cluster.trainer.resources.num_cpus"),
+    ("cluster.nodes=2", "cluster.nodes"),
+])
+def test_bad_cluster_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_stack(str(EXAMPLE), [override])
+    assert err.value.key == key and key in str(err.value)
+
+
+def test_ray_backend_checks_what_it_can_run():
+    with pytest.raises(ConfigError, match="tp/ep/pp are rlcore-megatron's") as err:
+        load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.trainer.tp=2"])
+    assert err.value.key == "cluster.trainer.tp"
+    with pytest.raises(ConfigError, match="colocated replicas need as many trainer ranks"):
+        load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.placement=colocated", "cluster.rollout.replicas=2"])
+    with pytest.raises(ConfigError, match="depend on how prompts are split") as err:
+        load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.rollout.replicas=2", "rollout.seed_per_prompt=false"])
+    cfg = load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.rollout.replicas=2"]).config
+    assert cfg.rollout.seed_per_prompt is True
+    assert load_stack(str(EXAMPLE)).config.rollout.seed_per_prompt is False
+
+
+def test_ray_missing_names_the_install_line(monkeypatch):
+    from rlcore.cluster import ray_launch
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'rlcore\[ray\]'"):
+        ray_launch.import_ray()
+
+
+def test_torchrun_is_refused_with_a_pointer_to_ray(tmp_path, monkeypatch, capsys):
+    from rlcore.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RLCORE_CLUSTER_RANK", raising=False)
+    assert main(["train", str(EXAMPLE), "--output", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "WORLD_SIZE=2" in err and "cluster.backend=ray" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_shares_and_bundles():
+    from omegaconf import OmegaConf
+    from rlcore.cluster.data_parallel import shard_bounds
+    from rlcore.cluster.ray_launch import plan_bundles
+    from rlcore.config import RunConfig
+
+    assert [shard_bounds(7, r, 3) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    assert [shard_bounds(1, r, 2) for r in range(2)] == [(0, 1), (1, 1)]  # a rank may get nothing
+    c = OmegaConf.structured(RunConfig).cluster
+    c.trainer.dp, c.rollout.replicas = 2, 2
+    c.rollout.resources.num_gpus = c.trainer.resources.num_gpus = 0.5
+    assert plan_bundles(c) == ([{"CPU": 1.0, "GPU": 0.5}] * 2 + [{"CPU": 1.0, "GPU": 0.5}] * 2, [0, 1], [2, 3])
+    c.placement = "colocated"
+    assert plan_bundles(c) == ([{"CPU": 2.0, "GPU": 1.0}] * 2, [0, 1], [0, 1])

@@ -1,0 +1,133 @@
+"""The tiny GRPO on a Ray cluster of two simulated nodes (``ray.cluster_utils.Cluster``): two
+data-parallel trainer ranks (hf engine, gloo) and two rollout replicas, against the single-process
+run of the same seed; a rollout replica killed mid-run is an error naming it, never a hang.
+
+Why the reward curves must agree step for step: with ``rollout.seed_per_prompt`` every sample is
+drawn from its own seed (step seed, prompt index, copy), so splitting the prompts over two
+replicas draws the same samples as one process does; the two ranks' summed gradients equal the
+whole batch's up to float32 summation order (test_cluster_dp.py: parameters within 1e-5 after a
+step). A sample can only differ where a ~1e-6 change in the weights moves a token's cumulative
+probability across its uniform draw, which is rare: the test allows one sample in a step to flip
+(1/64 of a step's reward mean) and checks that most steps are identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is part of the dev venv (scripts/setup_venv.sh: rlcore[ray])")
+
+from rlcore.errors import RolloutError  # noqa: E402
+from rlcore.run_output import read_metrics  # noqa: E402
+from rlcore.stack import load_stack  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny.yaml"
+STEPS = 8
+RUN = [f"training.steps={STEPS}", "data.prompts_per_step=8", "rollout.n=8", "output.progress=false",
+       "output.tensorboard=false", "output.plot=false", "output.checkpoint_every=0"]
+#: small buckets: a push is many buckets, at most two in flight through the object store
+RAY = ["sync.bucket_mb=0.25", "cluster.backend=ray", "cluster.trainer.dp=2", "cluster.rollout.replicas=2", "cluster.timeout_s=240"]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_two_ranks_two_replicas_on_two_nodes_match_one_process(two_nodes, tmp_path):
+    from rlcore.cli import main
+    from rlcore.trainer import Trainer
+
+    t0 = time.perf_counter()  # the command a user types (Ray is already up: the run joins it)
+    assert main(["train", str(EXAMPLE), *RUN, *RAY, "--output", str(tmp_path / "ray")]) == 0
+    t_ray = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    Trainer(load_stack(str(EXAMPLE), RUN + ["rollout.seed_per_prompt=true", f"output.dir={tmp_path / 'one'}"])).run()
+    t_one = time.perf_counter() - t0
+
+    placement = json.loads((tmp_path / "ray" / "cluster.json").read_text())
+    nodes = {w["node"] for w in placement["trainer_ranks"] + placement["rollout_replicas"]}
+    assert len(placement["trainer_ranks"]) == 2 and len(placement["rollout_replicas"]) == 2
+    assert len(nodes) == 2, placement  # 4 one-CPU bundles on two 2-CPU nodes: both nodes are used
+
+    ray_rows, one_rows = read_metrics(tmp_path / "ray"), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in ray_rows] == list(range(STEPS)) == [r["step"] for r in one_rows]
+    a = [r["reward_mean"] for r in ray_rows]
+    b = [r["reward_mean"] for r in one_rows]
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    print(f"\nreward ray  {[round(x, 4) for x in a]}\nreward one  {[round(x, 4) for x in b]}\n"
+          f"wall: ray {t_ray:.1f} s (cluster up, actors, {STEPS} steps), one process {t_one:.1f} s")
+    assert max(diffs) <= 1 / 64 + 1e-9, (a, b)
+    assert sum(d == 0 for d in diffs) >= STEPS - 2, (a, b)
+    assert all(r["sync_verified"] and r["sync_level"] == "coverage+exact" for r in ray_rows)
+    assert ray_rows[-1]["weight_version"] == STEPS and ray_rows[-1]["sync_buckets"] > 2
+
+
+def test_a_killed_replica_is_an_error_naming_it(two_nodes, tmp_path):
+    from rlcore.cluster.ray_launch import train_on_ray
+
+    stack = load_stack(str(EXAMPLE), RUN + RAY + ["training.steps=200", f"output.dir={tmp_path}"])
+    outcome: dict[str, BaseException | None] = {}
+
+    def run() -> None:
+        try:
+            train_on_ray(stack)
+            outcome["error"] = None
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path):
+        assert time.monotonic() < deadline and thread.is_alive(), outcome
+        time.sleep(0.5)
+    victim = ray.get_actor(next(n for n in ray.util.list_named_actors() if n.endswith("-rollout-1")))
+    os.kill(ray.get(victim.where.remote())["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the run hangs after a replica died"
+    err = outcome["error"]
+    assert isinstance(err, RolloutError), repr(err)
+    assert "rollout replica 1 of 2 died" in str(err)
+    print(f"\nerror {time.monotonic() - killed:.1f} s after the kill: {err}")
+    assert len(read_metrics(tmp_path)) < 200
+
+
+class _SilentReplica:
+    """A real actor that never answers (a replica stuck in a kernel, or a wedged node)."""
+
+    def generate(self, prompts, params):
+        time.sleep(3600)
+
+
+def test_a_silent_replica_times_out(two_nodes):
+    from rlcore.cluster.fleet import RolloutFleet
+    from rlcore.types import Prompt, SamplingSettings
+
+    silent = ray.remote(_SilentReplica).options(num_cpus=0).remote()
+    try:
+        fleet = RolloutFleet([silent], timeout_s=2)
+        t0 = time.monotonic()
+        with pytest.raises(RolloutError, match=r"replica 0 of 1 did not answer generate within cluster.rollout.timeout_s=2"):
+            fleet.generate([Prompt(ids=[1, 2], index=0)], SamplingSettings(n=1, temperature=1.0, max_new_tokens=2))
+        assert time.monotonic() - t0 < 30
+    finally:
+        ray.kill(silent)
