@@ -27,17 +27,16 @@ def megatron_dirs(tmp_path_factory, tiny_model_dirs):
 def _mtp_model_dir(path: Path, tiny, words) -> Path:
     """An HF directory with MTP layers: transformers builds none, so they are created the way the
     engine creates them for a tiny model (HFSource.from_model) and saved with the rest."""
-    from rlcore.engines.tiny import make_tiny_model, make_tokenizer
-    from rlcore_megatron.engine import HFSource
+    from rlcore.engines.tiny import make_tokenizer
+    from rlcore_megatron.hf_dir import tiny_source
     from safetensors.torch import save_file
 
     tok = make_tokenizer(words)
-    model = make_tiny_model(tiny, tok)
-    src = HFSource.from_model(model, tok, init_std=float(tiny.init_std), seed=int(tiny.seed))
+    src = tiny_source(tiny, tok)
     path.mkdir(parents=True, exist_ok=True)
     save_file({n: src.get(n).contiguous() for n in sorted(src.names)}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    model.config.save_pretrained(str(path))
+    src.config.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
 

@@ -252,7 +252,8 @@ def test_mtp_weights_can_be_left_out_of_the_export(engine_for):
         names = [n for n, _ in engine.export_hf_weights()]
     finally:
         engine.settings.export_mtp = True
-    assert names and not any(n.startswith("model.layers.2.") for n in names)
+    assert names and not any(n.startswith(("model.layers.2.", "model.mtp_layers.")) for n in names)
+    assert "model.layers.2.eh_proj.weight" in [n for n, _ in engine.export_hf_weights()]  # DeepSeek layout
 
 
 # ------------------------------------------------------------------ training -----------------

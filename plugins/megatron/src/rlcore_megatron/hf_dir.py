@@ -12,6 +12,17 @@ from typing import Any
 import torch
 from rlcore.errors import ConfigError
 
+from rlcore_megatron.mimo_names import (
+    MIMO_ARCHITECTURE,
+    MIMO_FINAL_NORM,
+    MIMO_HIDDEN_NORM,
+    MIMO_INPUT_PROJ,
+    MIMO_MTP_ROOT,
+    MIMO_TOKEN_NORM,
+    mimo_mtp_prefix,
+)
+from rlcore_megatron.weights import fresh_mtp_layout
+
 
 @dataclass
 class HFSource:
@@ -49,11 +60,14 @@ class HFSource:
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, init_std: float = 0.02, seed: int = 0) -> HFSource:
-        """A transformers model in memory. transformers builds no MTP layers, so when the
-        config asks for ``num_nextn_predict_layers`` and the model has none (a tiny model created
-        locally), each MTP layer is created here: the last decoder layer's tensors under the MTP
-        layer's names plus ``enorm``/``hnorm``/``shared_head.norm`` (ones) and ``eh_proj``;
-        matrices ~ N(0, init_std) from ``seed``, norms 1, biases 0."""
+        """A transformers model in memory. When the config asks for ``num_nextn_predict_layers``
+        and the model has no MTP tensors (a plain transformers model builds none), each MTP
+        layer is created here, in the layout :func:`.weights.fresh_mtp_layout` picks: the last
+        decoder layer's tensors under the MTP layer's prefix plus its norms (ones) and input
+        projection (MiMo: ``model.mtp_layers.{d}.`` with ``token_layernorm`` /
+        ``hidden_layernorm`` / ``final_layernorm`` / ``input_proj``; DeepSeek-V3:
+        ``model.layers.{L + d}.`` with ``enorm`` / ``hnorm`` / ``shared_head.norm`` /
+        ``eh_proj``); matrices ~ N(0, init_std) from ``seed``, norms 1, biases 0."""
         from rlcore.engines.hf_names import checkpoint_tensors
 
         tensors = {n: t.detach() for n, t in checkpoint_tensors(model)}
@@ -63,21 +77,51 @@ class HFSource:
         return cls(model.config, tokenizer, set(tensors), tensors.__getitem__)
 
 
+def tiny_source(tiny: Any, tokenizer: Any, dtype: str = "float32") -> HFSource:
+    """The tiny model rlcore creates locally (``engine.model.tiny``), with its MTP layers: core
+    builds them itself over Qwen2 (MiMo, :mod:`rlcore.engines.mimo`); for any other
+    architecture the trunk is built without them and :meth:`HFSource.from_model` adds them
+    (megatron builds MTP layers for every model it builds)."""
+    from omegaconf import OmegaConf
+    from rlcore.engines.tiny import make_tiny_model
+
+    depth = int(tiny.mtp_layers or 0)
+    if depth and tiny.arch != "qwen2":
+        trunk = OmegaConf.merge(tiny, {"mtp_layers": 0}) if OmegaConf.is_config(tiny) else _replaced(tiny, mtp_layers=0)
+        model = make_tiny_model(trunk, tokenizer, dtype)
+        model.config.num_nextn_predict_layers = depth
+    else:
+        model = make_tiny_model(tiny, tokenizer, dtype)
+    return HFSource.from_model(model, tokenizer, init_std=float(tiny.init_std), seed=int(tiny.seed))
+
+
+def _replaced(obj: Any, **changes: Any) -> Any:
+    import copy
+
+    out = copy.copy(obj)
+    for k, v in changes.items():
+        setattr(out, k, v)
+    return out
+
+
 def _fresh_mtp_tensors(cfg: Any, tensors: dict[str, torch.Tensor], init_std: float, seed: int) -> dict[str, torch.Tensor]:
     depth = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
     layers = int(cfg.num_hidden_layers)
-    if not depth or any(n.startswith(f"model.layers.{layers}.") for n in tensors):
+    if not depth or any(n.startswith((f"model.layers.{layers}.", MIMO_MTP_ROOT)) for n in tensors):
         return {}
     hidden = int(cfg.hidden_size)
     last = f"model.layers.{layers - 1}."
     gen = torch.Generator().manual_seed(seed + 7919)
     dtype = tensors["model.embed_tokens.weight"].dtype
     out: dict[str, torch.Tensor] = {}
+    mimo = fresh_mtp_layout(str(getattr(cfg, "model_type", ""))) == "mimo"
+    norms, proj = ((MIMO_TOKEN_NORM, MIMO_HIDDEN_NORM, MIMO_FINAL_NORM), MIMO_INPUT_PROJ) if mimo else (
+        ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"), "eh_proj.weight")
     for d in range(depth):
-        prefix = f"model.layers.{layers + d}."
+        prefix = mimo_mtp_prefix(d) if mimo else f"model.layers.{layers + d}."
         shapes = {prefix + n[len(last):]: tuple(t.shape) for n, t in sorted(tensors.items()) if n.startswith(last)}
-        shapes.update({prefix + "enorm.weight": (hidden,), prefix + "hnorm.weight": (hidden,),
-                       prefix + "shared_head.norm.weight": (hidden,), prefix + "eh_proj.weight": (hidden, 2 * hidden)})
+        shapes.update({prefix + n: (hidden,) for n in norms})
+        shapes[prefix + proj] = (hidden, 2 * hidden)
         for name, shape in sorted(shapes.items()):
             if len(shape) >= 2:
                 out[name] = (torch.randn(shape, generator=gen) * init_std).to(dtype)
@@ -85,6 +129,22 @@ def _fresh_mtp_tensors(cfg: Any, tensors: dict[str, torch.Tensor], init_std: flo
                 out[name] = torch.zeros(shape, dtype=dtype)
             else:
                 out[name] = torch.ones(shape, dtype=dtype)
+    return out
+
+
+def export_config(config: Any, mtp_layers: int, mtp_layout: str) -> Any:
+    """The config written beside exported weights: ``config`` itself, or, when MTP layers are
+    exported in MiMo's layout, a copy with ``num_nextn_predict_layers`` and — for a Qwen2 model,
+    the one MiMo's serving classes build — ``architectures: [MiMoForCausalLM]``, so vLLM finds
+    both the model and its MTP draft (``speculative_config={"method": "mtp"}``)."""
+    if not mtp_layers or mtp_layout != "mimo":
+        return config
+    import copy
+
+    out = copy.deepcopy(config)
+    out.num_nextn_predict_layers = int(mtp_layers)
+    if getattr(out, "model_type", None) == "qwen2":
+        out.architectures = [MIMO_ARCHITECTURE]
     return out
 
 
