@@ -12,7 +12,8 @@ import pytest
 @pytest.fixture(scope="session")
 def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     """HF directories beyond the conformance ones: tied embeddings, KV heads divisible by 2
-    (tensor parallelism), Qwen3-MoE with an MTP layer, Qwen2-MoE (shared expert with a gate)."""
+    (tensor parallelism), Qwen3-MoE with an MTP layer (DeepSeek-V3 layout), Qwen2 with an MTP layer
+    (MiMo layout), Qwen2-MoE (shared expert with a gate)."""
     from rlcore.testing.models import WORDS, make_model_dir, tiny_config
 
     root = tmp_path_factory.mktemp("rlcore-megatron-models")
@@ -21,6 +22,8 @@ def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     dirs["dense_kv2"] = make_model_dir(root / "dense_kv2", "qwen2", seed=7, num_kv_heads=2)
     dirs["qwen2_moe"] = make_model_dir(root / "qwen2_moe", "qwen2_moe", seed=8)
     dirs["moe_mtp"] = _mtp_model_dir(root / "moe_mtp", tiny_config("qwen3_moe", seed=9, mtp_layers=1), WORDS)
+    # MiMo: Qwen2 + model.mtp_layers.* (the layout vLLM serves as an MTP draft)
+    dirs["dense_mtp"] = _mtp_model_dir(root / "dense_mtp", tiny_config("qwen2", seed=10, mtp_layers=1), WORDS)
     return dirs
 
 

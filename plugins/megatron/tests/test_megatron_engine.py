@@ -76,7 +76,7 @@ def test_qwen2_moe_shared_expert_gate(engine_for, megatron_dirs):
 # ------------------------------------------------------------------ weights ------------------
 
 
-@pytest.mark.parametrize("model", ["dense_a", "dense_tied", "moe_a", "moe_mtp"])
+@pytest.mark.parametrize("model", ["dense_a", "dense_tied", "moe_a", "moe_mtp", "dense_mtp"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(engine_for, megatron_dirs, tmp_path, figures, model):
     from safetensors.torch import load_file
 

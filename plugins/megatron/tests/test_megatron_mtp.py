@@ -10,6 +10,8 @@ the GPU machine through plugins/megatron/bench/gpu_mtp.py, which runs these same
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from rlcore.batch import PackedBatch
@@ -47,9 +49,11 @@ def test_graph_walk_and_spies_see_megatrons_mtp_loss_when_it_is_there():
     assert "MTPLossAutoScalerBackward" in autograd_node_names(y.sum())
 
 
-def test_megatron_mtp_loss_is_added_exactly_once(fresh, figures):
-    """rlcore's MTP loss is the only MTP loss in the graph, on this megatron-core version."""
-    engine = fresh("moe_mtp")
+@pytest.mark.parametrize("model", ["moe_mtp", "dense_mtp"])
+def test_megatron_mtp_loss_is_added_exactly_once(fresh, figures, model):
+    """rlcore's MTP loss is the only MTP loss in the graph, on this megatron-core version
+    (MoE + MTP in DeepSeek-V3's layout, dense + MTP in MiMo's)."""
+    engine = fresh(model)
     batch = PackedBatch.pack(SEQS, [1, 1, 2])
     report = mtp_loss_exactly_once(engine, batch)
     assert report["megatron_calls"] == {}, report["megatron_calls"]
@@ -57,7 +61,7 @@ def test_megatron_mtp_loss_is_added_exactly_once(fresh, figures):
     assert report["mtp_params_with_grad"] > 0 and report["max_abs_mtp_grad"] > 0
     # the MTP layers' gradient from the whole step == the gradient of rlcore's MTP loss alone
     assert report["max_abs_grad_diff_vs_rlcore_alone"] == 0.0
-    figures("MTP loss terms in the graph (rlcore path)", "1 (rlcore's); megatron's loss code called 0 times")
+    figures(f"MTP loss terms in the graph (rlcore path, {model})", "1 (rlcore's); megatron's loss code called 0 times")
 
 
 def test_megatrons_native_mtp_path_would_add_a_second_loss(fresh, figures):
@@ -74,9 +78,10 @@ def test_megatrons_native_mtp_path_would_add_a_second_loss(fresh, figures):
             f"max |grad diff| on MTP params {control['max_abs_grad_diff_vs_rlcore_alone']:.2e}")
 
 
+@pytest.mark.parametrize("model", ["moe_mtp", "dense_mtp"])
 @pytest.mark.parametrize("detach_trunk,detach_head", [(False, False), (True, False), (False, True), (True, True)])
-def test_which_parameters_receive_mtp_gradients(fresh, figures, detach_trunk, detach_head):
-    engine = fresh("moe_mtp")
+def test_which_parameters_receive_mtp_gradients(engine_for, figures, model, detach_trunk, detach_head):
+    engine = engine_for(model)  # the helper clears the gradients it writes
     batch = PackedBatch.pack(SEQS, [1, 1, 2])
     owners, mtp_grads = mtp_gradient_owners(engine, batch, detach_trunk=detach_trunk, detach_head=detach_head)
     assert owners["mtp"], "the MTP layers get the MTP loss's gradient in every setting"
@@ -88,7 +93,7 @@ def test_which_parameters_receive_mtp_gradients(fresh, figures, detach_trunk, de
     _, reference = mtp_gradient_owners(engine, batch, detach_trunk=False, detach_head=False)
     for name, g in mtp_grads.items():
         torch.testing.assert_close(g, reference[name], atol=0, rtol=0)
-    figures(f"MTP gradients reach (detach_trunk={detach_trunk}, detach_head={detach_head})",
+    figures(f"MTP gradients reach ({model}, detach_trunk={detach_trunk}, detach_head={detach_head})",
             ", ".join(f"{k}: {len(v)}" for k, v in owners.items()))
 
 
@@ -109,3 +114,59 @@ def test_native_mtp_loss_is_unreachable(fresh):
             compat.refuse_native_mtp_loss(engine.model, None)
     finally:
         engine.model.config.mtp_num_layers = None
+
+
+# ------------------------------------------------------------------ MiMo layout -------------
+
+
+def test_mimo_export_names_and_config(engine_for, tmp_path):
+    """A Qwen2 + MTP model exports its MTP layers under MiMo's names, with the config vLLM keys
+    its MiMo model and MTP draft on; a Qwen3-MoE + MTP model keeps DeepSeek-V3's layout."""
+    engine = engine_for("dense_mtp")
+    assert engine.names.mtp_layout == "mimo"
+    names = [n for n, _ in engine.export_hf_weights()]
+    mtp = sorted(n for n in names if n.startswith("model.mtp_layers."))
+    assert {"model.mtp_layers.0.token_layernorm.weight", "model.mtp_layers.0.hidden_layernorm.weight",
+            "model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.final_layernorm.weight",
+            "model.mtp_layers.0.self_attn.q_proj.weight", "model.mtp_layers.0.mlp.down_proj.weight"} <= set(mtp)
+    assert not any(".mtp_block." in n or n.startswith(f"model.layers.{engine.spec.num_layers}.") for n in names)
+    engine.save_hf(tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["model_type"] == "qwen2"
+    assert engine_for("moe_mtp").names.mtp_layout == "deepseek"
+
+
+def test_mimo_input_proj_is_eh_proj_with_its_halves_swapped(engine_for, megatron_dirs):
+    """megatron's ``eh_proj`` multiplies ``[enorm(e), hnorm(h)]``, MiMo's ``input_proj``
+    ``[hidden_layernorm(h), token_layernorm(e)]``: the same linear map, columns swapped."""
+    from safetensors.torch import load_file
+
+    engine = engine_for("dense_mtp")
+    theirs = load_file(str(megatron_dirs["dense_mtp"] / "model.safetensors"))["model.mtp_layers.0.input_proj.weight"]
+    ours = dict(engine.named_parameters())["mtp.layers.0.eh_proj.weight"].detach()
+    H = engine.spec.hidden_size
+    e, h = torch.randn(5, H), torch.randn(5, H)
+    torch.testing.assert_close(torch.cat([e, h], -1) @ ours.T, torch.cat([h, e], -1) @ theirs.T)
+    assert not torch.equal(ours, theirs)
+
+
+def test_mimo_semantics_zero_the_first_positions_token_embedding(engine_for):
+    """MiMo's MTP layer does not read the token embedding at a sequence's first position (vLLM
+    zeroes it), so depth 1 at position 0 cannot depend on token 1 (the trunk at position 0 does
+    not see it either); in DeepSeek-V3's layout megatron's semantics do read it. The mask also
+    drops positions whose token ``t + d`` does not exist."""
+    from rlcore_megatron.layout import make_layout
+
+    for model, reads_it in (("dense_mtp", False), ("moe_mtp", True)):
+        engine = engine_for(model)
+        a, b = [3, 4, 5, 13, 6, 2], [3, 9, 5, 13, 6, 2]
+        with torch.no_grad():
+            ha = engine.forward(PackedBatch.pack([a], [1]), mtp_hidden=True).mtp_hidden[0]
+            hb = engine.forward(PackedBatch.pack([b], [1]), mtp_hidden=True).mtp_hidden[0]
+        assert torch.equal(ha[0], hb[0]) is not reads_it, model
+        assert not torch.equal(ha[1], hb[1])  # from position 1 on, token 1 is in the trunk's input
+    batch = PackedBatch.pack([[3, 4, 5, 13, 6, 2], [7, 7, 13]], [1, 1])
+    layout = make_layout(batch, "padded", torch.device("cpu"), engine_for("dense_mtp").par, False)
+    kept = layout.mtp_embedding_kept(1)[..., 0].transpose(0, 1)  # [B, L]
+    assert kept[0].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0] and kept[1].tolist()[:3] == [0.0, 1.0, 0.0]
