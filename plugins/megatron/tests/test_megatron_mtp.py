@@ -88,6 +88,9 @@ def test_which_parameters_receive_mtp_gradients(engine_for, figures, model, deta
     assert bool(owners["trunk"]) is not detach_trunk, owners["trunk"][:3]
     assert bool(owners["embedding"]) is not detach_trunk
     assert bool(owners["head"]) is not detach_head
+    # MiMo's depth 1 reads the trunk before its final norm, megatron's (DeepSeek layout) after it
+    reads_final_norm = "decoder.final_layernorm.weight" in owners["trunk"]
+    assert reads_final_norm is (model == "moe_mtp" and not detach_trunk)
     # detaching prunes the graph only: the MTP layers' own gradient is the same in every setting
     engine.zero_grad()
     _, reference = mtp_gradient_owners(engine, batch, detach_trunk=False, detach_head=False)
