@@ -173,3 +173,41 @@ def test_mimo_semantics_zero_the_first_positions_token_embedding(engine_for):
     layout = make_layout(batch, "padded", torch.device("cpu"), engine_for("dense_mtp").par, False)
     kept = layout.mtp_embedding_kept(1)[..., 0].transpose(0, 1)  # [B, L]
     assert kept[0].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0] and kept[1].tolist()[:3] == [0.0, 1.0, 0.0]
+
+
+def test_megatron_mimo_export_agrees_with_the_hf_mimo_model(fresh, tmp_path, figures):
+    """megatron's MTP layers, changed away from the checkpoint (as training would), exported in
+    MiMo's layout and loaded into core's HF MiMo model (:mod:`rlcore.engines.mimo`, the model
+    vLLM's loader describes): MTP hidden states, MTP log-probs and the trunk's log-probs agree
+    on packed sequences of several lengths."""
+    from rlcore.engines.hf import HFEngine
+    from rlcore.heads import reference_logprobs
+    from rlcore.types import HeadInput
+
+    engine = fresh("dense_mtp")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in engine.named_parameters():
+            if name.startswith("mtp."):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    engine.save_hf(tmp_path / "export")
+    hf = HFEngine.from_pretrained(tmp_path / "export")
+    assert hf.info.mtp_layers == 1
+    batch = PackedBatch.pack(SEQS, [1, 1, 2])
+    with torch.no_grad():
+        ours, theirs = engine.forward(batch, mtp_hidden=True), hf.forward(batch, mtp_hidden=True)
+    labels, mask = batch.roll(batch.labels(), -1), batch.roll(batch.loss_mask, -1, fill=False)
+
+    def lp(out, eng, hidden, lab):
+        hw = eng.head()
+        return reference_logprobs(HeadInput(hidden=hidden, weight=hw.weight, labels=lab, vocab=hw.vocab,
+                                            loss_mask=batch.loss_mask)).logprobs
+
+    hidden_diff = float((ours.mtp_hidden[0] - theirs.mtp_hidden[0]).abs().max())
+    mtp_lp_diff = float((lp(ours, engine, ours.mtp_hidden[0], labels) - lp(theirs, hf, theirs.mtp_hidden[0], labels))
+                        [mask].abs().max())
+    trunk_diff = float((lp(ours, engine, ours.hidden, batch.labels()) - lp(theirs, hf, theirs.hidden, batch.labels()))
+                       [batch.loss_mask].abs().max())
+    figures("megatron MiMo export vs HF MiMo model, fp32",
+            f"MTP hidden {hidden_diff:.1e}, MTP log-probs {mtp_lp_diff:.1e}, trunk log-probs {trunk_diff:.1e}")
+    assert hidden_diff < 1e-5 and mtp_lp_diff < 1e-5 and trunk_diff < 1e-5

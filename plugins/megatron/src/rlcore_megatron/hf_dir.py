@@ -10,17 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rlcore.engines import mimo_layout
 from rlcore.errors import ConfigError
 
-from rlcore_megatron.mimo_names import (
-    MIMO_ARCHITECTURE,
-    MIMO_FINAL_NORM,
-    MIMO_HIDDEN_NORM,
-    MIMO_INPUT_PROJ,
-    MIMO_MTP_ROOT,
-    MIMO_TOKEN_NORM,
-    mimo_mtp_prefix,
-)
 from rlcore_megatron.weights import fresh_mtp_layout
 
 
@@ -107,7 +99,7 @@ def _replaced(obj: Any, **changes: Any) -> Any:
 def _fresh_mtp_tensors(cfg: Any, tensors: dict[str, torch.Tensor], init_std: float, seed: int) -> dict[str, torch.Tensor]:
     depth = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
     layers = int(cfg.num_hidden_layers)
-    if not depth or any(n.startswith((f"model.layers.{layers}.", MIMO_MTP_ROOT)) for n in tensors):
+    if not depth or any(n.startswith((f"model.layers.{layers}.", mimo_layout.PREFIX)) for n in tensors):
         return {}
     hidden = int(cfg.hidden_size)
     last = f"model.layers.{layers - 1}."
@@ -115,10 +107,11 @@ def _fresh_mtp_tensors(cfg: Any, tensors: dict[str, torch.Tensor], init_std: flo
     dtype = tensors["model.embed_tokens.weight"].dtype
     out: dict[str, torch.Tensor] = {}
     mimo = fresh_mtp_layout(str(getattr(cfg, "model_type", ""))) == "mimo"
-    norms, proj = ((MIMO_TOKEN_NORM, MIMO_HIDDEN_NORM, MIMO_FINAL_NORM), MIMO_INPUT_PROJ) if mimo else (
+    token_norm, hidden_norm, input_proj, final_norm = mimo_layout.OWN_TENSORS
+    norms, proj = ((token_norm, hidden_norm, final_norm), input_proj) if mimo else (
         ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"), "eh_proj.weight")
     for d in range(depth):
-        prefix = mimo_mtp_prefix(d) if mimo else f"model.layers.{layers + d}."
+        prefix = mimo_layout.layer_prefix(d) if mimo else f"model.layers.{layers + d}."
         shapes = {prefix + n[len(last):]: tuple(t.shape) for n, t in sorted(tensors.items()) if n.startswith(last)}
         shapes.update({prefix + n: (hidden,) for n in norms})
         shapes[prefix + proj] = (hidden, 2 * hidden)
@@ -142,9 +135,9 @@ def export_config(config: Any, mtp_layers: int, mtp_layout: str) -> Any:
     import copy
 
     out = copy.deepcopy(config)
-    out.num_nextn_predict_layers = int(mtp_layers)
+    setattr(out, mimo_layout.NUM_LAYERS_KEY, int(mtp_layers))
     if getattr(out, "model_type", None) == "qwen2":
-        out.architectures = [MIMO_ARCHITECTURE]
+        out.architectures = [mimo_layout.ARCHITECTURE]
     return out
 
 

@@ -17,7 +17,7 @@ and expert weights are split over the *expert* tensor-parallel group.
 MTP depth ``d`` (0-based) has one of two HF layouts (:data:`MTP_LAYOUTS`), read from the
 checkpoint's names and written back the same way (:func:`detect_mtp_layout`):
 
-* ``mimo`` (the default for MTP layers the checkpoint does not have): Xiaomi MiMo's
+* ``mimo`` (Qwen2 models; names from :mod:`rlcore.engines.mimo_layout`): Xiaomi MiMo's
   ``model.mtp_layers.{d}.*`` — ``token_layernorm`` (megatron ``enorm``), ``hidden_layernorm``
   (``hnorm``), ``input_proj`` (``eh_proj``), ``final_layernorm``, and the decoder block's own
   names directly under the prefix, which is what vLLM's ``MiMoMTP`` loads. ``input_proj``
@@ -44,17 +44,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rlcore.engines import mimo_layout
 from rlcore.errors import RLCoreError
 
 from rlcore_megatron.hf_config import ModelSpec
-from rlcore_megatron.mimo_names import (
-    MIMO_FINAL_NORM,
-    MIMO_HIDDEN_NORM,
-    MIMO_INPUT_PROJ,
-    MIMO_MTP_ROOT,
-    MIMO_TOKEN_NORM,
-    mimo_mtp_prefix,
-)
 
 #: checkpoint tensors the engine knowingly does not load (DeepSeek-V3 MTP layers repeat the
 #: embedding and output head, which megatron shares with the main model; rotary caches)
@@ -135,6 +128,12 @@ _DECODER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
 MTP_LAYOUTS = ("mimo", "deepseek")
+#: what megatron-core's ``eh_proj`` multiplies (``MultiTokenPredictionLayer``: ``cat(enorm(e), hnorm(h))``)
+MEGATRON_EH_PROJ_ORDER = ("embedding", "hidden")
+# MiMo's own tensors, in the order core's layout module lists them (token norm, hidden norm,
+# input projection, final norm); its input projection's column order decides the swap
+_MIMO_TOKEN_NORM, _MIMO_HIDDEN_NORM, _MIMO_INPUT_PROJ, _MIMO_FINAL_NORM = mimo_layout.OWN_TENSORS
+_MIMO_PROJ_KIND = "copy" if tuple(mimo_layout.INPUT_PROJ_ORDER) == MEGATRON_EH_PROJ_ORDER else "swap_halves"
 _MTP_OWN = {
     "deepseek": {
         "enorm.weight": ("copy", ("enorm.weight",), None),
@@ -143,17 +142,17 @@ _MTP_OWN = {
         "final_layernorm.weight": ("copy", ("shared_head.norm.weight",), None),
     },
     "mimo": {
-        "enorm.weight": ("copy", (MIMO_TOKEN_NORM,), None),
-        "hnorm.weight": ("copy", (MIMO_HIDDEN_NORM,), None),
-        "eh_proj.weight": ("swap_halves", (MIMO_INPUT_PROJ,), 0),
-        "final_layernorm.weight": ("copy", (MIMO_FINAL_NORM,), None),
+        "enorm.weight": ("copy", (_MIMO_TOKEN_NORM,), None),
+        "hnorm.weight": ("copy", (_MIMO_HIDDEN_NORM,), None),
+        "eh_proj.weight": (_MIMO_PROJ_KIND, (_MIMO_INPUT_PROJ,), 0),
+        "final_layernorm.weight": ("copy", (_MIMO_FINAL_NORM,), None),
     },
 }
 
 
 def mtp_hf_prefix(layout: str, spec: ModelSpec, depth: int) -> str:
     """The HF name prefix of MTP depth ``depth`` (0-based) in ``layout``."""
-    return mimo_mtp_prefix(depth) if layout == "mimo" else f"model.layers.{spec.num_layers + depth}."
+    return mimo_layout.layer_prefix(depth) if layout == "mimo" else f"model.layers.{spec.num_layers + depth}."
 
 
 def fresh_mtp_layout(model_type: str) -> str:
@@ -165,11 +164,11 @@ def fresh_mtp_layout(model_type: str) -> str:
 def detect_mtp_layout(spec: ModelSpec, hf_names: set[str] | list[str]) -> str:
     """``mimo`` or ``deepseek``, from the MTP tensors of a checkpoint (:func:`fresh_mtp_layout`
     when it has none); a checkpoint with both is an error."""
-    mimo = any(n.startswith(MIMO_MTP_ROOT) for n in hf_names)
+    mimo = any(mimo_layout.is_mtp_name(n) for n in hf_names)
     deepseek = spec.mtp_layers > 0 and any(n.startswith(f"model.layers.{spec.num_layers}.") for n in hf_names)
     if mimo and deepseek:
         raise WeightMapError(
-            f"the checkpoint has MTP tensors in both layouts ({MIMO_MTP_ROOT}* and model.layers.{spec.num_layers}.*)"
+            f"the checkpoint has MTP tensors in both layouts ({mimo_layout.PREFIX}* and model.layers.{spec.num_layers}.*)"
         )
     if mimo:
         return "mimo"
