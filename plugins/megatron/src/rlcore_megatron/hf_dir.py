@@ -126,18 +126,30 @@ def _fresh_mtp_tensors(cfg: Any, tensors: dict[str, torch.Tensor], init_std: flo
 
 
 def export_config(config: Any, mtp_layers: int, mtp_layout: str) -> Any:
-    """The config written beside exported weights: ``config`` itself, or, when MTP layers are
-    exported in MiMo's layout, a copy with ``num_nextn_predict_layers`` and — for a Qwen2 model,
-    the one MiMo's serving classes build — ``architectures: [MiMoForCausalLM]``, so vLLM finds
-    both the model and its MTP draft (``speculative_config={"method": "mtp"}``)."""
-    if not mtp_layers or mtp_layout != "mimo":
-        return config
+    """The config written beside exported weights, saying what the weights hold:
+
+    * MTP layers exported in MiMo's layout: ``num_nextn_predict_layers`` and, for a Qwen2 model
+      (the one MiMo's serving classes build), ``architectures: [MiMoForCausalLM]``, so vLLM
+      finds both the model and its MTP draft (``speculative_config={"method": "mtp"}``);
+    * MTP layers in DeepSeek-V3's layout: the config as it came;
+    * no MTP layers exported (``megatron.export_mtp: false``): no ``num_nextn_predict_layers``
+      and no MiMo architecture — a config that promised MTP layers the weights lack would make
+      a loader build (or refuse) layers that are not there.
+    """
     import copy
 
+    if mtp_layers and mtp_layout != "mimo":
+        return config
     out = copy.deepcopy(config)
-    setattr(out, mimo_layout.NUM_LAYERS_KEY, int(mtp_layers))
-    if getattr(out, "model_type", None) == "qwen2":
-        out.architectures = [mimo_layout.ARCHITECTURE]
+    if mtp_layers:
+        setattr(out, mimo_layout.NUM_LAYERS_KEY, int(mtp_layers))
+        if getattr(out, "model_type", None) == "qwen2":
+            out.architectures = [mimo_layout.ARCHITECTURE]
+        return out
+    if hasattr(out, mimo_layout.NUM_LAYERS_KEY):
+        delattr(out, mimo_layout.NUM_LAYERS_KEY)
+    if list(getattr(out, "architectures", None) or []) == [mimo_layout.ARCHITECTURE]:
+        out.architectures = ["Qwen2ForCausalLM"]
     return out
 
 

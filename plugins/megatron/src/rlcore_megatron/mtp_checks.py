@@ -12,8 +12,8 @@
 * :func:`mtp_gradient_owners`: which parameters receive gradient from the MTP loss under
   ``detach_trunk`` / ``detach_head``.
 
-:func:`rlcore_mtp_loss` is the MTP loss as ``rlcore-mtp`` computes it (labels rolled per depth
-inside each packed sequence, masked positions excluded, the run's forward_fn).
+:func:`rlcore_mtp_loss` is the ``rlcore-mtp`` plugin's own MTP loss term (so rlcore-mtp must be
+importable: the tests put ``plugins/mtp/src`` on the path, the GPU script installs it).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import importlib
 import inspect
 from collections import Counter
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -101,25 +102,20 @@ def autograd_node_names(t: torch.Tensor) -> set[str]:
     return names
 
 
-def rlcore_mtp_loss(batch: Any, mtp_hidden: list[torch.Tensor], head_weight: Any,
-                    forward_fn: Callable[..., Any] | None = None, detach_head: bool = False) -> torch.Tensor:
-    """Sum over depths of the mean negative log-likelihood of token ``t + 1 + d`` at position
-    ``t``, labels and loss mask rolled within each sequence (never across a boundary)."""
+def rlcore_mtp_loss(batch: Any, engine_output: Any, head_weight: Any, forward_fn: Callable[..., Any] | None = None,
+                    detach_head: bool = False, scale: float = 0.1) -> torch.Tensor:
+    """The MTP loss term of the ``rlcore-mtp`` plugin itself (``rlcore_mtp.loss.mtp_postprocess``:
+    labels rolled per depth inside each packed sequence, masked positions excluded, the given
+    forward_fn, ``mtp.loss_scale = scale``) for one micro-batch that is the whole step."""
     from rlcore.heads import reference_logprobs
-    from rlcore.types import HeadInput
+    from rlcore.types import ModelOutput
+    from rlcore_mtp.loss import mtp_postprocess
 
-    forward_fn = forward_fn or reference_logprobs
-    weight = head_weight.weight.detach() if detach_head else head_weight.weight
-    labels, mask = batch.labels(), batch.loss_mask
-    total = torch.zeros((), device=mtp_hidden[0].device)
-    for h in mtp_hidden:
-        labels = batch.roll(labels, -1, fill=batch.pad_id)
-        mask = batch.roll(mask, -1, fill=False)
-        lp = forward_fn(HeadInput(hidden=h, weight=weight, labels=labels.to(h.device), vocab=head_weight.vocab,
-                                  loss_mask=mask.to(h.device), compute_entropy=False)).logprobs
-        m = mask.to(h.device)
-        total = total - (lp * m).sum() / m.sum().clamp(min=1)
-    return total
+    ctx = SimpleNamespace(batch=batch, phase="train", num_tokens_in_step=int(batch.loss_mask.sum()))
+    output = ModelOutput(engine=engine_output, head=None, head_weight=head_weight,
+                         forward_fn=forward_fn or reference_logprobs)
+    settings = SimpleNamespace(loss_scale=scale, detach_head=detach_head, depths=0)
+    return mtp_postprocess(ctx, output, settings).loss_terms["mtp"]
 
 
 def _policy_loss(batch: Any, hidden: torch.Tensor, head_weight: Any) -> torch.Tensor:
@@ -154,11 +150,12 @@ def mtp_loss_exactly_once(engine: Any, batch: Any, scale: float = 0.1,
     engine; see the module docstring. The engine's gradients are cleared afterwards."""
     engine.train(True)
     engine.zero_grad()
+    batch = batch.to(engine.device)  # as the trainer hands it over
     params = _mtp_params(engine)
     with MegatronMTPSpies() as spies:
         out = engine.forward(batch, mtp_hidden=True)
         hw = engine.head()
-        mtp = scale * rlcore_mtp_loss(batch, out.mtp_hidden, hw, forward_fn)
+        mtp = rlcore_mtp_loss(batch, out, hw, forward_fn, scale=scale)
         alone = torch.autograd.grad(mtp, [p for _, p in params], retain_graph=True, allow_unused=True)
         total = _policy_loss(batch, out.hidden, hw) + mtp
         nodes = autograd_node_names(total)
@@ -189,7 +186,7 @@ def native_mtp_loss_control(engine: Any, seq: list[int], scale: float = 0.1) -> 
     dev = engine.device
     engine.train(True)
     engine.zero_grad()
-    batch = PackedBatch.pack([seq], [1])  # one unpadded row: megatron's plain roll is right for it
+    batch = PackedBatch.pack([seq], [1]).to(dev)  # one unpadded row: megatron's plain roll is right for it
     ids = torch.tensor([seq], device=dev)
     pos = torch.arange(len(seq), device=dev)[None]
     labels = batch.labels()[None].to(dev)
@@ -202,7 +199,7 @@ def native_mtp_loss_control(engine: Any, seq: list[int], scale: float = 0.1) -> 
         handle.remove()
     hw = engine.head()
     params = _mtp_params(engine)
-    mtp = scale * rlcore_mtp_loss(batch, out.mtp_hidden, hw)
+    mtp = rlcore_mtp_loss(batch, out, hw, scale=scale)
     alone = torch.autograd.grad(mtp, [p for _, p in params], retain_graph=True, allow_unused=True)
     h, m = out.hidden[:, None], out.mtp_hidden[0][:, None]
     tied = engine.spec.tie_word_embeddings
@@ -262,8 +259,9 @@ def mtp_gradient_owners(engine: Any, batch: Any, *, detach_trunk: bool, detach_h
     layers' gradients. The engine's gradients are cleared before and after."""
     engine.train(True)
     engine.zero_grad()
+    batch = batch.to(engine.device)
     out = engine.forward(batch, mtp_hidden=True, mtp_detach_trunk=detach_trunk)
-    rlcore_mtp_loss(batch, out.mtp_hidden, engine.head(), forward_fn, detach_head=detach_head).backward()
+    rlcore_mtp_loss(batch, out, engine.head(), forward_fn, detach_head=detach_head).backward()
     owners: dict[str, list[str]] = {"mtp": [], "trunk": [], "embedding": [], "head": []}
     mtp_grads = {}
     for name, p in engine.named_parameters():
