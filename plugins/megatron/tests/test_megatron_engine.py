@@ -42,11 +42,23 @@ class TestMegatronEngineConformance(EngineConformance):
 # ------------------------------------------------------------------ log-probs ---------------
 
 
-@pytest.mark.parametrize("model", ["dense_a", "dense_tied", "moe_a", "moe_mtp"])
-def test_logprobs_equal_hf_engine_fp32(engine_for, megatron_dirs, figures, model):
+def _hf_engine(path: Path):
+    """The hf engine on ``path``; for a non-Qwen2 model with MTP layers (DeepSeek-V3 layout, which
+    the hf engine does not build) the trunk alone, through transformers' own class."""
     from rlcore.engines.hf import HFEngine
 
-    hf = HFEngine.from_pretrained(megatron_dirs[model])
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("num_nextn_predict_layers") and cfg.get("model_type") != "qwen2":
+        from rlcore.testing.models import hf_model
+        from transformers import AutoTokenizer
+
+        return HFEngine(hf_model(path), AutoTokenizer.from_pretrained(str(path)))
+    return HFEngine.from_pretrained(path)
+
+
+@pytest.mark.parametrize("model", ["dense_a", "dense_tied", "moe_a", "moe_mtp", "dense_mtp"])
+def test_logprobs_equal_hf_engine_fp32(engine_for, megatron_dirs, figures, model):
+    hf = _hf_engine(megatron_dirs[model])
     batch = PackedBatch.pack(SEQS, [1, 1, 2])
     with torch.no_grad():
         _, ours = _logprobs(engine_for(model), batch)

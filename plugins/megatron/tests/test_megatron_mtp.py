@@ -15,7 +15,6 @@ import json
 import pytest
 import torch
 from rlcore.batch import PackedBatch
-
 from rlcore_megatron.mtp_checks import (
     MegatronMTPSpies,
     autograd_node_names,

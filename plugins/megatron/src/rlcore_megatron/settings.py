@@ -40,8 +40,10 @@ class MegatronSettings:
     * ``moe_aux_loss_coeff``: megatron's load-balancing loss (0: off, the RL default).
     * ``vocab_size_divisible_by``: the embedding and LM head are padded to a multiple of this ×
       TP; padding rows are excluded from the softmax and never exported.
-    * ``export_mtp``: include MTP layers in the weights sent to the rollout engine (a rollout
-      engine that serves MTP drafts needs them; the built-in local rollout has no MTP).
+    * ``export_mtp``: include MTP layers in the weights sent to the rollout engine and in
+      ``save_hf`` (an engine that drafts with them needs them). Qwen2 models export them in
+      MiMo's layout, which the local rollout and vLLM load; other models in DeepSeek-V3's, which
+      neither loads: set it false there (the written config then declares no MTP layers).
     * ``seed``: megatron's model-parallel CUDA RNG seed.
     """
 
