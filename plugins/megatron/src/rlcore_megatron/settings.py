@@ -175,4 +175,15 @@ def validate_settings(section: Any, config: Any = None) -> None:
     if config is None or config.engine.name != "megatron":
         return
     check_device(section, str(config.engine.device).split(":")[0])
-    check_model(section, model_spec_for(config))
+    spec = model_spec_for(config)
+    check_model(section, spec)
+    check_mtp_export(section, spec, str(config.rollout.backend))
+
+
+def check_mtp_export(s: Any, sp: ModelSpec, rollout_backend: str) -> None:
+    """MTP layers sent to the local rollout must be in a layout it builds: MiMo's, over Qwen2."""
+    if s.export_mtp and sp.mtp_layers and sp.model_type != "qwen2" and rollout_backend == "local":
+        raise ConfigError(
+            f"megatron.export_mtp=true sends the {sp.mtp_layers} MTP layer(s) of this {sp.model_type!r} model to the "
+            f"local rollout, which builds MTP layers only in MiMo's layout over Qwen2; set megatron.export_mtp: false "
+            f"(the MTP layers still train)", key="megatron.export_mtp")
