@@ -14,7 +14,9 @@ A benchmark script, not part of the ``rlcore_megatron`` package. Sections, each 
 3. ``replay``: R3 (routes given) and R2 (recorded in the old-log-prob pass) through rlcore-replay:
    record, perturb the routers so native routing changes, replay — the experts equal the
    recorded ones (MTP router included), the log-probs equal a forward forced to those experts;
-4. ``train``: GRPO steps of a tiny MoE + MTP model with ``plugins: [megatron, fused, mtp]`` (the
+4. ``fused_mtp_head``: rlcore-mtp's loss through rlcore-fused's head (Triton on CUDA) against the
+   reference head on the same engine output: loss and MTP-layer gradients;
+5. ``train``: GRPO steps of a tiny MoE + MTP model with ``plugins: [megatron, fused, mtp]`` (the
    MTP loss through the fused Triton head), then the same with ``replay`` (R2) added.
 
 Usage: ``python plugins/megatron/bench/gpu_mtp.py --out DIR [--device cuda] [--steps 30]``.
@@ -124,6 +126,38 @@ def check_mimo_export(path: Path, device: str, out: Path) -> dict:
     return res
 
 
+def check_fused_mtp_head(path: Path, device: str) -> dict:
+    """rlcore-mtp's MTP loss through rlcore-fused's head (Triton on CUDA tensors) against the
+    reference head, on the same engine output: loss and the MTP layers' gradients."""
+    from rlcore.batch import PackedBatch
+    from rlcore.heads import reference_logprobs
+    from rlcore_fused.head import FusedHead
+    from rlcore_megatron.mtp_checks import rlcore_mtp_loss
+
+    engine = engine_for(path, device)
+    batch = PackedBatch.pack(SEQS, [1, 1, 2]).to(engine.device)
+    fused = FusedHead(backend="auto")
+    params = [(n, p) for n, p in engine.named_parameters() if n.startswith("mtp.")]
+    res = {}
+    for name, fn in (("reference", reference_logprobs), ("fused", fused)):
+        engine.zero_grad()
+        out = engine.forward(batch, mtp_hidden=True, mtp_detach_trunk=True)
+        loss = rlcore_mtp_loss(batch, out, engine.head(), fn)
+        loss.backward()
+        res[name] = (float(loss.detach()), [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                                            for _, p in params])
+    engine.zero_grad()
+    grad_diff = max(float((a - b).abs().max()) for a, b in zip(res["reference"][1], res["fused"][1], strict=True))
+    grad_scale = max(float(a.abs().max()) for a in res["reference"][1])
+    out = {"mtp_loss_reference": res["reference"][0], "mtp_loss_fused": res["fused"][0],
+           "abs_loss_diff": abs(res["reference"][0] - res["fused"][0]),
+           "max_abs_mtp_grad_diff": grad_diff, "max_abs_mtp_grad": grad_scale,
+           "fused_kernels": "triton" if fused._triton is not None else "torch"}
+    out["passed"] = out["abs_loss_diff"] < 1e-4 and grad_diff <= 1e-3 * max(grad_scale, 1e-12) \
+        and (device != "cuda" or out["fused_kernels"] == "triton")
+    return out
+
+
 def _replay_cfg(mode: str):
     from omegaconf import OmegaConf
 
@@ -223,8 +257,11 @@ def train(out_dir: Path, device: str, steps: int, forward: str, extra_plugins: l
     cfg, pm = load_config(None, overrides)
     stack = resolve(cfg, pm)
     t0 = time.perf_counter()
-    summary = Trainer(stack).run()
+    trainer = Trainer(stack)
+    summary = trainer.run()
     wall = time.perf_counter() - t0
+    head = trainer.forward_fn
+    kernels = ("triton" if getattr(head, "_triton", None) is not None else "torch") if forward == "fused" else forward
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     k = min(5, len(rows))
 
@@ -234,6 +271,7 @@ def train(out_dir: Path, device: str, steps: int, forward: str, extra_plugins: l
 
     return {
         "plugins": plugins, "overrides": extra, "steps": len(rows), "completed": summary["completed"],
+        "forward_fn": type(head).__name__, "head_kernels": kernels,
         "reward_first5": sum(r["reward_mean"] for r in rows[:k]) / k,
         "reward_last5": sum(r["reward_mean"] for r in rows[-k:]) / k,
         "mtp_loss_term_first_last": first_last("loss/mtp/mtp"),
@@ -269,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "mtp_once": lambda: check_mtp_once(dirs["moe_mtp"], args.device),
         "mtp_once_mimo": lambda: check_mtp_once(dirs["dense_mtp"], args.device),
         "mimo_export": lambda: check_mimo_export(dirs["dense_mtp"], args.device, out / "mimo_export"),
+        "fused_mtp_head": lambda: check_fused_mtp_head(dirs["moe_mtp"], args.device),
         "replay": lambda: check_replay(dirs["moe_mtp"], args.device),
         "train_fused_mtp": lambda: train(out / "train_fused_mtp", args.device, args.steps, args.forward, [], []),
         "train_fused_mtp_replay_r2": lambda: train(out / "train_fused_mtp_r2", args.device, args.steps, args.forward,
