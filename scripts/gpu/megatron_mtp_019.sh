@@ -21,11 +21,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import megatron.core as m, torch, transformers, triton; print('megatron-core', m.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/log.txt"
 echo "install: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/log.txt"
 set +e
-python3 plugins/megatron/bench/gpu_mtp.py --out "$WORK" --device cuda --steps "${STEPS:-30}" ${ONLY:+--only "$ONLY"} 2>&1 | tee -a "$OUT/log.txt"
+python3 plugins/megatron/bench/gpu_mtp.py --out "$WORK" --results "$OUT/results.json" --device cuda \
+  --steps "${STEPS:-30}" ${ONLY:+--only "$ONLY"} 2>&1 | tee -a "$OUT/log.txt"
 rc=${PIPESTATUS[0]}
 set -e
-cp "$WORK/results.json" "$OUT/" 2>/dev/null || true
-for run in train_fused_mtp train_fused_mtp_r2; do
+for run in train_fused_mtp train_fused_mtp_r2 train_mimo_draft; do
   cp "$WORK/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl" 2>/dev/null || true
 done
 echo "total: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/log.txt"

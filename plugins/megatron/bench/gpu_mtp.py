@@ -17,7 +17,9 @@ A benchmark script, not part of the ``rlcore_megatron`` package. Sections, each 
 4. ``fused_mtp_head``: rlcore-mtp's loss through rlcore-fused's head (Triton on CUDA) against the
    reference head on the same engine output: loss and MTP-layer gradients;
 5. ``train``: GRPO steps of a tiny MoE + MTP model with ``plugins: [megatron, fused, mtp]`` (the
-   MTP loss through the fused Triton head), then the same with ``replay`` (R2) added.
+   MTP loss through the fused Triton head), then the same with ``replay`` (R2) added, then
+   examples/tiny_mtp.yaml's Qwen2 + 2 MTP layers (MiMo) with the local rollout drafting
+   speculatively with the MTP layers pushed every step (``rollout.draft_depths=2``).
 
 Usage: ``python plugins/megatron/bench/gpu_mtp.py --out DIR [--device cuda] [--steps 30]``.
 """
@@ -39,6 +41,7 @@ MOE = dict(arch="qwen3_moe", hidden_size=256, num_layers=4, num_heads=4, num_kv_
            num_experts=8, topk=2, moe_intermediate_size=128, mtp_layers=1)
 DENSE = dict(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
              mtp_layers=1)
+MIMO = dict(arch="qwen2", hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, mtp_layers=2)
 
 
 def make_dir(root: Path, name: str, tiny: dict, seed: int) -> Path:
@@ -241,15 +244,17 @@ def check_replay(path: Path, device: str) -> dict:
 
 
 def train(out_dir: Path, device: str, steps: int, forward: str, extra_plugins: list[str],
-          extra: list[str]) -> dict:
+          extra: list[str], tiny: dict | None = None) -> dict:
     from rlcore.stack import load_config, resolve
     from rlcore.trainer import Trainer
 
     plugins = ["megatron", "mtp"] + ([forward] if forward != "reference" else []) + extra_plugins
+    tiny = tiny or MOE
     overrides = [
         "engine.name=megatron", f"engine.device={device}",
-        *[f"engine.model.tiny.{k}={v}" for k, v in MOE.items()],
-        "megatron.export_mtp=false",  # the local rollout serves no MTP draft of a MoE model
+        *[f"engine.model.tiny.{k}={v}" for k, v in tiny.items()],
+        # the local rollout builds MTP drafts only for Qwen2 (MiMo); a MoE model's stay in training
+        f"megatron.export_mtp={'true' if tiny['arch'] == 'qwen2' else 'false'}",
         f"training.steps={steps}", "training.lr=0.001", "rollout.n=8", "data.prompts_per_step=16",
         f"output.dir={out_dir}", "output.checkpoint_every=0", "output.plot=false", "output.tensorboard=false",
         f"forward.name={forward}", f"plugins=[{','.join(plugins)}]", *extra,
@@ -277,6 +282,13 @@ def train(out_dir: Path, device: str, steps: int, forward: str, extra_plugins: l
         "mtp_loss_term_first_last": first_last("loss/mtp/mtp"),
         "mtp_loss_d1_first_last": first_last("mtp/loss_d1"),
         "mtp_acceptance_d1_first_last": first_last("mtp/acceptance_d1"),
+        "mtp_loss_d2_first_last": first_last("mtp/loss_d2"),
+        "rollout_acceptance_d1_first_last": first_last("rollout/acceptance_d1"),
+        "rollout_acceptance_d2_first_last": first_last("rollout/acceptance_d2"),
+        "rollout_accept_length_first_last": first_last("rollout/accept_length"),
+        "draft_weight_version_last": first_last("rollout/draft_weight_version"),
+        "sync_verified_all": all(r.get("sync_verified", False) for r in rows),
+        "median_tokens_per_second": sorted(r.get("tokens_per_second", 0.0) for r in rows)[len(rows) // 2],
         "replay_coverage_first_last": first_last("replay/coverage"),
         "logprob_mismatch_max": max(r.get("logprob_mismatch_max", 0.0) for r in rows),
         "median_step_seconds": sorted(r["step_seconds"] for r in rows)[len(rows) // 2],
@@ -292,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--forward", default="fused")
     p.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
+    p.add_argument("--results", default="", help="also write results.json here after every section")
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -312,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         "train_fused_mtp": lambda: train(out / "train_fused_mtp", args.device, args.steps, args.forward, [], []),
         "train_fused_mtp_replay_r2": lambda: train(out / "train_fused_mtp_r2", args.device, args.steps, args.forward,
                                                    ["replay"], ["replay.mode=R2", "algorithm.old_logprobs=recompute"]),
+        # examples/tiny_mtp.yaml's MiMo model on the megatron engine: MTP weights pushed to the
+        # local rollout every step, which drafts with them (speculative sampling, 2 depths)
+        "train_mimo_fused_mtp_draft": lambda: train(out / "train_mimo_draft", args.device, args.steps, args.forward,
+                                                    [], ["rollout.draft_depths=2"], tiny=MIMO),
     }
     only = [s for s in args.only.split(",") if s]
     failed = []
@@ -327,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         if results[name].get("passed") is False:
             failed.append(name)
         print(f"== {name}", json.dumps(results[name], indent=1, default=str), flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    results["failed_sections"] = failed
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        results["failed_sections"] = failed
+        for path in {out / "results.json", *([Path(args.results)] if args.results else [])}:
+            path.write_text(json.dumps(results, indent=1, default=str))
     return 1 if failed else 0
 
 
