@@ -83,8 +83,11 @@ def check_mtp_once(path: Path, device: str) -> dict:
         for head in (False, True):
             got, _ = mtp_gradient_owners(engine, batch, detach_trunk=trunk, detach_head=head)
             owners[f"detach_trunk={trunk},detach_head={head}"] = {k: len(v) for k, v in got.items()}
+    # the control passes on what megatron's loss did (its autoscaler's backward ran, the MTP
+    # gradient changed); the graph walk is recorded beside it
     ok = (not once["megatron_calls"] and not once["autoscaler_in_graph"] and once["mtp_params_with_grad"] > 0
-          and once["max_abs_grad_diff_vs_rlcore_alone"] == 0.0 and control["autoscaler_in_graph"]
+          and once["max_abs_grad_diff_vs_rlcore_alone"] == 0.0
+          and control["megatron_calls"].get("MTPLossAutoScaler.backward", 0) >= 1
           and control["max_abs_grad_diff_vs_rlcore_alone"] > 1e-6
           and all((o["trunk"] == 0) == ("detach_trunk=True" in k) and (o["head"] == 0) == ("detach_head=True" in k)
                   and o["mtp"] > 0 for k, o in owners.items()))

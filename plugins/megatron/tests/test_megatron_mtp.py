@@ -44,8 +44,9 @@ def test_graph_walk_and_spies_see_megatrons_mtp_loss_when_it_is_there():
     x = torch.ones(3, requires_grad=True)
     with MegatronMTPSpies() as spies:
         y = MTPLossAutoScaler.apply(x * 2, (x ** 2).sum())
-    assert spies.calls["MTPLossAutoScaler.forward"] == 1
-    assert "MTPLossAutoScalerBackward" in autograd_node_names(y.sum())
+        assert "MTPLossAutoScalerBackward" in autograd_node_names(y.sum())
+        y.sum().backward()
+    assert spies.calls["MTPLossAutoScaler.forward"] == 1 and spies.calls["MTPLossAutoScaler.backward"] == 1
 
 
 @pytest.mark.parametrize("model", ["moe_mtp", "dense_mtp"])
@@ -72,6 +73,7 @@ def test_megatrons_native_mtp_path_would_add_a_second_loss(fresh, figures):
     control = native_mtp_loss_control(engine, [3, 4, 5, 13, 6, 2, 9, 8])
     assert control["autoscaler_in_graph"]
     assert control["megatron_calls"].get("MTPLossAutoScaler.forward", 0) >= 1
+    assert control["megatron_calls"].get("MTPLossAutoScaler.backward", 0) >= 1
     assert control["max_abs_grad_diff_vs_rlcore_alone"] > 1e-6
     figures(f"native MTP path ({control['path']}) adds megatron's loss",
             f"max |grad diff| on MTP params {control['max_abs_grad_diff_vs_rlcore_alone']:.2e}")

@@ -4,7 +4,8 @@
 
 * :func:`mtp_loss_exactly_once`: one forward/backward of a policy loss plus rlcore's MTP loss
   through the engine, with spies on every place megatron-core computes, logs or attaches its own
-  MTP loss (:class:`MegatronMTPSpies`), a walk of the autograd graph for ``MTPLossAutoScaler``,
+  MTP loss (:class:`MegatronMTPSpies`; ``MTPLossAutoScaler.backward`` runs exactly when its node
+  is in the graph being back-propagated), a walk of the autograd graph for ``MTPLossAutoScaler``,
   and the MTP layers' gradient compared with the gradient of rlcore's MTP loss alone.
 * :func:`native_mtp_loss_control`: the same comparison through megatron-core's native MTP loss
   path of this version (chosen by signature), which must show a second loss: it proves the
@@ -33,6 +34,8 @@ import torch
 #: loss, on any version (entries a version lacks are skipped)
 MEGATRON_MTP_LOSS_SITES: tuple[tuple[str, str | None, str], ...] = (
     ("megatron.core.transformer.multi_token_prediction", "MTPLossAutoScaler", "forward"),
+    # run by autograd when the node is in the graph being back-propagated
+    ("megatron.core.transformer.multi_token_prediction", "MTPLossAutoScaler", "backward"),
     ("megatron.core.transformer.multi_token_prediction", "MultiTokenPredictionBlock", "forward"),
     ("megatron.core.transformer.multi_token_prediction", "MTPLossLoggingHelper", "save_loss_to_tracker"),
     ("megatron.core.transformer.multi_token_prediction", "MTPLossLoggingHelper", "save_metrics_to_tracker"),
@@ -88,14 +91,20 @@ class MegatronMTPSpies(contextlib.AbstractContextManager):
 
 
 def autograd_node_names(t: torch.Tensor) -> set[str]:
-    """Type names of every node of ``t``'s autograd graph."""
+    """Type names of every node of ``t``'s autograd graph.
+
+    Python objects of autograd nodes are made on access and freed when dropped, so an ``id``
+    can be reused by another node's object: every visited object is kept alive until the walk
+    ends (a walk that dropped them once skipped part of the graph on the GPU machine)."""
     names: set[str] = set()
     seen: set[int] = set()
+    alive: list[Any] = []
     stack = [t.grad_fn]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
+        alive.append(fn)
         seen.add(id(fn))
         names.add(type(fn).__name__)
         stack.extend(nxt for nxt, _ in fn.next_functions)
