@@ -71,29 +71,12 @@ class HFSource:
 
 def tiny_source(tiny: Any, tokenizer: Any, dtype: str = "float32") -> HFSource:
     """The tiny model rlcore creates locally (``engine.model.tiny``), with its MTP layers: core
-    builds them itself over Qwen2 (MiMo, :mod:`rlcore.engines.mimo`); for any other
-    architecture the trunk is built without them and :meth:`HFSource.from_model` adds them
-    (megatron builds MTP layers for every model it builds)."""
-    from omegaconf import OmegaConf
+    builds them itself over Qwen2 (MiMo, :mod:`rlcore.engines.mimo`); for the MoE archs it only
+    declares them (``num_nextn_predict_layers``) and :meth:`HFSource.from_model` creates them."""
     from rlcore.engines.tiny import make_tiny_model
 
-    depth = int(tiny.mtp_layers or 0)
-    if depth and tiny.arch != "qwen2":
-        trunk = OmegaConf.merge(tiny, {"mtp_layers": 0}) if OmegaConf.is_config(tiny) else _replaced(tiny, mtp_layers=0)
-        model = make_tiny_model(trunk, tokenizer, dtype)
-        model.config.num_nextn_predict_layers = depth
-    else:
-        model = make_tiny_model(tiny, tokenizer, dtype)
+    model = make_tiny_model(tiny, tokenizer, dtype)
     return HFSource.from_model(model, tokenizer, init_std=float(tiny.init_std), seed=int(tiny.seed))
-
-
-def _replaced(obj: Any, **changes: Any) -> Any:
-    import copy
-
-    out = copy.copy(obj)
-    for k, v in changes.items():
-        setattr(out, k, v)
-    return out
 
 
 def _fresh_mtp_tensors(cfg: Any, tensors: dict[str, torch.Tensor], init_std: float, seed: int) -> dict[str, torch.Tensor]:
