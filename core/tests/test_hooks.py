@@ -17,7 +17,6 @@ from rlcore.types import (
     MicroBatchContext,
     PlatformSpec,
     PluginSettings,
-    PostprocessResult,
     RolloutBackendSpec,
     RouterDecision,
     StepContext,

@@ -163,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     import megatron.core as mc
-    from rlcore.engines.tiny import make_tiny_model, make_tokenizer
+    from rlcore.engines.tiny import make_tokenizer
     from rlcore.tasks import successor
     from rlcore.testing.models import tiny_config
-    from rlcore_megatron.engine import HFSource
+    from rlcore_megatron.hf_dir import tiny_source
 
     tiny = dict(arch="qwen3_moe", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                 num_experts=8, topk=2, moe_intermediate_size=128, mtp_layers=1)
@@ -178,16 +178,14 @@ def main(argv: list[str] | None = None) -> int:
 
     words = successor(OmegaConf.structured(DataConfig)).vocab
     tok = make_tokenizer(words)
-    tc = tiny_config(**tiny)
-    model = make_tiny_model(tc, tok)
-    src = HFSource.from_model(model, tok, init_std=float(tc.init_std), seed=int(tc.seed))
+    src = tiny_source(tiny_config(**tiny), tok)
     model_dir = out / "tiny_moe_mtp_hf"
     model_dir.mkdir(exist_ok=True)
     from safetensors.torch import save_file
 
     save_file({n: src.get(n).contiguous() for n in sorted(src.names)}, str(model_dir / "model.safetensors"),
               metadata={"format": "pt"})
-    model.config.save_pretrained(str(model_dir))
+    src.config.save_pretrained(str(model_dir))
     tok.save_pretrained(str(model_dir))
 
     results["checks"] = check_logprobs_and_replay(model_dir, args.device)

@@ -4,15 +4,21 @@ scripts/suites/megatron-*.sh; the main venv deselects them with ``-m "not engine
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# the megatron venvs install rlcore and rlcore-megatron only; rlcore-mtp (whose MTP loss the MTP
+# tests run) needs nothing more than torch + rlcore, so its source tree is put on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mtp" / "src"))
 
 
 @pytest.fixture(scope="session")
 def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     """HF directories beyond the conformance ones: tied embeddings, KV heads divisible by 2
-    (tensor parallelism), Qwen3-MoE with KV heads divisible by 2, Qwen3-MoE with an MTP layer, Qwen2-MoE (shared expert with a gate)."""
+    (tensor parallelism), Qwen3-MoE with KV heads divisible by 2, Qwen3-MoE with an MTP layer (DeepSeek-V3
+    layout), Qwen2 with an MTP layer (MiMo layout), Qwen2-MoE (shared expert with a gate)."""
     from rlcore.testing.models import WORDS, make_model_dir, tiny_config
 
     root = tmp_path_factory.mktemp("rlcore-megatron-models")
@@ -22,23 +28,24 @@ def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     dirs["qwen2_moe"] = make_model_dir(root / "qwen2_moe", "qwen2_moe", seed=8)
     dirs["moe_kv2"] = make_model_dir(root / "moe_kv2", "qwen3_moe", seed=10, num_kv_heads=2)
     dirs["moe_mtp"] = _mtp_model_dir(root / "moe_mtp", tiny_config("qwen3_moe", seed=9, mtp_layers=1), WORDS)
+    # MiMo: Qwen2 + model.mtp_layers.* (the layout vLLM serves as an MTP draft)
+    dirs["dense_mtp"] = _mtp_model_dir(root / "dense_mtp", tiny_config("qwen2", seed=10, mtp_layers=1), WORDS)
     return dirs
 
 
 def _mtp_model_dir(path: Path, tiny, words) -> Path:
     """An HF directory with MTP layers: transformers builds none, so they are created the way the
     engine creates them for a tiny model (HFSource.from_model) and saved with the rest."""
-    from rlcore.engines.tiny import make_tiny_model, make_tokenizer
-    from rlcore_megatron.engine import HFSource
+    from rlcore.engines.tiny import make_tokenizer
+    from rlcore_megatron.hf_dir import tiny_source
     from safetensors.torch import save_file
 
     tok = make_tokenizer(words)
-    model = make_tiny_model(tiny, tok)
-    src = HFSource.from_model(model, tok, init_std=float(tiny.init_std), seed=int(tiny.seed))
+    src = tiny_source(tiny, tok)
     path.mkdir(parents=True, exist_ok=True)
     save_file({n: src.get(n).contiguous() for n in sorted(src.names)}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    model.config.save_pretrained(str(path))
+    src.config.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
 

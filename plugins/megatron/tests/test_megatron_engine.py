@@ -42,11 +42,23 @@ class TestMegatronEngineConformance(EngineConformance):
 # ------------------------------------------------------------------ log-probs ---------------
 
 
-@pytest.mark.parametrize("model", ["dense_a", "dense_tied", "moe_a", "moe_mtp"])
-def test_logprobs_equal_hf_engine_fp32(engine_for, megatron_dirs, figures, model):
+def _hf_engine(path: Path):
+    """The hf engine on ``path``; for a non-Qwen2 model with MTP layers (DeepSeek-V3 layout, which
+    the hf engine does not build) the trunk alone, through transformers' own class."""
     from rlcore.engines.hf import HFEngine
 
-    hf = HFEngine.from_pretrained(megatron_dirs[model])
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("num_nextn_predict_layers") and cfg.get("model_type") != "qwen2":
+        from rlcore.testing.models import hf_model
+        from transformers import AutoTokenizer
+
+        return HFEngine(hf_model(path), AutoTokenizer.from_pretrained(str(path)))
+    return HFEngine.from_pretrained(path)
+
+
+@pytest.mark.parametrize("model", ["dense_a", "dense_tied", "moe_a", "moe_mtp", "dense_mtp"])
+def test_logprobs_equal_hf_engine_fp32(engine_for, megatron_dirs, figures, model):
+    hf = _hf_engine(megatron_dirs[model])
     batch = PackedBatch.pack(SEQS, [1, 1, 2])
     with torch.no_grad():
         _, ours = _logprobs(engine_for(model), batch)
@@ -76,7 +88,7 @@ def test_qwen2_moe_shared_expert_gate(engine_for, megatron_dirs):
 # ------------------------------------------------------------------ weights ------------------
 
 
-@pytest.mark.parametrize("model", ["dense_a", "dense_tied", "moe_a", "moe_mtp"])
+@pytest.mark.parametrize("model", ["dense_a", "dense_tied", "moe_a", "moe_mtp", "dense_mtp"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(engine_for, megatron_dirs, tmp_path, figures, model):
     from safetensors.torch import load_file
 
@@ -252,7 +264,8 @@ def test_mtp_weights_can_be_left_out_of_the_export(engine_for):
         names = [n for n, _ in engine.export_hf_weights()]
     finally:
         engine.settings.export_mtp = True
-    assert names and not any(n.startswith("model.layers.2.") for n in names)
+    assert names and not any(n.startswith(("model.layers.2.", "model.mtp_layers.")) for n in names)
+    assert "model.layers.2.eh_proj.weight" in [n for n, _ in engine.export_hf_weights()]  # DeepSeek layout
 
 
 # ------------------------------------------------------------------ training -----------------

@@ -188,6 +188,9 @@ def test_hf_configs_megatron_cannot_express_are_errors_naming_the_field(arch, ov
       "megatron.expert_parallel_size=4"], "megatron.expert_parallel_size", r"divide the number of experts \(6\)"),
     (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.topk=1"], "engine.model",
      "norm_topk_prob=true cannot be built in megatron-core.*engine.model.tiny: arch=qwen3_moe, topk=1"),
+    # was: the local rollout refused the exported directory at the first weight push
+    (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.mtp_layers=1"],
+     "megatron.export_mtp", "only in MiMo's layout over Qwen2; set megatron.export_mtp: false"),
 ])
 def test_rlcore_check_refuses_what_the_megatron_engine_would(register_plugin, rlcore_config, overrides, key, match):
     """Before: each passed `rlcore check` and failed when the engine was built (several with
@@ -223,6 +226,9 @@ def test_megatron_section_passes_when_the_engine_can_build_it(register_plugin, r
     rlcore_config("engine.name=megatron")
     rlcore_config("engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "megatron.expert_parallel_size=2")
     rlcore_config("engine.name=megatron", "engine.device=auto", "megatron.token_dispatcher=alltoall")
+    rlcore_config("engine.name=megatron", "engine.model.tiny.mtp_layers=1")  # Qwen2: MiMo's layout
+    rlcore_config("engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.mtp_layers=1",
+                  "megatron.export_mtp=false")
 
 
 # ------------------------------------------------------------ compat: no silent drops ------

@@ -12,6 +12,8 @@ head seam                      ``output_processor`` in ``GPTModel.forward``'s si
 router seam                    ``router_replay`` in ``topk_routing_with_score_function``'s
                                signature (0.16+); see :mod:`.routers`
 MTP layer's inner layer        attribute ``mtp_model_layer`` (0.19) or ``transformer_layer``
+megatron's own MTP loss        never reachable (:func:`refuse_native_mtp_loss`): checked on the
+                               built model's attributes, not on a version
 config fields                  ``dataclasses.fields(TransformerConfig)``: a field rlcore needs
                                and the installed version lacks is an error naming it
 constructor arguments          each builder gets the keyword arguments it declares; one it
@@ -165,6 +167,41 @@ def head_seam(model: Any) -> Iterator[Callable[..., Any]]:
         yield run
     finally:
         del layer.forward  # back to the class's forward
+
+
+def refuse_native_mtp_loss(model: Any, mtp_block: Any) -> None:
+    """Make megatron-core's own MTP loss unreachable, so rlcore's MTP loss (a ``postprocess``
+    plugin) is the only one. Where megatron adds it, by version:
+
+    * 0.12/0.13: ``MultiTokenPredictionBlock.forward`` computes the loss from ``labels`` and
+      attaches it to the main hidden states with ``MTPLossAutoScaler``;
+    * 0.14-0.16: ``GPTModel._postprocess`` does, whenever ``config.mtp_num_layers`` is set;
+    * 0.17+: ``process_mtp_loss``, called by ``_postprocess`` when ``config.mtp_num_layers`` is
+      set; from 0.19 it derives labels from ``input_ids`` when ``labels`` is None, so passing
+      no labels no longer skips it.
+
+    The engine builds the ``GPTModel`` without MTP (``mtp_num_layers`` unset, no ``mtp``
+    submodule: checked here, on attributes every version has) and runs the MTP layers itself;
+    the block beside it is only a container of layers, and calling its ``forward`` raises."""
+    from rlcore.errors import RLCoreError
+
+    if getattr(model.config, "mtp_num_layers", None) or getattr(model, "mtp_process", False) \
+            or isinstance(getattr(model, "mtp", None), torch.nn.Module):
+        raise RLCoreError(
+            "the megatron GPTModel was built with MTP layers (config.mtp_num_layers or a .mtp block): its "
+            "forward would add megatron-core's own MTP loss on top of rlcore's"
+        )
+    if mtp_block is None:
+        return
+
+    def never(*_: Any, **__: Any) -> Any:
+        raise RLCoreError(
+            "MultiTokenPredictionBlock.forward was called: it computes megatron-core's own MTP loss (0.12/0.13) "
+            "or feeds GPTModel._postprocess, which adds it; rlcore runs the MTP layers itself "
+            "(MegatronEngine._run_mtp) and adds only its own MTP loss"
+        )
+
+    mtp_block.forward = never  # this instance only; the class is not modified
 
 
 def mtp_inner_layer(mtp_layer: Any) -> Any:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rlcore.batch import PackedBatch
-from rlcore.errors import ConfigError
+from rlcore.errors import ConfigError, RLCoreError
 from rlcore.types import (
     EngineOutput,
     HeadWeight,
@@ -54,7 +54,7 @@ from rlcore.types import (
 
 from rlcore_megatron import compat
 from rlcore_megatron.hf_config import ModelSpec, model_spec_from_hf
-from rlcore_megatron.hf_dir import HFSource, write_hf_dir
+from rlcore_megatron.hf_dir import HFSource, export_config, tiny_source, write_hf_dir
 from rlcore_megatron.layout import PackedLayout, make_layout
 from rlcore_megatron.model import (
     build_model,
@@ -66,7 +66,7 @@ from rlcore_megatron.model import (
 )
 from rlcore_megatron.routers import RouterSeam, RoutingState
 from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings
-from rlcore_megatron.weights import NameMap, Parallel, export_hf, load_hf_into
+from rlcore_megatron.weights import NameMap, Parallel, detect_mtp_layout, export_hf, load_hf_into
 
 __all__ = ["MegatronEngine", "HFSource", "build_megatron_engine", "settings_from_section"]
 
@@ -108,7 +108,7 @@ class MegatronEngine:
         self.attention_path = choose_attention_path(s, self.device)
         built = build_model(self.spec, s, self.par, self.padded_vocab, self.attention_path, self.device, self.dtype)
         self.config, self.model, self.mtp = built.config, built.model, built.mtp
-        self.names = NameMap(self.spec, self.par)
+        self.names = NameMap(self.spec, self.par, detect_mtp_layout(self.spec, source.names))
         if _weights_from is None:
             load_hf_into(self.named_parameters(), self.names, self.padded_vocab, source.names, source.get,
                          tied=self.spec.tie_word_embeddings)
@@ -159,7 +159,12 @@ class MegatronEngine:
         router: Callable[[RouterCall], Any] | None = None,
         micro_batch: MicroBatchContext | None = None,
         mtp_hidden: bool = False,
+        mtp_detach_trunk: bool = False,
     ) -> EngineOutput:
+        """See :class:`rlcore.types.TrainingEngine`. ``mtp_detach_trunk``: the MTP layers read
+        the trunk's hidden states and the shared token embeddings detached, so the MTP loss
+        trains the MTP layers (and, unless the loss detaches it, the LM head) but never the
+        trunk (megatron-core 0.19's ``mtp_detach_heads`` input half, verl's ``detach_encoder``)."""
         if mtp_hidden and self.mtp is None:
             raise ConfigError(
                 "MTP hidden states were requested, but the model has no MTP layers (the HF config's "
@@ -173,7 +178,7 @@ class MegatronEngine:
             self.seam.state = RoutingState(router, micro_batch, record_routes, layout.router_tokens,
                                            layout.router_offset, layout.to_rows, layout.from_rows)
         try:
-            hidden, mtp_out = self._run(layout, mtp_hidden)
+            hidden, mtp_out = self._run(layout, mtp_hidden, mtp_detach_trunk)
             routes = self.seam.collect(batch.num_tokens) if record_routes else None
             if routes is not None and layout.router_tokens != batch.num_tokens:
                 # sequence parallel: each rank recorded its slice of the token axis
@@ -186,34 +191,62 @@ class MegatronEngine:
         sp = self.attention_path == "thd" and self.settings.sequence_parallel
         return EngineOutput(hidden=hidden, mtp_hidden=mtp_out, routes=routes, sequence_parallel=sp)
 
-    def _run(self, layout: PackedLayout, want_mtp: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def _run(self, layout: PackedLayout, want_mtp: bool,
+             detach_trunk: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         captured: dict[str, Any] = {}
-        handle = None
+        handles = []
         if want_mtp:
             def keep_decoder_kwargs(module, args, kwargs):
                 captured.update(kwargs)
 
-            handle = self.model.decoder.register_forward_pre_hook(keep_decoder_kwargs, with_kwargs=True)
+            def keep_prenorm(module, args, kwargs):
+                captured["prenorm_hidden"] = args[0] if args else next(iter(kwargs.values()))
+
+            handles.append(self.model.decoder.register_forward_pre_hook(keep_decoder_kwargs, with_kwargs=True))
+            if self.names.mtp_layout == "mimo":
+                handles.append(self.model.decoder.final_layernorm.register_forward_pre_hook(keep_prenorm,
+                                                                                            with_kwargs=True))
         try:
             with compat.head_seam(self.model) as run:
                 hidden_sbh = run(layout.input_ids, layout.position_ids, layout.attention_mask, **layout.model_kwargs)
         finally:
-            if handle is not None:
+            for handle in handles:
                 handle.remove()
         hidden = layout.to_packed(hidden_sbh)
         if not want_mtp:
             return hidden, None
-        return hidden, self._run_mtp(layout, hidden_sbh, captured)
+        trunk = hidden_sbh
+        if self.names.mtp_layout == "mimo":
+            if "prenorm_hidden" not in captured:
+                raise RLCoreError("the decoder's final norm did not run: MiMo's MTP layers read its input")
+            trunk = captured.pop("prenorm_hidden")
+        return hidden, self._run_mtp(layout, trunk, captured, detach_trunk)
 
-    def _run_mtp(self, layout: PackedLayout, hidden_sbh: torch.Tensor, decoder_kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    def _run_mtp(self, layout: PackedLayout, trunk_sbh: torch.Tensor, decoder_kwargs: dict[str, Any],
+                 detach_trunk: bool) -> list[torch.Tensor]:
         """MTP depths 1..D: ``h_d = norm_d(layer_d(eh_proj_d([enorm_d(emb(x_{t+d})), hnorm_d(h_{d-1})])))``
-        with the token stream shifted within each sequence (never across a boundary)."""
+        with the token stream shifted within each sequence (never across a boundary).
+
+        The semantics follow the checkpoint's MTP layout (:mod:`.weights`), i.e. what will serve
+        these weights: MiMo's (vLLM's ``MiMoMTP``) reads the trunk's hidden state *before* its
+        final norm and zeroes the token embedding at each sequence's first position and where
+        ``x_{t+d}`` does not exist; DeepSeek-V3's keeps megatron-core's (post-norm hidden state,
+        embeddings as they are).
+
+        megatron's own ``MultiTokenPredictionBlock.forward`` is never called (see
+        :func:`.compat.refuse_native_mtp_loss`): it is where megatron-core computes its own MTP
+        loss (0.12/0.13), and from 0.14 its output feeds ``GPTModel._postprocess``, which adds it."""
         from megatron.core import tensor_parallel
 
+        mimo = self.names.mtp_layout == "mimo"
         outs = []
-        prev = hidden_sbh
+        prev = trunk_sbh.detach() if detach_trunk else trunk_sbh
         for d, mtp_layer in enumerate(self.mtp.layers, start=1):
             emb = self.model.embedding(input_ids=layout.shifted_input_ids(d), position_ids=layout.position_ids)
+            if detach_trunk:
+                emb = emb.detach()
+            if mimo:
+                emb = emb * layout.mtp_embedding_kept(d).to(emb.dtype)
             x = torch.cat([mtp_layer.enorm(emb), mtp_layer.hnorm(prev)], dim=-1)
             x, _ = mtp_layer.eh_proj(x)
             if self.par.tp_size > 1:
@@ -331,7 +364,9 @@ class MegatronEngine:
     def save_hf(self, path: str | Path, shard_bytes: int = 2 << 30) -> None:
         """Config, tokenizer and safetensors shards (with an index when there are several);
         rank 0 writes, every rank takes part in the gathers."""
-        write_hf_dir(self.export_hf_weights(), path, self.source.config, self.tokenizer,
+        mtp = self.spec.mtp_layers if self.settings.export_mtp else 0
+        config = export_config(self.source.config, mtp, self.names.mtp_layout)
+        write_hf_dir(self.export_hf_weights(), path, config, self.tokenizer,
                      writer=dist.get_rank() == 0, shard_bytes=shard_bytes)
 
     def state_dict(self) -> dict[str, Any]:
@@ -360,12 +395,10 @@ def build_megatron_engine(ctx: Any) -> MegatronEngine:
     if ecfg.model.path:
         source = HFSource.from_dir(ecfg.model.path)
     else:
-        from rlcore.engines.tiny import make_tiny_model, make_tokenizer
+        from rlcore.engines.tiny import make_tokenizer
 
         task = ctx.extras.get("task")
         words = task.vocab if task is not None else [str(i) for i in range(10)]
         tok = make_tokenizer(words)
-        tiny = ecfg.model.tiny
-        source = HFSource.from_model(make_tiny_model(tiny, tok, ecfg.model.dtype), tok,
-                                     init_std=float(tiny.init_std), seed=int(tiny.seed))
+        source = tiny_source(ecfg.model.tiny, tok, ecfg.model.dtype)
     return MegatronEngine(source, settings, device=device, dtype=ecfg.model.dtype)

@@ -33,6 +33,19 @@ class PackedLayout:
 
     def shifted_input_ids(self, d: int) -> torch.Tensor: ...
 
+    def mtp_embedding_kept(self, d: int) -> torch.Tensor:
+        """``[s, b, 1]`` float: 1 where MTP depth ``d``'s token embedding is kept in MiMo's
+        semantics (the token ``t + d`` exists in the same sequence and ``t`` is not the
+        sequence's first position), 0 elsewhere."""
+        batch = self.batch
+        kept = torch.ones(batch.num_tokens, dtype=torch.bool)
+        for _ in range(d):
+            kept = batch.roll(kept, -1, fill=False)
+        kept &= batch.position_ids().cpu() != 0
+        return self._to_model_layout(kept.to(self.device)).transpose(0, 1)[..., None].float()
+
+    def _to_model_layout(self, x: torch.Tensor) -> torch.Tensor: ...
+
     def to_rows(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def from_rows(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -61,6 +74,10 @@ class PaddedLayout(PackedLayout):
     def _scatter(self, ids: torch.Tensor) -> torch.Tensor:
         out = torch.full((self.B * self.L,), self.pad_id, dtype=torch.long, device=self.device)
         return out.index_copy(0, self.flat, ids).view(self.B, self.L)
+
+    def _to_model_layout(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.B * self.L, dtype=x.dtype, device=self.device)
+        return out.index_copy(0, self.flat, x).view(self.B, self.L)
 
     def to_packed(self, hidden_sbh: torch.Tensor) -> torch.Tensor:
         h = hidden_sbh.transpose(0, 1).reshape(self.B * self.L, -1)
@@ -113,6 +130,11 @@ class ThdLayout(PackedLayout):
 
     def to_packed(self, hidden_sbh: torch.Tensor) -> torch.Tensor:
         return hidden_sbh[:, 0]
+
+    def _to_model_layout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is not None:  # this rank's slice of the sequence, as megatron scatters it
+            x = x[self.router_offset:self.router_offset + self.router_tokens]
+        return x[None]
 
     def shifted_input_ids(self, d: int) -> torch.Tensor:
         ids = self.batch.input_ids

@@ -146,7 +146,8 @@ def transformer_config(sp: ModelSpec, s: MegatronSettings, par: Parallel, device
         optional.update(moe_router_fusion=False, moe_enable_routing_replay=True, moe_permute_fusion=False)
     if mtp_layers:
         required["mtp_num_layers"] = mtp_layers
-        # 0.12.1 crashes when it is unset; rlcore computes its own MTP loss, so the value is unused
+        # 0.12.1 crashes when it is unset; unused: only the MTP block's config gets it, and
+        # megatron's own MTP loss never runs (compat.refuse_native_mtp_loss)
         required["mtp_loss_scaling_factor"] = 0.1
     return compat.transformer_config(required, optional)
 
@@ -196,6 +197,7 @@ def build_model(spec: ModelSpec, settings: MegatronSettings, par: Parallel, padd
         # layer's MoE would see no expert-parallel group and hold every expert on every rank)
         mtp = compat.call_with_supported(MultiTokenPredictionBlock, config=mtp_config, spec=mtp_spec,
                                          pg_collection=getattr(model, "pg_collection", None))
+    compat.refuse_native_mtp_loss(model, mtp)
     model.to(device=device, dtype=dtype)
     if mtp is not None:
         mtp.to(device=device, dtype=dtype)

@@ -40,8 +40,10 @@ class MegatronSettings:
     * ``moe_aux_loss_coeff``: megatron's load-balancing loss (0: off, the RL default).
     * ``vocab_size_divisible_by``: the embedding and LM head are padded to a multiple of this ×
       TP; padding rows are excluded from the softmax and never exported.
-    * ``export_mtp``: include MTP layers in the weights sent to the rollout engine (a rollout
-      engine that serves MTP drafts needs them; the built-in local rollout has no MTP).
+    * ``export_mtp``: include MTP layers in the weights sent to the rollout engine and in
+      ``save_hf`` (an engine that drafts with them needs them). Qwen2 models export them in
+      MiMo's layout, which the local rollout and vLLM load; other models in DeepSeek-V3's, which
+      neither loads: set it false there (the written config then declares no MTP layers).
     * ``seed``: megatron's model-parallel CUDA RNG seed.
     """
 
@@ -173,4 +175,15 @@ def validate_settings(section: Any, config: Any = None) -> None:
     if config is None or config.engine.name != "megatron":
         return
     check_device(section, str(config.engine.device).split(":")[0])
-    check_model(section, model_spec_for(config))
+    spec = model_spec_for(config)
+    check_model(section, spec)
+    check_mtp_export(section, spec, str(config.rollout.backend))
+
+
+def check_mtp_export(s: Any, sp: ModelSpec, rollout_backend: str) -> None:
+    """MTP layers sent to the local rollout must be in a layout it builds: MiMo's, over Qwen2."""
+    if s.export_mtp and sp.mtp_layers and sp.model_type != "qwen2" and rollout_backend == "local":
+        raise ConfigError(
+            f"megatron.export_mtp=true sends the {sp.mtp_layers} MTP layer(s) of this {sp.model_type!r} model to the "
+            f"local rollout, which builds MTP layers only in MiMo's layout over Qwen2; set megatron.export_mtp: false "
+            f"(the MTP layers still train)", key="megatron.export_mtp")

@@ -12,9 +12,20 @@ Every megatron parameter maps to one or more HF checkpoint tensors through a :cl
   ``[gate shard; up shard]``, so the split is per half, not a contiguous slice of the concatenation.
 
 Experts: local expert ``j`` on expert-parallel rank ``r`` is global expert ``r * E_local + j``,
-and expert weights are split over the *expert* tensor-parallel group. MTP depth ``d`` (0-based)
-maps to HF decoder layer ``num_hidden_layers + d`` with DeepSeek-V3's names (``enorm``,
-``hnorm``, ``eh_proj``, ``shared_head.norm``).
+and expert weights are split over the *expert* tensor-parallel group.
+
+MTP depth ``d`` (0-based) has one of two HF layouts (:data:`MTP_LAYOUTS`), read from the
+checkpoint's names and written back the same way (:func:`detect_mtp_layout`):
+
+* ``mimo`` (Qwen2 models; names from :mod:`rlcore.engines.mimo_layout`): Xiaomi MiMo's
+  ``model.mtp_layers.{d}.*`` — ``token_layernorm`` (megatron ``enorm``), ``hidden_layernorm``
+  (``hnorm``), ``input_proj`` (``eh_proj``), ``final_layernorm``, and the decoder block's own
+  names directly under the prefix, which is what vLLM's ``MiMoMTP`` loads. ``input_proj``
+  multiplies ``[hidden_layernorm(h), token_layernorm(e)]`` where megatron's ``eh_proj``
+  multiplies ``[enorm(e), hnorm(h)]``: the two column halves are swapped both ways
+  (kind ``swap_halves``; the split is along rows, so each tensor-parallel shard swaps alone).
+* ``deepseek``: DeepSeek-V3's ``model.layers.{num_hidden_layers + d}.*`` (``enorm``,
+  ``hnorm``, ``eh_proj``, ``shared_head.norm``), read and written unchanged.
 
 Loading (:func:`load_hf_into`) builds each parameter's full tensor from the HF tensors and copies
 this rank's shard; every checkpoint tensor must find a place and every parameter must be filled.
@@ -33,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rlcore.engines import mimo_layout
 from rlcore.errors import RLCoreError
 
 from rlcore_megatron.hf_config import ModelSpec
@@ -51,7 +63,7 @@ class WeightMapError(RLCoreError):
 class ParamMap:
     """How one megatron parameter is made of HF checkpoint tensors (see module docstring)."""
 
-    kind: str  # copy | qkv | glu
+    kind: str  # copy | qkv | glu | swap_halves
     hf: tuple[str, ...]
     tp_dim: int | None = None
     vocab: bool = False
@@ -115,21 +127,70 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linea
 _DECODER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
+MTP_LAYOUTS = ("mimo", "deepseek")
+#: what megatron-core's ``eh_proj`` multiplies (``MultiTokenPredictionLayer``: ``cat(enorm(e), hnorm(h))``)
+MEGATRON_EH_PROJ_ORDER = ("embedding", "hidden")
+# MiMo's own tensors, in the order core's layout module lists them (token norm, hidden norm,
+# input projection, final norm); its input projection's column order decides the swap
+_MIMO_TOKEN_NORM, _MIMO_HIDDEN_NORM, _MIMO_INPUT_PROJ, _MIMO_FINAL_NORM = mimo_layout.OWN_TENSORS
+_MIMO_PROJ_KIND = "copy" if tuple(mimo_layout.INPUT_PROJ_ORDER) == MEGATRON_EH_PROJ_ORDER else "swap_halves"
 _MTP_OWN = {
-    "enorm.weight": ("copy", ("enorm.weight",), None),
-    "hnorm.weight": ("copy", ("hnorm.weight",), None),
-    "eh_proj.weight": ("copy", ("eh_proj.weight",), 0),
-    "final_layernorm.weight": ("copy", ("shared_head.norm.weight",), None),
+    "deepseek": {
+        "enorm.weight": ("copy", ("enorm.weight",), None),
+        "hnorm.weight": ("copy", ("hnorm.weight",), None),
+        "eh_proj.weight": ("copy", ("eh_proj.weight",), 0),
+        "final_layernorm.weight": ("copy", ("shared_head.norm.weight",), None),
+    },
+    "mimo": {
+        "enorm.weight": ("copy", (_MIMO_TOKEN_NORM,), None),
+        "hnorm.weight": ("copy", (_MIMO_HIDDEN_NORM,), None),
+        "eh_proj.weight": (_MIMO_PROJ_KIND, (_MIMO_INPUT_PROJ,), 0),
+        "final_layernorm.weight": ("copy", (_MIMO_FINAL_NORM,), None),
+    },
 }
+
+
+def mtp_hf_prefix(layout: str, spec: ModelSpec, depth: int) -> str:
+    """The HF name prefix of MTP depth ``depth`` (0-based) in ``layout``."""
+    return mimo_layout.layer_prefix(depth) if layout == "mimo" else f"model.layers.{spec.num_layers + depth}."
+
+
+def fresh_mtp_layout(model_type: str) -> str:
+    """The layout of MTP layers a checkpoint does not have yet: MiMo's over Qwen2 (the model
+    MiMo is, and what vLLM's ``MiMoMTP`` serves), DeepSeek-V3's for any other model."""
+    return "mimo" if model_type == "qwen2" else "deepseek"
+
+
+def detect_mtp_layout(spec: ModelSpec, hf_names: set[str] | list[str]) -> str:
+    """``mimo`` or ``deepseek``, from the MTP tensors of a checkpoint (:func:`fresh_mtp_layout`
+    when it has none); a checkpoint with both is an error."""
+    mimo = any(mimo_layout.is_mtp_name(n) for n in hf_names)
+    deepseek = spec.mtp_layers > 0 and any(n.startswith(f"model.layers.{spec.num_layers}.") for n in hf_names)
+    if mimo and deepseek:
+        raise WeightMapError(
+            f"the checkpoint has MTP tensors in both layouts ({mimo_layout.PREFIX}* and model.layers.{spec.num_layers}.*)"
+        )
+    if mimo:
+        return "mimo"
+    return "deepseek" if deepseek else fresh_mtp_layout(spec.model_type)
+
+
+def swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """Exchange the two halves of dim 1 (``[a | b]`` → ``[b | a]``; its own inverse)."""
+    half = t.shape[1] // 2
+    return torch.cat([t[:, half:], t[:, :half]], dim=1)
 
 
 class NameMap:
     """Megatron parameter names (``decoder.*``, ``embedding.*``, ``output_layer.*``, and
     ``mtp.layers.*`` for the engine's MTP block) → :class:`ParamMap`."""
 
-    def __init__(self, spec: ModelSpec, par: Parallel):
+    def __init__(self, spec: ModelSpec, par: Parallel, mtp_layout: str = "mimo"):
+        if mtp_layout not in MTP_LAYOUTS:
+            raise ValueError(f"mtp_layout must be one of {MTP_LAYOUTS}, got {mtp_layout!r}")
         self.spec = spec
         self.par = par
+        self.mtp_layout = mtp_layout
         self.experts_per_rank = spec.num_experts // par.ep_size if spec.num_experts else 0
 
     def _layer(self, hf_prefix: str, suffix: str) -> ParamMap:
@@ -157,10 +218,11 @@ class NameMap:
             return self._layer(f"model.layers.{int(m.group(1))}.", m.group(2))
         m = _MTP_RE.match(name)
         if m:
-            prefix = f"model.layers.{self.spec.num_layers + int(m.group(1))}."
+            prefix = mtp_hf_prefix(self.mtp_layout, self.spec, int(m.group(1)))
             rest = m.group(2)
-            if rest in _MTP_OWN:
-                kind, hf, tp_dim = _MTP_OWN[rest]
+            own = _MTP_OWN[self.mtp_layout]
+            if rest in own:
+                kind, hf, tp_dim = own[rest]
                 return ParamMap(kind, tuple(prefix + h for h in hf), tp_dim)
             for inner in _MTP_INNER:
                 if rest.startswith(inner):
@@ -216,6 +278,8 @@ def local_shard(pm: ParamMap, spec: ModelSpec, par: Parallel, padded_vocab: int,
     if pm.kind == "glu":
         gate, up = hf
         return torch.cat([_shard(gate, 0, size, rank), _shard(up, 0, size, rank)])
+    if pm.kind == "swap_halves":
+        return _shard(swap_halves(hf[0]), pm.tp_dim, size, rank)
     raise WeightMapError(f"unknown parameter kind {pm.kind!r}")
 
 
@@ -299,6 +363,9 @@ def _merge(pm: ParamMap, spec: ModelSpec, parts: list[torch.Tensor]) -> list[tup
         gate = halves[0][0] if len(parts) == 1 else torch.cat([h[0] for h in halves])
         up = halves[0][1] if len(parts) == 1 else torch.cat([h[1] for h in halves])
         return [(pm.hf[0], gate), (pm.hf[1], up)]
+    if pm.kind == "swap_halves":
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=pm.tp_dim or 0)
+        return [(pm.hf[0], swap_halves(full))]
     raise WeightMapError(f"unknown parameter kind {pm.kind!r}")
 
 
