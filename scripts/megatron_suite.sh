@@ -16,7 +16,7 @@ VENV="$ROOT/.venvs/$NAME"
 source scripts/lib/cpu_venv.sh
 
 inputs=(scripts/megatron_suite.sh scripts/lib/cpu_venv.sh "scripts/suites/$NAME.sh" scripts/constraints.txt core/pyproject.toml
-        plugins/megatron/pyproject.toml plugins/replay/pyproject.toml plugins/npu/pyproject.toml)
+        plugins/megatron/pyproject.toml plugins/replay/pyproject.toml plugins/npu/pyproject.toml plugins/mtp/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}" -- "megatron-core==$MCORE")"
 if ! venv_is_current "$VENV" "$hash"; then
   echo "[$NAME] preparing $VENV" >&2
@@ -31,9 +31,10 @@ if ! venv_is_current "$VENV" "$hash"; then
     *)
       "${PIP[@]}" "megatron-core==$MCORE" ;;
   esac
-  # rlcore-replay and rlcore-npu need nothing beyond rlcore and megatron-core; rlcore-npu's
-  # MindSpeed / 0.12.1 compatibility tests run here against the real megatron-core
-  "${PIP[@]}" --no-build-isolation -e "core[test]" -e plugins/megatron -e plugins/replay -e plugins/npu pytest hypothesis
+  # rlcore-replay, rlcore-npu and rlcore-mtp need nothing beyond rlcore and megatron-core; rlcore-npu's
+  # MindSpeed / 0.12.1 compatibility tests run here against the real megatron-core, and stacks with
+  # plugins: [megatron, mtp, replay] find every plugin through its entry point
+  "${PIP[@]}" --no-build-isolation -e "core[test]" -e plugins/megatron -e plugins/replay -e plugins/npu -e plugins/mtp pytest hypothesis
   venv_stamp "$VENV" "$hash"
   echo "[$NAME] $VENV ready" >&2
 fi

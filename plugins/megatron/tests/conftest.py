@@ -4,14 +4,10 @@ scripts/suites/megatron-*.sh; the main venv deselects them with ``-m "not engine
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-# the megatron venvs install rlcore and rlcore-megatron only; rlcore-mtp (whose MTP loss the MTP
-# tests run) needs nothing more than torch + rlcore, so its source tree is put on the path
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mtp" / "src"))
 
 
 @pytest.fixture(scope="session")

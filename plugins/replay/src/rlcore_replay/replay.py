@@ -93,6 +93,10 @@ class Replayer:
         self.mtp = str(s.mtp)
         self.agreement = bool(s.agreement)
         self.mismatch_off = bool(s.get("mismatch_off", False))
+        # R2 records what the old-log-prob pass runs: when the MTP loss will run the MTP layers in
+        # the update, the recording pass must run them too, or their routers have nothing to replay
+        self.record_mtp = self.mode == "R2" and self.mtp == "replay" and "mtp" in [
+            str(p) for p in (config.get("plugins") or [])]
         self.forwards: dict[int, _Forward] = {}
         self.done: list[_Forward] = []  #: finished train forwards, whose backward may recompute
         self.stats = _StepStats()
@@ -140,7 +144,7 @@ class Replayer:
         self._check_recompute()
         if not self._replays(ctx.phase):
             if self.mode == "R2" and ctx.phase == "old_logprob":
-                return ForwardRequest(record_routes=True)
+                return ForwardRequest(record_routes=True, mtp_hidden=self.record_mtp)
             return None
         self.forwards[id(ctx)] = _Forward(ctx.phase, ctx.index, self._source(ctx))
         if self.mismatch_off and ctx.phase == "old_logprob":
@@ -188,6 +192,11 @@ class Replayer:
                 f"{call.token_offset + call.num_tokens}) of a micro-batch with {src.shape[0]} route rows")
         if call.is_mtp and self.mtp == "native":
             rows = torch.full_like(rows, -1)
+        elif call.is_mtp and self.mode == "R2" and rows.numel() and not bool((rows >= 0).any()):
+            raise BatchShapeError(
+                f"replay.mode R2: MTP router of layer {call.layer} has no recorded routes (the old-log-prob pass did "
+                f"not run the MTP layers), so it would silently route natively; with replay.mtp: replay the MTP "
+                f"layers must run in the recording pass (rlcore-mtp active), or set replay.mtp: native")
         fwd.asked[i] = (call.layer, call.token_offset, call.num_tokens)
         valid = (rows >= 0).all(dim=-1)
         self.stats.routed += call.num_tokens
