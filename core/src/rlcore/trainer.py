@@ -422,6 +422,9 @@ class Trainer:
             "generate_seconds": t_gen,
             "train_seconds": t_train,
         })
+        rollout_metrics = getattr(self.backend, "rollout_metrics", None)
+        if rollout_metrics is not None:  # optional: e.g. speculative acceptance per draft position
+            metrics.update({f"rollout/{k}": float(v) for k, v in rollout_metrics().items()})
         metrics.update(self.pm.step_end(StepContext(self.step, batch, metrics, cfg)))
         return StepResult(metrics, batch)
 
@@ -550,6 +553,8 @@ class Trainer:
                     "wall_seconds": wall,
                     "tokens_per_second": m["tokens"] / max(step_s, 1e-9),
                 })
+                if report.details.get("draft_warning"):
+                    self.console.print(f"[bold red]warning:[/] {report.details['draft_warning']}")
                 self.metrics.write(m)
                 self._progress(m, report)
                 if cfg.output.checkpoint_every and (self.step + 1) % cfg.output.checkpoint_every == 0:

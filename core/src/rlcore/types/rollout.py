@@ -109,6 +109,8 @@ class RolloutBackend(Protocol):
 
     # Optional: ``lacking() -> dict[str, str]``, the declared capabilities this running instance
     # does not have, each with the reason; the trainer prints them.
+    # Optional: ``rollout_metrics() -> dict[str, float]``, metrics of the last ``generate`` (and
+    # memory release); the trainer logs them each step as ``rollout/<name>``.
 
 
 @runtime_checkable
