@@ -136,7 +136,7 @@ def test_hf_engine_refuses_mtp_hidden_itself():
     engine = HFEngine(make_tiny_model(TinyModelConfig(hidden_size=32, head_dim=16, intermediate_size=32), tok), tok)
     batch = PackedBatch.pack([[3, 4, 3]], [1])
     assert engine.forward(batch).hidden.shape == (3, 32)
-    with pytest.raises(errors.MissingCapabilityError, match="engine 'hf' has no MTP layers"):
+    with pytest.raises(errors.MissingCapabilityError, match="engine 'hf': the model .* has no MTP layers"):
         engine.forward(batch, mtp_hidden=True)
 
 

@@ -465,7 +465,7 @@ class PluginManager:
     def forward_request(self, ctx: Any) -> ForwardRequest:
         """Every plugin's request merged. An output the selected engine cannot produce is an
         error naming the engine and the plugin(s) that asked, never a request dropped silently:
-        ``mtp_hidden`` needs an engine that declares ``mtp`` (the ``hf`` engine has no MTP layers)."""
+        ``mtp_hidden`` needs an engine that declares ``mtp`` and whose model has MTP layers here."""
         req = ForwardRequest()
         asked: list[str] = []
         for name, r in self._call_each("forward_request", ctx=ctx):
@@ -480,13 +480,16 @@ class PluginManager:
         config = getattr(ctx, "config", None)
         if asked and config is not None:
             engine = self.select("engine", config.engine.name, key="engine.name")
-            if Cap.MTP not in engine.capabilities:
+            gap = engine.gaps(config).get(Cap.MTP) if Cap.MTP in engine.capabilities else None
+            if Cap.MTP not in engine.capabilities or gap is not None:
                 who = ", ".join(f"{n!r} ({self.plugin_label(n)})" for n in asked)
+                why = (f"its model has no MTP layers ({gap})" if gap is not None
+                       else "it has no MTP layers (it does not declare capability 'mtp')")
                 raise errors.MissingCapabilityError(
                     f"plugin(s) {who} asked for MTP hidden states (ForwardRequest.mtp_hidden) in the "
-                    f"{getattr(ctx, 'phase', '?')} pass, but engine {engine.name!r} ({engine.distribution}) has "
-                    f"no MTP layers (it does not declare capability 'mtp'); select an engine with MTP "
-                    f"(engine.name=megatron with num_nextn_predict_layers > 0) or deactivate the plugin"
+                    f"{getattr(ctx, 'phase', '?')} pass, but engine {engine.name!r} ({engine.distribution}): {why}; "
+                    f"select a model with MTP layers (engine.model.tiny.mtp_layers >= 1, a MiMo directory, or "
+                    f"engine.name=megatron with num_nextn_predict_layers > 0) or deactivate the plugin"
                 )
         return req
 

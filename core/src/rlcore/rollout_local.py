@@ -84,9 +84,10 @@ class LocalRollout:
         return LOCAL_CAPABILITIES
 
     def start(self, model_dir: str, version: int = 0) -> None:
-        from transformers import AutoModelForCausalLM
+        from rlcore.engines.mimo import load_causal_lm
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype).to(self.device)
+        # a MiMo directory loads with its MTP layers, so pushes carry (and verify) model.mtp_layers.*
+        self.model = load_causal_lm(str(model_dir), self.dtype).to(self.device)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

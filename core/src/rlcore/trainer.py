@@ -304,7 +304,7 @@ class Trainer:
             req = self.pm.forward_request(ctx)
             with torch.set_grad_enabled(grad):
                 out = engine.forward(mb, record_routes=req.record_routes, router=self.router, micro_batch=ctx,
-                                     mtp_hidden=req.mtp_hidden)
+                                     **req.engine_kwargs())
                 hw = engine.head()
                 request = None  # Cap.FUSED_LOSS: the head forms the loss and its gradients itself
                 if phase == "train" and Cap.FUSED_LOSS in self.stack.forward_fn.capabilities:

@@ -8,6 +8,11 @@ and the hidden states are scattered back onto the packed axis, so callers only e
 MoE routers (transformers' ``*TopKRouter`` modules) get a forward hook — PyTorch's public
 API, no monkeypatching — that consults the ``router_hook`` chain and records the chosen experts
 (:mod:`rlcore.engines.hf_routers`, shared with the ``local`` rollout backend).
+
+A MiMo model (:mod:`rlcore.engines.mimo`: Qwen2 + ``model.mtp_layers``) also returns MTP hidden
+states when asked (``mtp_hidden=True``): one ``[T, H]`` per depth in packed order, computed in the
+same right-padded rows, so depth ``k`` at a position reads token ``t + k`` of its own sequence
+only (see :mod:`rlcore.engines.mimo_layout` for the semantics). Any other model refuses.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from rlcore.batch import PackedBatch
 from rlcore.engines.hf_names import checkpoint_tensors
 from rlcore.engines.hf_routers import RouterSeam
+from rlcore.engines.mimo import has_mtp_layers, load_causal_lm
 from rlcore.errors import MissingCapabilityError
 from rlcore.types import (
     Cap,
@@ -33,7 +39,7 @@ from rlcore.types import (
     VocabShard,
 )
 
-HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES})
+HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES})
 
 
 class HFEngine:
@@ -54,7 +60,7 @@ class HFEngine:
             eos_token_id=tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id,
             pad_token_id=(tokenizer.pad_token_id if tokenizer is not None else cfg.pad_token_id) or 0,
             route_layout=self.seam.layout,
-            mtp_layers=0,
+            mtp_layers=has_mtp_layers(self.model),
             architecture=str(cfg.model_type),
         )
         self.optimizer: torch.optim.Optimizer | None = None
@@ -63,9 +69,9 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "float32") -> HFEngine:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        model = load_causal_lm(str(path), getattr(torch, dtype))
         tok = AutoTokenizer.from_pretrained(str(path))
         return cls(model, tok, device)
 
@@ -79,11 +85,15 @@ class HFEngine:
         router: Callable[[RouterCall], Any] | None = None,
         micro_batch: MicroBatchContext | None = None,
         mtp_hidden: bool = False,
+        mtp_detach_trunk: bool = False,
     ) -> EngineOutput:
-        if mtp_hidden:
+        """``mtp_hidden``: also return the MTP depths' hidden states; ``mtp_detach_trunk``: cut the
+        MTP layers' inputs from the trunk (its hidden state and the shared embedding lookup)."""
+        if mtp_hidden and not self.info.mtp_layers:
             raise MissingCapabilityError(
-                f"engine 'hf' has no MTP layers ({self.info.architecture}: transformers builds none), but MTP "
-                f"hidden states were requested (mtp_hidden=True); use engine.name=megatron with an MTP model"
+                f"engine 'hf': the model ({self.info.architecture}) has no MTP layers, but MTP hidden states were "
+                f"requested (mtp_hidden=True); create it with engine.model.tiny.mtp_layers >= 1 (arch qwen2) or "
+                f"load a MiMo directory (config.json num_nextn_predict_layers >= 1)"
             )
         lay = batch.layout
         dev = self.device
@@ -114,20 +124,27 @@ class HFEngine:
             out[packed_idx.to(x.device)] = x[flat_idx.to(x.device)]
             return out
 
+        def packed(x: torch.Tensor) -> torch.Tensor:
+            x = x.reshape(B * Lmax, -1)
+            return x.new_zeros(T, x.shape[1]).index_copy(0, packed_idx, x.index_select(0, flat_idx))
+
+        mtp_out = None
         with self.seam.forward_pass(num_tokens=T, record=record_routes, dispatch=router, micro_batch=micro_batch,
                                     to_rows=to_rows, from_rows=from_rows):
-            out = self.model.base_model(
-                input_ids=ids.view(B, Lmax),
-                attention_mask=attn.view(B, Lmax),
-                position_ids=pos,
-                use_cache=False,
-            )
+            if mtp_hidden:
+                with self.model.trunk_prenorm_hidden() as trunk:
+                    out = self.model.base_model(input_ids=ids.view(B, Lmax), attention_mask=attn.view(B, Lmax),
+                                                position_ids=pos, use_cache=False)
+                mtp_out = [packed(h) for h in self.model.mtp_forward(
+                    ids.view(B, Lmax), attn.view(B, Lmax), trunk.value, detach_trunk=mtp_detach_trunk)]
+            else:
+                out = self.model.base_model(input_ids=ids.view(B, Lmax), attention_mask=attn.view(B, Lmax),
+                                            position_ids=pos, use_cache=False)
             routes = self.seam.collect() if record_routes else None
-        h = out.last_hidden_state.reshape(B * Lmax, -1)
-        hidden = h.new_zeros(T, h.shape[1]).index_copy(0, packed_idx, h.index_select(0, flat_idx))
+        hidden = packed(out.last_hidden_state)
         if routes is not None:
             routes = from_rows(routes)
-        return EngineOutput(hidden=hidden, routes=routes)
+        return EngineOutput(hidden=hidden, mtp_hidden=mtp_out, routes=routes)
 
     def head(self) -> HeadWeight:
         w = self.model.get_output_embeddings().weight

@@ -3,13 +3,16 @@
 ``make_tokenizer`` builds a word-level tokenizer over a task's vocabulary; ``make_tiny_model``
 builds a randomly initialised transformers causal LM (dense Qwen2, Qwen2-MoE with a shared
 expert, or Qwen3-MoE) whose vocabulary is the tokenizer's. Head dim defaults to 64 (vLLM's CPU
-attention rejects 16).
+attention rejects 16). ``mtp_layers > 0`` (dense Qwen2 only) builds MiMo: the Qwen2 model plus
+MTP layers in MiMo's checkpoint layout (:mod:`rlcore.engines.mimo`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Sequence
+
+from rlcore.engines.mimo_layout import ARCHITECTURE, NUM_LAYERS_KEY
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 SUPPORTED_ARCHS = ("qwen2", "qwen2_moe", "qwen3_moe")
@@ -66,8 +69,10 @@ def tiny_config(tiny: Any, vocab_size: int, eos_id: int, pad_id: int) -> Any:
     if arch == "qwen2_moe":
         kw["shared_expert_intermediate_size"] = tiny.intermediate_size
     if tiny.mtp_layers:
-        # Not used by transformers' Qwen models; the megatron engine reads it (DeepSeek-V3 name).
-        kw["num_nextn_predict_layers"] = tiny.mtp_layers
+        # MiMo's (DeepSeek-V3's) name; vLLM and the megatron engine read it
+        kw[NUM_LAYERS_KEY] = tiny.mtp_layers
+        if arch == "qwen2":
+            kw["architectures"] = [ARCHITECTURE]
     return AutoConfig.for_model(arch, **kw)
 
 
@@ -93,7 +98,17 @@ def make_tiny_model(tiny: Any, tokenizer: Any, dtype: str = "float32") -> Any:
         pad_id=tokenizer.pad_token_id,
     )
     torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    if tiny.mtp_layers and tiny.arch != "qwen2":
+        raise ValueError(
+            f"engine.model.tiny.mtp_layers={tiny.mtp_layers} needs engine.model.tiny.arch 'qwen2' on the hf engine "
+            f"(its MTP layers are MiMo's, over a Qwen2 model), got {tiny.arch!r}"
+        )
+    if getattr(cfg, NUM_LAYERS_KEY, 0):
+        from rlcore.engines.mimo import MiMoForCausalLM
+
+        model = MiMoForCausalLM._from_config(cfg, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
     init_tiny_weights(model, tiny.init_std, tiny.seed)
     return model
 

@@ -16,10 +16,22 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
 
 @dataclass
 class ForwardRequest:
-    """Extra outputs a plugin wants from a micro-batch forward (``forward_request`` hook)."""
+    """Extra outputs a plugin wants from a micro-batch forward (``forward_request`` hook).
+
+    ``mtp_detach_trunk`` (with ``mtp_hidden``): the engine cuts the MTP layers' inputs from the
+    trunk (the trunk hidden state entering depth 1 and the shared embedding lookups), so a loss on
+    the MTP hidden states trains the MTP layers only (and the head, unless detached there)."""
 
     record_routes: bool = False
     mtp_hidden: bool = False
+    mtp_detach_trunk: bool = False
+
+    def engine_kwargs(self) -> dict[str, bool]:
+        """The MTP keyword arguments of ``TrainingEngine.forward`` (``mtp_detach_trunk`` only when
+        MTP hidden states are asked for, so engines without MTP need not know it)."""
+        if not self.mtp_hidden:
+            return {"mtp_hidden": False}
+        return {"mtp_hidden": True, "mtp_detach_trunk": self.mtp_detach_trunk}
 
     def merge(self, other: ForwardRequest | None) -> ForwardRequest:
         if other is None:
@@ -27,6 +39,7 @@ class ForwardRequest:
         return ForwardRequest(
             record_routes=self.record_routes or other.record_routes,
             mtp_hidden=self.mtp_hidden or other.mtp_hidden,
+            mtp_detach_trunk=self.mtp_detach_trunk or other.mtp_detach_trunk,
         )
 
 

@@ -268,8 +268,9 @@ class EngineOutput:
     """A training engine's body forward over one micro-batch.
 
     ``hidden``: final hidden states ``[T, H]`` (``[T/tp, H]`` under sequence parallelism),
-    after the final norm. ``mtp_hidden``: one ``[T, H]`` per MTP depth (depth d predicts token
-    ``t + 1 + d``), or None. ``routes``: the experts every router chose, ``[T, routed_layers,
+    after the final norm. ``mtp_hidden``: one ``[T, H]`` per MTP depth, in packed order
+    (``mtp_hidden[d - 1]`` is depth ``d``, which predicts token ``t + 1 + d`` of the same
+    sequence), ready for the LM head, or None. ``routes``: the experts every router chose, ``[T, routed_layers,
     topk]`` int16 in :class:`RouteLayout` order, when routes were requested. ``aux_losses``:
     scalar terms the engine adds itself (MoE load balancing), already scaled.
     """
@@ -303,10 +304,13 @@ class TrainingEngine(Protocol):
         router: RouterDispatch | None = None,
         micro_batch: MicroBatchContext | None = None,
         mtp_hidden: bool = False,
+        mtp_detach_trunk: bool = False,
     ) -> EngineOutput:
         """Body forward of one micro-batch to final hidden states. ``record_routes``: fill
         ``EngineOutput.routes``; ``router``: consult it in every MoE router; ``mtp_hidden``:
-        also return MTP hidden states (engines with MTP layers)."""
+        also return MTP hidden states (engines with MTP layers); ``mtp_detach_trunk`` (passed only
+        with ``mtp_hidden=True``): detach the MTP layers' inputs from the trunk (its hidden state
+        and the shared embedding lookups)."""
         ...
 
     def head(self) -> HeadWeight: ...
