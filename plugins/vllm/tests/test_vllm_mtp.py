@@ -101,7 +101,7 @@ def test_mtp_draft_synced_verified_and_acceptance_reported(engine, mimo_dir):
         # the diagnostic skip keeps the draft at its version; the check names the lag
         engine_push(sync, engine, stream(a, **{"model.norm.weight": zero_norm,
                                                 "model.mtp_layers.0.final_layernorm.weight": zero_norm}), 4)
-        stale_settings = VLLMSettings(**MTP, diagnostic_skip_draft_push=True)
+        stale_settings = VLLMSettings(**MTP, diagnostic_skip_draft_push_from=5)
         stale = VLLMWeightSync(16 * 1024, transport="shm", settings=stale_settings)
         try:
             report = engine_push(stale, engine, stream(a, **{"model.norm.weight": zero_norm}), 5)

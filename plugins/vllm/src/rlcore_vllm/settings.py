@@ -47,8 +47,9 @@ class VLLMSettings:
       acceptance per draft position is reported each step (:mod:`rlcore_vllm.speculative`).
     * ``min_acceptance_after_push``: with ``speculative``, the first rollout after a push fails
       when its acceptance rate is below this floor (0 = off).
-    * ``diagnostic_skip_draft_push``: a diagnostic: pushes skip the draft, which keeps its start
-      weights (the stale-draft failure on purpose, to measure it). Never for training runs.
+    * ``diagnostic_skip_draft_push_from``: a diagnostic (0 = off): the pushes of weight version
+      N and later skip the draft, which keeps version N-1 (the stale-draft failure on purpose, to
+      measure it; the run warns every step instead of failing). Never for training runs.
     * ``engine_args``: extra keyword arguments for ``vllm.LLM`` (or ``--key value`` flags of
       ``vllm serve``).
     """
@@ -78,7 +79,7 @@ class VLLMSettings:
     speculative: str = ""
     num_speculative_tokens: int = 1
     min_acceptance_after_push: float = 0.0
-    diagnostic_skip_draft_push: bool = False
+    diagnostic_skip_draft_push_from: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 

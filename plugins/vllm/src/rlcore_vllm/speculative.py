@@ -48,8 +48,11 @@ def check_speculative(settings: Any) -> None:
     if not 0.0 <= settings.min_acceptance_after_push <= 1.0:
         raise ConfigError("bad value for config key 'vllm.min_acceptance_after_push': must be in [0, 1]",
                           key="vllm.min_acceptance_after_push")
-    if not method and (settings.min_acceptance_after_push or settings.diagnostic_skip_draft_push):
-        key = "min_acceptance_after_push" if settings.min_acceptance_after_push else "diagnostic_skip_draft_push"
+    if settings.diagnostic_skip_draft_push_from < 0:
+        raise ConfigError("bad value for config key 'vllm.diagnostic_skip_draft_push_from': must be >= 0 (0 = off)",
+                          key="vllm.diagnostic_skip_draft_push_from")
+    if not method and (settings.min_acceptance_after_push or settings.diagnostic_skip_draft_push_from):
+        key = "min_acceptance_after_push" if settings.min_acceptance_after_push else "diagnostic_skip_draft_push_from"
         raise ConfigError(f"vllm.{key} is set but vllm.speculative is off (there is no draft); set "
                           f"vllm.speculative: mtp or clear vllm.{key}", key=f"vllm.{key}")
 
@@ -153,16 +156,22 @@ def counters_from_prometheus(text: str) -> SpecCounters:
 # ------------------------------------------------------------------------------------------
 
 
+def skips_draft(settings: Any, version: int) -> bool:
+    """Whether the push of ``version`` leaves the draft out (the diagnostic only)."""
+    start = int(getattr(settings, "diagnostic_skip_draft_push_from", 0) or 0)
+    return bool(start) and int(version) >= start
+
+
 def check_draft_current(draft_version: int | None, version: int, *, diagnostic_skip: bool) -> str | None:
     """After the push of ``version``: the draft must hold ``version`` too. Raises
-    :class:`WeightSyncError` when it lags; under ``vllm.diagnostic_skip_draft_push`` (a diagnostic
+    :class:`WeightSyncError` when it lags; under ``vllm.diagnostic_skip_draft_push_from`` (a diagnostic
     that keeps the draft stale on purpose) returns the warning instead."""
     if draft_version == version:
         return None
     msg = (f"the speculative draft (MTP layers) holds weight version {draft_version} after the push of version "
            f"{version}: it proposes tokens from stale weights, so acceptance falls while nothing else shows it")
     if diagnostic_skip:
-        return msg + " (vllm.diagnostic_skip_draft_push is on: a diagnostic, not for training runs)"
+        return msg + " (vllm.diagnostic_skip_draft_push_from is set: a diagnostic, not for training runs)"
     raise WeightSyncError(msg, receiver_version=None)
 
 

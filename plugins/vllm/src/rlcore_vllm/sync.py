@@ -36,7 +36,7 @@ from rlcore_vllm import native
 from rlcore_vllm.backend import VLLMBackend
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
 from rlcore_vllm.shm import SharedBucketPool
-from rlcore_vllm.speculative import check_draft_current
+from rlcore_vllm.speculative import check_draft_current, skips_draft
 
 MB = 1 << 20
 #: probe tolerance of the native transports' log-prob check, by serving dtype
@@ -119,7 +119,7 @@ class VLLMWeightSync:
         if self.pool is None:
             self.pool = SharedBucketPool()
         pool = self.pool
-        skip_draft = bool(getattr(self.settings, "diagnostic_skip_draft_push", False))
+        skip_draft = skips_draft(self.settings, version)
         workers = target.rpc("rlcore_begin_update", {"version": version, "skip_draft": skip_draft})
         sent: dict[str, int] = {}
         mismatched: list[str] = []
@@ -212,7 +212,7 @@ class VLLMWeightSync:
 
         if not self._native_ready:
             self._native_init(target)
-        skip_draft = bool(self.settings.diagnostic_skip_draft_push)
+        skip_draft = skips_draft(self.settings, version)
         # vllm.speculative: mtp always runs the draft phase (the target's mapper drops MTP tensors)
         draft_phase = (self.settings.draft_phase or self.settings.speculative == "mtp") and not skip_draft
         prefixes = tuple(self.settings.draft_weight_prefixes) if draft_phase else ()
