@@ -67,6 +67,9 @@ class SGLangBackend:
         self._version = -1
         self._paused = False
         self._released: set[str] = set()
+        #: releasing 'weights' discards a speculative draft's weights and resuming does not bring
+        #: them back (sgl-project/sglang PR #31674): generation waits for a push that reaches it
+        self._draft_discarded = False
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -163,10 +166,13 @@ class SGLangBackend:
     def weight_version(self) -> int:
         return self._version
 
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int, *, draft_updated: bool = False) -> None:
         """Called by the sglang weight syncs once a push has landed (SGLang was told the same
-        version on the push's last request)."""
+        version on the push's last request); ``draft_updated``: the push reached the speculative
+        draft runner too (tensor and disk paths with selector all/draft)."""
         self._version = int(version)
+        if draft_updated:
+            self._draft_discarded = False
 
     # ------------------------------------------------------------------- control ---------
 
@@ -208,6 +214,8 @@ class SGLangBackend:
     def release_memory(self, tags: frozenset[str]) -> None:
         self._control("/release_memory_occupation", {"tags": self._tags(tags)}, f"releasing {sorted(tags)}")
         self._released |= set(tags)
+        if "weights" in tags and self.features is not None and self.features.speculative_algorithm:
+            self._draft_discarded = True
 
     def resume_memory(self, tags: frozenset[str]) -> None:
         self._control("/resume_memory_occupation", {"tags": self._tags(tags)}, f"resuming {sorted(tags)}")
@@ -255,6 +263,11 @@ class SGLangBackend:
             raise RolloutError("the sglang rollout backend is paused; resume() it before generate()")
         if "kv_cache" in self._released:
             raise RolloutError("SGLang's KV cache is released; resume_memory({'kv_cache'}) before generate()")
+        if self._draft_discarded:
+            raise RolloutError("SGLang discarded the speculative draft's weights when it released 'weights', and "
+                               "resuming does not restore them (sgl-project/sglang PR #31674): push the policy with "
+                               "sglang-tensor or sglang-disk and selector 'all' before generating, or acceptance "
+                               "collapses silently")
         if params.return_routed_experts and Cap.ROUTED_EXPERTS not in self.capabilities():
             raise RolloutError("routed experts were asked for, but the SGLang server runs without "
                                "--enable-return-routed-experts")
