@@ -25,6 +25,7 @@ CORE_DISTRIBUTION = "rlcore"
 KNOWN_DISTRIBUTIONS = {
     "fused": "rlcore-fused",
     "megatron": "rlcore-megatron",
+    "mtp": "rlcore-mtp",
     "replay": "rlcore-replay",
     "sglang": "rlcore-sglang",
     "vllm": "rlcore-vllm",
