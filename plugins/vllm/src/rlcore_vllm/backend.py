@@ -22,6 +22,7 @@ trainer. Releasing the KV cache measures the device memory it freed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from rlcore_vllm.engines import (
 )
 from rlcore_vllm.platform import installed_vllm, missing_reasons, runtime_backend_capabilities
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
-from rlcore_vllm.speculative import SpecCounters, check_acceptance_floor
+from rlcore_vllm.speculative import SpecCounters, check_acceptance_floor, raw_logprobs_problem
 
 
 def sampling_kwargs(params: SamplingSettings, seed: int) -> dict[str, Any]:
@@ -88,6 +89,7 @@ class VLLMBackend:
         self._draft_version: int | None = None
         self._first_rollout_after_push = False
         self._rollout_metrics: dict[str, float] = {}
+        self._raw_logprobs = False
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -134,6 +136,7 @@ class VLLMBackend:
         self._caps = runtime_backend_capabilities(self.is_cpu, bool(kw.get("enable_sleep_mode")),
                                                   bool(kw.get("enable_return_routed_experts")),
                                                   "speculative_config" in kw)
+        self._raw_logprobs = kw.get("logprobs_mode") == "raw_logprobs"
         self._version = self._start_version = int(version)
         self._draft_version = int(version) if self.mtp else None
         self._unknown_weights = None
@@ -194,6 +197,10 @@ class VLLMBackend:
         if params.return_routed_experts and Cap.ROUTED_EXPERTS not in self._caps:
             why = self.lacking().get(Cap.ROUTED_EXPERTS, "not enabled")
             raise RolloutError(f"routed experts were asked for but this vLLM engine cannot return them: {why}")
+        if self._raw_logprobs:
+            problem = raw_logprobs_problem(float(params.temperature), float(params.top_p), params.top_k)
+            if problem:
+                raise RolloutError(problem)
         if not prompts:
             return []
         if any(len(p.ids) == 0 for p in prompts):
@@ -210,6 +217,9 @@ class VLLMBackend:
                 if len(lps) != len(ids):
                     raise RolloutError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens "
                                        f"(is the engine running with logprobs_mode=processed_logprobs?)")
+                if not all(math.isfinite(x) for x in lps):
+                    raise RolloutError(f"vLLM returned non-finite behaviour log-probs for prompt {prompt.index} "
+                                       f"({sum(not math.isfinite(x) for x in lps)} of {len(lps)} tokens)")
                 routes = None
                 if params.return_routed_experts:
                     routes = self._routes(c["routed_experts"], prompt, len(ids))

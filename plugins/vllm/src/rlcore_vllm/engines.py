@@ -81,7 +81,7 @@ def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, ro
         kw["enable_return_routed_experts"] = True  # needs Model Runner V2 (Triton): GPUs only
     if transport in ("nccl", "ipc"):
         kw["weight_transfer_config"] = {"backend": transport}
-    kw.update(speculative_kwargs(settings))
+    kw.update(speculative_kwargs(settings, is_cpu))
     kw.update(dict(settings.engine_args or {}))
     return kw
 

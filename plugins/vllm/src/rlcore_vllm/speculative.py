@@ -57,13 +57,33 @@ def check_speculative(settings: Any) -> None:
                           f"vllm.speculative: mtp or clear vllm.{key}", key=f"vllm.{key}")
 
 
-def speculative_kwargs(settings: Any) -> dict[str, Any]:
+def speculative_kwargs(settings: Any, is_cpu: bool = False) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments for the speculative settings (none when off). Stat logging
-    must be on: the acceptance counters live in vLLM's stat loggers."""
+    must be on: the acceptance counters live in vLLM's stat loggers.
+
+    On vLLM's CPU build (0.32) speculative decoding returns broken *processed* log-probs (NaN, 0
+    or a uniform ``-log V`` for most sampled tokens, reproduced here), while the raw ones match
+    transformers to 2e-6; there the engine runs with ``raw_logprobs``, which equal the processed
+    distribution only when sampling does not transform it (:func:`raw_logprobs_problem`)."""
     if settings.speculative != "mtp":
         return {}
-    return {"speculative_config": {"method": "mtp", "num_speculative_tokens": int(settings.num_speculative_tokens)},
-            "disable_log_stats": False}
+    kw: dict[str, Any] = {"speculative_config": {"method": "mtp",
+                                                 "num_speculative_tokens": int(settings.num_speculative_tokens)},
+                          "disable_log_stats": False}
+    if is_cpu:
+        kw["logprobs_mode"] = "raw_logprobs"
+    return kw
+
+
+def raw_logprobs_problem(temperature: float, top_p: float, top_k: int | None) -> str | None:
+    """Why raw log-probs would not be the behaviour policy's for these sampling settings (None
+    when they are: temperature 1 or greedy, no top-p / top-k truncation)."""
+    if temperature not in (0.0, 1.0) or top_p < 1.0 or (top_k or 0) > 0:
+        return (f"vLLM's CPU build returns broken processed log-probs under speculative decoding, so the engine "
+                f"returns raw ones, which are the behaviour policy's only at temperature 1 (or greedy) without "
+                f"top-p/top-k; got temperature={temperature}, top_p={top_p}, top_k={top_k}. Sample at temperature "
+                f"1 without truncation, or turn vllm.speculative off")
+    return None
 
 
 def is_draft_tensor(name: str) -> bool:
