@@ -70,6 +70,7 @@ class SGLangBackend:
         #: releasing 'weights' discards a speculative draft's weights and resuming does not bring
         #: them back (sgl-project/sglang PR #31674): generation waits for a push that reaches it
         self._draft_discarded = False
+        self._rollout_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -212,14 +213,23 @@ class SGLangBackend:
         return sorted(tags)
 
     def release_memory(self, tags: frozenset[str]) -> None:
+        before = device_free_bytes()
         self._control("/release_memory_occupation", {"tags": self._tags(tags)}, f"releasing {sorted(tags)}")
         self._released |= set(tags)
+        after = device_free_bytes()
+        if before is not None and after is not None:  # colocated: the server's GPU is this process's
+            self._rollout_metrics["memory_released_bytes"] = float(after - before)
         if "weights" in tags and self.features is not None and self.features.speculative_algorithm:
             self._draft_discarded = True
 
     def resume_memory(self, tags: frozenset[str]) -> None:
         self._control("/resume_memory_occupation", {"tags": self._tags(tags)}, f"resuming {sorted(tags)}")
         self._released -= set(tags)
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Per-step metrics for the trainer (``rollout/<name>``): the device memory the last
+        release freed, when the server shares this process's GPU."""
+        return dict(self._rollout_metrics)
 
     @property
     def released_tags(self) -> frozenset[str]:
@@ -321,6 +331,16 @@ class SGLangBackend:
             routed_experts=routes,
             weight_versions=spans,
         )
+
+
+def device_free_bytes() -> int | None:
+    """Free memory of this process's GPU, or None without one."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info()[0])
+    except Exception:  # noqa: BLE001 - a measurement, not a reason to fail the release
+        return None
 
 
 def build_backend(ctx: Any) -> SGLangBackend:

@@ -25,6 +25,11 @@ While an update is active the model refuses to compute (a forward pre-hook raise
 killed mid-push leaves an engine that serves nothing rather than a mix of versions. The next
 ``rlcore_begin_update`` ends such a stale update first; the push that follows must be complete.
 
+With MTP speculative decoding the engine has a second model, the draft
+(``model_runner.drafter.model``): every bucket's ``model.mtp_layers.*`` tensors go to it through
+its own layerwise reload (:mod:`rlcore_vllm.worker_draft`), its coverage is checked at finish, it
+is guarded like the target while an update is active, and the worker reports its weight version.
+
 This module is imported in the worker processes; it imports vLLM at module level on purpose.
 """
 
