@@ -77,7 +77,9 @@ class RolloutConfig:
     an error; ``never`` keeps it resident. ``seed``: what the sampling seeds derive from (each
     step samples with ``seed * 1_000_003 + step``, :func:`rlcore.rollout_seeds.step_seed`);
     unset, ``training.seed``. Changing it changes the samples only: prompts and the model's
-    initialisation follow ``training.seed``."""
+    initialisation follow ``training.seed``. ``draft_depths`` (``local`` backend): sample
+    speculatively with the model's first ``draft_depths`` MTP layers as the draft (0: off); the
+    output distribution is unchanged (:mod:`rlcore.rollout_speculative`)."""
 
     backend: str = "local"
     n: int = 8
@@ -88,6 +90,7 @@ class RolloutConfig:
     release_kv_cache: str = "auto"
     return_routed_experts: bool = False
     seed: Optional[int] = None
+    draft_depths: int = 0
 
 
 @dataclass
@@ -386,6 +389,23 @@ _CHOICES = {
 }
 
 
+def _check_draft(cfg: DictConfig) -> None:
+    depths = cfg.rollout.draft_depths
+    if not depths:
+        return
+    if cfg.rollout.backend != "local":
+        raise ConfigError(
+            f"rollout.draft_depths={depths} drafts with MTP layers in the local rollout only; rollout.backend is "
+            f"{cfg.rollout.backend!r}, which has its own speculative settings", key="rollout.draft_depths")
+    if cfg.rollout.return_routed_experts:
+        raise ConfigError("rollout.draft_depths (speculative local rollout) cannot return routed experts",
+                          key="rollout.draft_depths")
+    model = cfg.engine.model
+    if cfg.engine.name == "hf" and not model.path and depths > model.tiny.mtp_layers:
+        raise ConfigError(f"rollout.draft_depths={depths} but engine.model.tiny.mtp_layers={model.tiny.mtp_layers}",
+                          key="rollout.draft_depths")
+
+
 def _check_values(cfg: DictConfig) -> None:
     for key, choices in _CHOICES.items():
         val = OmegaConf.select(cfg, key)
@@ -401,6 +421,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError("bad value for config key 'rollout.temperature': must be >= 0", key="rollout.temperature")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("bad value for config key 'rollout.top_p': must be in (0, 1]", key="rollout.top_p")
+    _check_draft(cfg)
     for key in ("data.task", "data.reward"):
         val = OmegaConf.select(cfg, key)
         if ":" not in val:
@@ -414,6 +435,7 @@ def _check_values(cfg: DictConfig) -> None:
 _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "rollout.temperature": (0.0, math.inf, True, False),
     "rollout.top_k": (-1, math.inf, True, False),
+    "rollout.draft_depths": (0, math.inf, True, False),
     "rollout.seed": (0, 2**32 - 1, True, True),  # per-step seeds derive from it in int64
     "sync.bucket_mb": (0.0, 1 << 30, False, True),  # up to 1 PiB: bucket byte counts stay int64
     "forward.chunk_tokens": (1, math.inf, True, False),

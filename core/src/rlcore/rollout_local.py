@@ -8,9 +8,19 @@ MoE models also return the experts every router chose (R3), through the same rou
 the ``hf`` engine.
 
 It is a weight-sync receiver of both kinds: :class:`~rlcore.types.BucketReceiver` (stage
-buckets, swap on commit; ``inproc``) and :class:`~rlcore.types.DiskReceiver` (``disk``). Its KV
-cache lives only inside ``generate``; ``release_memory({"kv_cache"})`` makes that explicit and
-``generate`` refuses to run until it is resumed.
+buckets, swap on commit; ``inproc``) and :class:`~rlcore.types.DiskReceiver` (``disk``).
+
+KV cache: a transformers ``DynamicCache`` built by each ``generate`` call and dropped when it
+returns, so between calls — and therefore around a push — none is resident.
+``release_memory({"kv_cache"})`` measures what is resident (the bytes of a cache still held:
+0 here, by construction) and blocks ``generate`` until ``resume_memory``; ``memory_metrics()``
+reports that figure and the peak cache size of the last ``generate``.
+
+``draft_depths > 0`` (``rollout.draft_depths``) samples speculatively with the model's MTP
+layers as the draft (:mod:`rlcore.rollout_speculative`; the output distribution is unchanged),
+reports acceptance per depth (``rollout_metrics()``) and the draft's weight version
+(``draft_weight_version``: the MTP layers are loaded by the same push as the target, so it is
+the version of the last complete push that carried them).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.rollout_seeds import CallSeeds, base_seed
+from rlcore.rollout_speculative import DraftStats, generate_one
 from rlcore.sync import Bucket, WeightManifest, tensor_checksum
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
@@ -63,7 +74,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 class LocalRollout:
     """See module docstring."""
 
-    def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0):
+    def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0, draft_depths: int = 0):
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
         self._seeds = CallSeeds(seed)
@@ -77,11 +88,16 @@ class LocalRollout:
         self._staging: dict[str, torch.Tensor] | None = None
         self._staging_version: int | None = None
         self.eos_token_id: int | None = None
+        self.draft_depths = int(draft_depths)
+        self._draft_version: int | None = None
+        self._last_metrics: dict[str, float] = {}
+        self._kv_peak_bytes = 0
+        self._kv_freed_bytes: int | None = None
 
     # ----------------------------------------------------------------- lifecycle ---------
 
     def capabilities(self) -> frozenset[str]:
-        return LOCAL_CAPABILITIES
+        return LOCAL_CAPABILITIES | ({Cap.SPECULATIVE} if self.draft_depths else frozenset())
 
     def start(self, model_dir: str, version: int = 0) -> None:
         from rlcore.engines.mimo import load_causal_lm
@@ -96,6 +112,15 @@ class LocalRollout:
         self._manifest = None
         self._version = version
         self.eos_token_id = self.model.config.eos_token_id
+        if self.draft_depths:
+            from rlcore.engines.mimo import has_mtp_layers
+
+            have = has_mtp_layers(self.model)
+            if have < self.draft_depths:
+                raise RolloutError(
+                    f"rollout.draft_depths={self.draft_depths} drafts with MTP layers, but the model at {model_dir} has "
+                    f"{have}; use a model with MTP layers (engine.model.tiny.mtp_layers) or draft_depths <= {have}")
+            self._draft_version = version
 
     def shutdown(self) -> None:
         if self.seam is not None:
@@ -108,6 +133,23 @@ class LocalRollout:
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def draft_weight_version(self) -> int | None:
+        """Weight version of the speculative draft (the MTP layers), None when not drafting."""
+        return self._draft_version if self.draft_depths else None
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Metrics of the last ``generate``: acceptance per draft depth when drafting."""
+        return dict(self._last_metrics)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """KV-cache bytes: freed by the last release (measured: what was resident), and the peak
+        cache of the last ``generate``."""
+        out = {"rollout/kv_cache_peak_bytes": float(self._kv_peak_bytes)}
+        if self._kv_freed_bytes is not None:
+            out["rollout/kv_cache_freed_bytes"] = float(self._kv_freed_bytes)
+        return out
+
     def pause(self) -> None:
         self._paused = True
 
@@ -118,6 +160,7 @@ class LocalRollout:
         unknown = set(tags) - {"kv_cache"}
         if unknown:
             raise RolloutError(f"local rollout can release only 'kv_cache', not {sorted(unknown)}")
+        self._kv_freed_bytes = 0  # the cache of a generate() call is dropped when it returns: none is resident
         self._kv_released = True
 
     def resume_memory(self, tags: frozenset[str]) -> None:
@@ -144,6 +187,8 @@ class LocalRollout:
         N = len(seqs)
         if N == 0:
             return []
+        if self.draft_depths:
+            return self._generate_speculative(seqs, params)
         plen = [len(p.ids) for p in seqs]
         P = max(plen)
         pad = int(self.model.config.pad_token_id or 0)
@@ -203,6 +248,8 @@ class LocalRollout:
             out = run(tok[:, None], mask, last_pos[:, None], past)
             past = out.past_key_values
             logits = out.logits[:, -1]
+        self._kv_peak_bytes = _cache_bytes(past)
+        self._last_metrics = {}
 
         samples = []
         layout = self.seam.layout if self.seam is not None else None
@@ -226,6 +273,24 @@ class LocalRollout:
                     routed_experts=routes,
                 )
             )
+        return samples
+
+    def _generate_speculative(self, seqs: list[Prompt], params: SamplingSettings) -> list[Sample]:
+        if params.return_routed_experts:
+            raise RolloutError("local rollout: rollout.draft_depths (speculative) cannot return routed experts")
+        gen = torch.Generator(device=self.device).manual_seed(self._seeds.next(params.seed))
+        stop = set(params.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        stats = DraftStats()
+        samples, peak = [], 0
+        for p in seqs:
+            toks, lps, stopped, kv = generate_one(self.model, list(p.ids), params, self.draft_depths, gen, stop,
+                                                  stats, process_logits)
+            peak = max(peak, kv)
+            samples.append(Sample(prompt_index=p.index, prompt_ids=list(p.ids), response_ids=torch.tensor(toks),
+                                  logprobs=torch.tensor(lps, dtype=torch.float32), weight_version=self._version,
+                                  finish_reason="stop" if stopped else "length"))
+        self._kv_peak_bytes = peak
+        self._last_metrics = stats.metrics()
         return samples
 
     # ----------------------------------------------------------------- receiving ---------
@@ -275,6 +340,7 @@ class LocalRollout:
             for name, t in self._staging.items():
                 self._views[name].copy_(t)
         self._version = version
+        self._mark_draft(self._staging, version)
         self._staging = None
         self._staging_version = None
 
@@ -298,6 +364,16 @@ class LocalRollout:
             for name, t in staged.items():
                 self._views[name].copy_(t.to(self.device))
         self._version = version
+        self._mark_draft(staged, version)
+
+    def _mark_draft(self, names: Iterable[str], version: int) -> None:
+        """The draft is at ``version`` only if this push carried every MTP tensor."""
+        from rlcore.engines.mimo_layout import is_mtp_name
+
+        if self.draft_depths:
+            need = {n for n in self._views if is_mtp_name(n)}
+            if need and need <= set(names):
+                self._draft_version = version
 
     def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, int]:
         names = list(self._views) if names is None else list(names)
@@ -309,4 +385,12 @@ def build_local_rollout(ctx: Any) -> LocalRollout:
     device = cfg.engine.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=base_seed(cfg))
+    return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=base_seed(cfg),
+                        draft_depths=int(cfg.rollout.draft_depths))
+
+
+def _cache_bytes(past: Any) -> int:
+    layers = getattr(past, "layers", None) or []
+    return sum(t.numel() * t.element_size() for layer in layers for t in (getattr(layer, "keys", None),
+                                                                          getattr(layer, "values", None))
+               if t is not None)

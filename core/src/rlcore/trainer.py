@@ -35,9 +35,9 @@ from rlcore.errors import (
     ConfigError,
     NonFiniteError,
     RolloutError,
-    WeightSyncError,
 )
 from rlcore.faults import fault_point
+from rlcore.push import push_weights, rollout_metrics
 from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
@@ -380,7 +380,7 @@ class Trainer:
         batch.fields[objmod.AGG_NUMERATOR] = weights.numerator
         totals = StepTotals(loss_tokens=batch.num_loss_tokens, num_seqs=batch.num_seqs, divisor=weights.divisor)
 
-        metrics: dict[str, Any] = {}
+        metrics: dict[str, Any] = rollout_metrics(self.backend)  # acceptance per draft depth
         self.engine.train(False)
         old_metrics = self._forward_pass(batch, "old_logprob", self.engine, totals, grad=False)
         metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
@@ -477,29 +477,8 @@ class Trainer:
         return out
 
     def _push(self, version: int) -> Any:
-        caps = self.backend.capabilities()
-        can_pause = Cap.PAUSE in caps
-        if can_pause:
-            self.backend.pause()
-        if self.release_kv:
-            self.backend.release_memory(frozenset({"kv_cache"}))
-        try:
-            report = self.sync.push(self._export_for_push(), self.backend, version)
-        finally:
-            if self.release_kv:
-                self.backend.resume_memory(frozenset({"kv_cache"}))
-            if Cap.PREFIX_CACHE_RESET in caps:
-                self.backend.reset_prefix_cache()
-            if can_pause:
-                self.backend.resume()
-        finalize = getattr(self.sync, "finalize", None)
-        if finalize is not None:  # verification that needs a serving engine (probe log-probs)
-            report = finalize(self.backend, report)
-        if self.backend.weight_version != version:
-            raise WeightSyncError(
-                f"after the push the backend reports weight version {self.backend.weight_version}, expected {version}",
-                receiver_version=self.backend.weight_version,
-            )
+        report, self.push_metrics = push_weights(self.backend, self.sync, self._export_for_push(), version,
+                                                 self.release_kv)
         return report
 
     def _export_for_push(self) -> Any:
@@ -552,6 +531,7 @@ class Trainer:
                     "step_seconds": step_s,
                     "wall_seconds": wall,
                     "tokens_per_second": m["tokens"] / max(step_s, 1e-9),
+                    **self.push_metrics,
                 })
                 if report.details.get("draft_warning"):
                     self.console.print(f"[bold red]warning:[/] {report.details['draft_warning']}")

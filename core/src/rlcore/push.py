@@ -1,0 +1,76 @@
+"""One weight push from the trainer into the rollout backend, and what the backend reports.
+
+Around the push: pause the backend, release its KV cache (when configured), push, restore, reset
+its prefix cache, resume; then the checks that make a push trustworthy: the backend reports the
+pushed weight version, and a backend that drafts speculatively (``draft_weight_version`` not
+None) reports the same version for its draft — a draft left on older weights makes acceptance
+collapse silently (SGLang #27718, vLLM level-2 sleep, vllm-ascend #13209), so a lag fails the
+run here. Metrics: ``rollout/draft_weight_version`` and the backend's ``memory_metrics()`` (KV
+cache bytes freed by the release).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from rlcore.errors import WeightSyncError
+from rlcore.types import Cap
+
+
+def push_weights(backend: Any, sync: Any, weights: Iterable[Any], version: int,
+                 release_kv: bool) -> tuple[Any, dict[str, float]]:
+    caps = backend.capabilities()
+    can_pause = Cap.PAUSE in caps
+    metrics: dict[str, float] = {}
+    if can_pause:
+        backend.pause()
+    if release_kv:
+        backend.release_memory(frozenset({"kv_cache"}))
+        metrics.update(memory_metrics(backend))
+    try:
+        report = sync.push(weights, backend, version)
+    finally:
+        if release_kv:
+            backend.resume_memory(frozenset({"kv_cache"}))
+        if Cap.PREFIX_CACHE_RESET in caps:
+            backend.reset_prefix_cache()
+        if can_pause:
+            backend.resume()
+    finalize = getattr(sync, "finalize", None)
+    if finalize is not None:  # verification that needs a serving engine (probe log-probs)
+        report = finalize(backend, report)
+    if backend.weight_version != version:
+        raise WeightSyncError(
+            f"after the push the backend reports weight version {backend.weight_version}, expected {version}",
+            receiver_version=backend.weight_version,
+        )
+    metrics.update(check_draft_version(backend, version))
+    return report, metrics
+
+
+def check_draft_version(backend: Any, version: int) -> dict[str, float]:
+    """``{rollout/draft_weight_version: v}`` for a drafting backend; a draft behind ``version``
+    is a :class:`WeightSyncError`."""
+    draft = getattr(backend, "draft_weight_version", None)
+    if draft is None:
+        return {}
+    if draft != version:
+        raise WeightSyncError(
+            f"the rollout's speculative draft is at weight version {draft} but the policy was pushed as version "
+            f"{version}: the draft weights did not follow the push (a stale draft keeps sampling exact but its "
+            f"acceptance collapses); check that the sync carries the MTP tensors (model.mtp_layers.*) to the draft",
+            receiver_version=backend.weight_version,
+        )
+    return {"rollout/draft_weight_version": float(draft)}
+
+
+def memory_metrics(backend: Any) -> dict[str, float]:
+    get = getattr(backend, "memory_metrics", None)
+    return dict(get()) if get is not None else {}
+
+
+def rollout_metrics(backend: Any) -> dict[str, float]:
+    """The backend's metrics of its last ``generate`` (acceptance per draft depth), if it has any."""
+    get = getattr(backend, "rollout_metrics", None)
+    return dict(get()) if get is not None else {}
