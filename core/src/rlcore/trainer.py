@@ -422,9 +422,6 @@ class Trainer:
             "generate_seconds": t_gen,
             "train_seconds": t_train,
         })
-        rollout_metrics = getattr(self.backend, "rollout_metrics", None)
-        if rollout_metrics is not None:  # optional: e.g. speculative acceptance per draft position
-            metrics.update({f"rollout/{k}": float(v) for k, v in rollout_metrics().items()})
         metrics.update(self.pm.step_end(StepContext(self.step, batch, metrics, cfg)))
         return StepResult(metrics, batch)
 

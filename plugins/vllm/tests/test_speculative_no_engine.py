@@ -16,8 +16,8 @@ from rlcore_vllm.speculative import (
     check_draft_current,
     counters_from_metrics,
     counters_from_prometheus,
-    raw_logprobs_problem,
     skips_draft,
+    speculative_sampling_problem,
 )
 
 
@@ -32,9 +32,9 @@ def test_speculative_settings_build_the_engine_config(register_plugin, rlcore_co
     assert gpu["logprobs_mode"] == "processed_logprobs"
     off = engine_kwargs(VLLMSettings(), "/m", "float32", is_cpu=True, routed_experts=False, transport="shm")
     assert "speculative_config" not in off and off["logprobs_mode"] == "processed_logprobs"
-    assert raw_logprobs_problem(1.0, 1.0, 0) is None and raw_logprobs_problem(0.0, 1.0, None) is None
-    for temperature, top_p, top_k in ((0.7, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 20)):
-        assert "temperature 1" in raw_logprobs_problem(temperature, top_p, top_k)
+    assert speculative_sampling_problem(0.0) is None and speculative_sampling_problem(1e-6) is None
+    for temperature in (0.7, 1.0):
+        assert "rollout.temperature" in speculative_sampling_problem(temperature)
 
 
 @pytest.mark.parametrize(("overrides", "key"), [
@@ -56,10 +56,12 @@ def test_acceptance_per_position_from_counter_deltas():
     before = SpecCounters(drafts=10, draft_tokens=20, accepted=12, accepted_per_pos=[8, 4])
     after = SpecCounters(drafts=30, draft_tokens=60, accepted=42, accepted_per_pos=[26, 16])
     m = after.minus(before).metrics(depths=2)
-    assert m["spec/drafts"] == 20 and m["spec/acceptance_rate"] == 30 / 40
-    assert m["spec/acceptance_pos1"] == 18 / 20 and m["spec/acceptance_pos2"] == 12 / 20
-    assert m["spec/mean_accepted_length"] == 30 / 20
-    assert SpecCounters().metrics(2)["spec/acceptance_rate"] == 0.0  # no drafts: no division by zero
+    assert m["rollout/spec/drafts"] == 20 and m["rollout/spec/acceptance_rate"] == 30 / 40
+    assert m["rollout/spec/acceptance_pos1"] == 18 / 20 and m["rollout/spec/acceptance_pos2"] == 12 / 20
+    assert m["rollout/acceptance_d1"] == 18 / 20 and m["rollout/acceptance_d2"] == 12 / 18  # given depth 1 accepted
+    assert m["rollout/accept_length"] == 1 + 30 / 20
+    empty = SpecCounters().metrics(2)  # no drafts: no division by zero
+    assert empty["rollout/spec/acceptance_rate"] == 0.0 and empty["rollout/acceptance_d2"] == 0.0
 
 
 def test_counters_read_from_get_metrics_and_prometheus_agree():
@@ -97,3 +99,19 @@ def test_acceptance_floor_after_a_push():
     check_acceptance_floor(0.0, drafts=0, floor=0.5, version=3)  # no drafts (all prompts finished at once)
     with pytest.raises(RolloutError, match="below vllm.min_acceptance_after_push=0.5"):
         check_acceptance_floor(0.1, drafts=10, floor=0.5, version=3)
+
+
+def test_core_draft_check_reports_the_lag_only_under_the_diagnostic():
+    """rlcore.push fails the run when a drafting backend's draft lags the pushed version; the vLLM
+    backend's stale_draft_diagnostic (vllm.diagnostic_skip_draft_push_from) turns that into a metric."""
+    from rlcore.push import check_draft_version
+    from rlcore_vllm.backend import VLLMBackend
+
+    diagnostic = VLLMBackend(VLLMSettings(speculative="mtp", diagnostic_skip_draft_push_from=3))
+    plain = VLLMBackend(VLLMSettings(speculative="mtp"))
+    assert diagnostic.stale_draft_diagnostic and not plain.stale_draft_diagnostic
+    assert not VLLMBackend(VLLMSettings()).stale_draft_diagnostic
+    lagging = SimpleNamespace(draft_weight_version=2, weight_version=4, stale_draft_diagnostic=True)
+    assert check_draft_version(lagging, 4) == {"rollout/draft_weight_version": 2.0, "rollout/draft_lag": 2.0}
+    with pytest.raises(WeightSyncError, match="draft is at weight version 2"):
+        check_draft_version(SimpleNamespace(draft_weight_version=2, weight_version=4), 4)

