@@ -42,14 +42,23 @@ from rlcore_vllm.engines import (
 )
 from rlcore_vllm.platform import installed_vllm, missing_reasons, runtime_backend_capabilities
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
-from rlcore_vllm.speculative import SpecCounters, check_acceptance_floor, speculative_sampling_problem
+from rlcore_vllm.speculative import (
+    GREEDY_BELOW,
+    SpecCounters,
+    check_acceptance_floor,
+    speculative_sampling_problem,
+)
 
 
 def sampling_kwargs(params: SamplingSettings, seed: int) -> dict[str, Any]:
-    """vLLM ``SamplingParams`` fields for rlcore's settings (log-probs of the sampled token only)."""
+    """vLLM ``SamplingParams`` fields for rlcore's settings (log-probs of the sampled token only).
+
+    A temperature below ``GREEDY_BELOW`` (1e-5) is sent as 0, greedy, which is what sampling at it
+    is: vLLM would otherwise raise any temperature under 0.01 to 0.01 (with a warning)."""
+    temperature = float(params.temperature)
     return {
         "n": int(params.n),
-        "temperature": float(params.temperature),
+        "temperature": 0.0 if temperature < GREEDY_BELOW else temperature,
         "top_p": float(params.top_p),
         "top_k": int(params.top_k) if params.top_k and params.top_k > 0 else 0,  # vLLM: 0 disables
         "max_tokens": int(params.max_new_tokens),

@@ -28,7 +28,8 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-#: vLLM decodes greedily below this temperature (``vllm.sampling_params._SAMPLING_EPS``)
+#: temperatures below this are sent to vLLM as 0, greedy (vLLM's ``_SAMPLING_EPS``; it would raise
+#: any temperature under 0.01 to 0.01)
 GREEDY_BELOW = 1e-5
 #: HF checkpoint names of the MTP layers in MiMo layout (what the draft loads)
 DRAFT_PREFIX = "model.mtp_layers."
@@ -83,13 +84,13 @@ def speculative_sampling_problem(temperature: float) -> str | None:
     1: the processed target probabilities it works from are NaN or uniform (the processed
     log-probs it returns show them), and a draft whose argmax agrees with 48-64 % of the sampled
     tokens in the trainer was accepted 1-5 % of the time, below a random guess. Greedy
-    verification is exact (outputs equal non-speculative decoding, tested); vLLM decodes greedily
-    below ``GREEDY_BELOW`` (its ``_SAMPLING_EPS``), so such temperatures pass."""
+    verification is exact (outputs equal non-speculative decoding, tested); the backend sends a
+    temperature below ``GREEDY_BELOW`` as 0 (greedy), so such temperatures pass."""
     if temperature >= GREEDY_BELOW:
         return (f"speculative decoding on vLLM's CPU build verifies sampled drafts wrongly (NaN/uniform target "
                 f"probabilities, acceptance below chance; greedy is exact): rollout.temperature={temperature} is "
-                f"refused with vllm.speculative on this platform; use a temperature below {GREEDY_BELOW:g} (vLLM "
-                f"then decodes greedily), or turn vllm.speculative off")
+                f"refused with vllm.speculative on this platform; use a temperature below {GREEDY_BELOW:g} (rlcore "
+                f"then asks vLLM for greedy decoding), or turn vllm.speculative off")
     return None
 
 
