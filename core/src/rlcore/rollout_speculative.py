@@ -114,7 +114,7 @@ def generate_one(model: Any, prompt: list[int], params: Any, depths: int, gen: t
     seq.append(tok)
     peak = 0
     while tok not in stop and len(tokens) < params.max_new_tokens:
-        d = min(depths, params.max_new_tokens - len(tokens) - 1)
+        d = min(depths, params.max_new_tokens - len(tokens))  # a bonus token past the limit is dropped
         drafts, q_rows = [], []
         trunk = torch.cat(prenorm, 0)  # [len(seq) - 1, H]
         for k in range(1, d + 1):

@@ -205,15 +205,19 @@ def test_fused_and_mtp_put_the_mtp_loss_through_the_fused_head(tmp_path, monkeyp
 
 
 def test_short_grpo_run_logs_mtp_loss_and_acceptance_per_depth(tmp_path):
+    """``examples/tiny_mtp.yaml`` for 2 steps, the local rollout drafting with both MTP depths."""
     from rlcore.cli import main
 
     out = tmp_path / "run"
-    assert main(["train", TINY_MTP, "-o", str(out), "training.steps=2", *SMALL_RUN]) == 0
+    assert main(["train", TINY_MTP, "-o", str(out), "training.steps=2", "rollout.draft_depths=2", *SMALL_RUN]) == 0
     rows = _rows(out)
     assert len(rows) == 2
     for row in rows:
         for d in (1, 2):
             assert 0 < row[f"mtp/loss_d{d}"] < 10 and 0 <= row[f"mtp/acceptance_d{d}"] <= 1
+            assert 0 <= row[f"rollout/acceptance_d{d}"] <= 1
         assert row["loss/mtp/mtp"] > 0
+        assert row["rollout/draft_weight_version"] == row["weight_version"]
+        assert row["rollout/kv_cache_freed_bytes"] == 0 and row["rollout/kv_cache_peak_bytes"] > 0
     saved = json.loads((out / "policy_hf" / "config.json").read_text())
     assert saved["architectures"] == ["MiMoForCausalLM"] and saved["num_nextn_predict_layers"] == 2
