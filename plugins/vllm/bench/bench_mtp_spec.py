@@ -14,7 +14,7 @@ Then it plots, per step, the MTP loss (trainer side), the acceptance at each dra
 figures (JSON) and a markdown table. It measures; it asserts nothing.
 
     .venvs/vllm/bin/python plugins/vllm/bench/bench_mtp_spec.py --steps 24 --stale-from 8 \\
-        --out runs/mtp_spec --figure docs/benchmarks/mtp_cpu.png
+        --out runs/mtp_spec --figure docs/benchmarks/mtp_vllm_cpu.png
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main() -> None:
     p.add_argument("--stale-from", type=int, default=8, help="weight version from which the stale run skips the draft")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/mtp_spec")
-    p.add_argument("--figure", default="docs/benchmarks/mtp_cpu.png")
+    p.add_argument("--figure", default="docs/benchmarks/mtp_vllm_cpu.png")
     p.add_argument("--only", default="synced,stale,nospec", help="comma-separated variants to run")
     p.add_argument("--plot-only", action="store_true", help="re-plot the runs already in --out")
     a = p.parse_args()
