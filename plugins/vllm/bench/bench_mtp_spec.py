@@ -13,7 +13,7 @@ Then it plots, per step, the MTP loss (trainer side), the acceptance at each dra
 (vLLM's counters, ``rollout/spec/acceptance_pos{i}``) and the rollout tokens/s, and writes the
 figures (JSON) and a markdown table. It measures; it asserts nothing.
 
-    .venvs/vllm/bin/python plugins/vllm/bench/bench_mtp_spec.py --steps 24 --stale-from 8 \\
+    .venvs/vllm/bin/python plugins/vllm/bench/bench_mtp_spec.py --steps 24 --stale-from 3 \\
         --out runs/mtp_spec --figure docs/benchmarks/mtp_vllm_cpu.png
 """
 
@@ -134,7 +134,7 @@ def plot(runs: dict[str, list[dict]], depths: int, stale_from: int, path: Path) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--stale-from", type=int, default=8, help="weight version from which the stale run skips the draft")
+    p.add_argument("--stale-from", type=int, default=3, help="weight version from which the stale run skips the draft")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/mtp_spec")
     p.add_argument("--figure", default="docs/benchmarks/mtp_vllm_cpu.png")
