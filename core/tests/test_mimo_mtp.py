@@ -142,9 +142,13 @@ def test_models_without_mtp_layers_refuse_mtp_hidden():
     engine = _engine(mtp_layers=0)
     with pytest.raises(errors.MissingCapabilityError, match="has no MTP layers.*mtp_layers >= 1"):
         engine.forward(_batch([[3, 4, 5]]), mtp_hidden=True)
-    tok = make_tokenizer(WORDS)
+    from rlcore.engines.tiny import check_hf_mtp
+
     with pytest.raises(ValueError, match="engine.model.tiny.arch 'qwen2'"):
-        make_tiny_model(TinyModelConfig(**TINY, arch="qwen3_moe", mtp_layers=1), tok)
+        check_hf_mtp(TinyModelConfig(**TINY, arch="qwen3_moe", mtp_layers=1))
+    # the MoE archs still get a plain model (the megatron engine builds its own MTP layers)
+    moe = make_tiny_model(TinyModelConfig(**TINY, arch="qwen3_moe", mtp_layers=1), make_tokenizer(WORDS))
+    assert type(moe).__name__ == "Qwen3MoeForCausalLM" and moe.config.num_nextn_predict_layers == 1
 
 
 @pytest.mark.parametrize("sync_name", ["inproc", "disk"])

@@ -213,7 +213,7 @@ class HFEngine:
 
 def build_hf_engine(ctx: Any) -> HFEngine:
     """Factory of the ``hf`` engine: from ``engine.model.path`` or a tiny model for the task."""
-    from rlcore.engines.tiny import make_tiny_model, make_tokenizer
+    from rlcore.engines.tiny import check_hf_mtp, make_tiny_model, make_tokenizer
 
     ecfg = ctx.config.engine
     device = ecfg.device
@@ -224,5 +224,6 @@ def build_hf_engine(ctx: Any) -> HFEngine:
     task = ctx.extras.get("task")
     words = task.vocab if task is not None else [str(i) for i in range(10)]
     tok = make_tokenizer(words)
+    check_hf_mtp(ecfg.model.tiny)
     model = make_tiny_model(ecfg.model.tiny, tok, ecfg.model.dtype)
     return HFEngine(model, tok, device)

@@ -3,8 +3,10 @@
 ``make_tokenizer`` builds a word-level tokenizer over a task's vocabulary; ``make_tiny_model``
 builds a randomly initialised transformers causal LM (dense Qwen2, Qwen2-MoE with a shared
 expert, or Qwen3-MoE) whose vocabulary is the tokenizer's. Head dim defaults to 64 (vLLM's CPU
-attention rejects 16). ``mtp_layers > 0`` (dense Qwen2 only) builds MiMo: the Qwen2 model plus
-MTP layers in MiMo's checkpoint layout (:mod:`rlcore.engines.mimo`).
+attention rejects 16). ``mtp_layers > 0`` with ``arch: qwen2`` builds MiMo: the Qwen2 model plus
+MTP layers in MiMo's checkpoint layout (:mod:`rlcore.engines.mimo`); for the MoE archs it only
+sets ``num_nextn_predict_layers`` (transformers builds no MTP layers; the megatron engine creates
+its own, the hf engine refuses: :func:`check_hf_mtp`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,15 @@ def tiny_config(tiny: Any, vocab_size: int, eos_id: int, pad_id: int) -> Any:
     return AutoConfig.for_model(arch, **kw)
 
 
+def check_hf_mtp(tiny: Any) -> None:
+    """The hf engine's MTP layers are MiMo's, over a dense Qwen2 model."""
+    if tiny.mtp_layers and tiny.arch != "qwen2":
+        raise ValueError(
+            f"engine.model.tiny.mtp_layers={tiny.mtp_layers} needs engine.model.tiny.arch 'qwen2' on the hf engine "
+            f"(its MTP layers are MiMo's, over a Qwen2 model), got {tiny.arch!r}"
+        )
+
+
 def init_tiny_weights(model: Any, std: float, seed: int) -> None:
     """Re-initialise every matrix with N(0, std) (norms stay at 1) so logits are not flat."""
     import torch
@@ -98,12 +109,7 @@ def make_tiny_model(tiny: Any, tokenizer: Any, dtype: str = "float32") -> Any:
         pad_id=tokenizer.pad_token_id,
     )
     torch_dtype = getattr(torch, dtype)
-    if tiny.mtp_layers and tiny.arch != "qwen2":
-        raise ValueError(
-            f"engine.model.tiny.mtp_layers={tiny.mtp_layers} needs engine.model.tiny.arch 'qwen2' on the hf engine "
-            f"(its MTP layers are MiMo's, over a Qwen2 model), got {tiny.arch!r}"
-        )
-    if getattr(cfg, NUM_LAYERS_KEY, 0):
+    if tiny.mtp_layers and tiny.arch == "qwen2":
         from rlcore.engines.mimo import MiMoForCausalLM
 
         model = MiMoForCausalLM._from_config(cfg, dtype=torch_dtype)
