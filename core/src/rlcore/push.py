@@ -55,6 +55,10 @@ def check_draft_version(backend: Any, version: int) -> dict[str, float]:
     draft = getattr(backend, "draft_weight_version", None)
     if draft is None:
         return {}
+    if draft != version and getattr(backend, "stale_draft_diagnostic", False):
+        # a diagnostic run that keeps the draft stale on purpose (rlcore-vllm's
+        # vllm.diagnostic_skip_draft_push_from): measured, reported, not fatal
+        return {"rollout/draft_weight_version": float(draft), "rollout/draft_lag": float(version - draft)}
     if draft != version:
         raise WeightSyncError(
             f"the rollout's speculative draft is at weight version {draft} but the policy was pushed as version "

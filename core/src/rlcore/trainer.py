@@ -555,6 +555,8 @@ class Trainer:
                     "tokens_per_second": m["tokens"] / max(step_s, 1e-9),
                     **self.push_metrics,
                 })
+                if report.details.get("draft_warning"):
+                    self.console.print(f"[bold red]warning:[/] {report.details['draft_warning']}")
                 self.metrics.write(m)
                 self._progress(m, report)
                 if cfg.output.checkpoint_every and (self.step + 1) % cfg.output.checkpoint_every == 0:

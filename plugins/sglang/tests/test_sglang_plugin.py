@@ -112,3 +112,42 @@ def test_host_and_port_are_checked_at_config_time(register_plugin, rlcore_config
         rlcore_config("sglang.port=0")
     with pytest.raises(ConfigError, match="which rlcore sets itself"):
         rlcore_config("sglang.launch_args=[--host,0.0.0.0]")
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["sync.name=sglang-nccl"], "sync.name"),
+    (["sync.name=sglang-tensor", "sglang.selector=target"], "sglang.selector"),
+])
+def test_policy_mtp_draft_refused_where_pushes_would_not_reach_it(register_plugin, rlcore_config, overrides, key):
+    """SGLang's update_weights_from_distributed loads only the target runner: with the policy's MTP
+    layers as the draft (NEXTN, no separate draft model) the nccl sync would leave the draft stale."""
+    register_plugin(sglang_plugin, "sglang")
+    with pytest.raises(ConfigError) as err:
+        rlcore_config("rollout.backend=sglang", "sglang.speculative_algorithm=NEXTN", *overrides)
+    assert err.value.key == key and "draft" in str(err.value)
+    if key == "sync.name":
+        assert "sglang#27718" in str(err.value) and "sglang-tensor" in str(err.value)
+    # the paths that reach the draft runner, and a separate draft model (not trained: nothing to sync)
+    rlcore_config("rollout.backend=sglang", "sglang.speculative_algorithm=NEXTN", "sync.name=sglang-tensor")
+    rlcore_config("rollout.backend=sglang", "sglang.speculative_algorithm=NEXTN", "sync.name=sglang-disk")
+    rlcore_config("rollout.backend=sglang", "sglang.speculative_algorithm=EAGLE3", "sync.name=sglang-nccl",
+                  "sglang.speculative_draft_model_path=/drafts/eagle3")
+
+
+def test_nccl_sync_refuses_a_server_that_drafts_from_the_policy():
+    """A server given by sglang.url shows its speculative algorithm only at start: the nccl sync
+    refuses it then, before sending anything; the tensor sync takes it and reaches the draft."""
+    from rlcore.errors import WeightSyncError
+    from rlcore_sglang.backend import SGLangBackend
+    from rlcore_sglang.protocol import ServerFeatures
+    from rlcore_sglang.settings import SGLangSettings
+    from rlcore_sglang.sync import SGLangNCCLSync, SGLangTensorSync
+
+    settings = SGLangSettings(url="http://127.0.0.1:1")
+    backend = SGLangBackend(settings)
+    backend.features = ServerFeatures.from_server_info({"version": "0.5.23", "speculative_algorithm": "NEXTN"})
+    backend.transport = object()  # started: the check runs before any request
+    with pytest.raises(WeightSyncError, match="sglang#27718"):
+        SGLangNCCLSync(settings, 1 << 20).push(iter([]), backend, 1)
+    assert SGLangTensorSync(settings, 1 << 20).updates_draft
+    assert not SGLangTensorSync(SGLangSettings(selector="target"), 1 << 20).updates_draft

@@ -110,6 +110,7 @@ def test_sampling_kwargs_map_rlcore_settings():
     assert sp == {"n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "max_tokens": 5, "seed": 11,
                   "stop_token_ids": [1, 2], "logprobs": 0}
     assert sampling_kwargs(SamplingSettings(top_k=20), seed=0)["top_k"] == 20
+    assert sampling_kwargs(SamplingSettings(temperature=1e-6), seed=0)["temperature"] == 0.0  # vLLM: would be 0.01
 
 
 def test_engine_kwargs_follow_the_platform():

@@ -109,6 +109,8 @@ class RolloutBackend(Protocol):
 
     # Optional: ``lacking() -> dict[str, str]``, the declared capabilities this running instance
     # does not have, each with the reason; the trainer prints them.
+    # Optional: ``rollout_metrics()`` / ``memory_metrics()`` / ``draft_weight_version`` /
+    # ``stale_draft_diagnostic``: see rlcore.push and docs/hooks.md.
 
 
 @runtime_checkable

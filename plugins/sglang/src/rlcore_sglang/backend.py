@@ -67,6 +67,10 @@ class SGLangBackend:
         self._version = -1
         self._paused = False
         self._released: set[str] = set()
+        #: releasing 'weights' discards a speculative draft's weights and resuming does not bring
+        #: them back (sgl-project/sglang PR #31674): generation waits for a push that reaches it
+        self._draft_discarded = False
+        self._memory_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -163,10 +167,13 @@ class SGLangBackend:
     def weight_version(self) -> int:
         return self._version
 
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int, *, draft_updated: bool = False) -> None:
         """Called by the sglang weight syncs once a push has landed (SGLang was told the same
-        version on the push's last request)."""
+        version on the push's last request); ``draft_updated``: the push reached the speculative
+        draft runner too (tensor and disk paths with selector all/draft)."""
         self._version = int(version)
+        if draft_updated:
+            self._draft_discarded = False
 
     # ------------------------------------------------------------------- control ---------
 
@@ -206,12 +213,23 @@ class SGLangBackend:
         return sorted(tags)
 
     def release_memory(self, tags: frozenset[str]) -> None:
+        before = device_free_bytes()
         self._control("/release_memory_occupation", {"tags": self._tags(tags)}, f"releasing {sorted(tags)}")
         self._released |= set(tags)
+        after = device_free_bytes()
+        if before is not None and after is not None:  # colocated: the server's GPU is this process's
+            self._memory_metrics["rollout/kv_cache_freed_bytes"] = float(after - before)
+        if "weights" in tags and self.features is not None and self.features.speculative_algorithm:
+            self._draft_discarded = True
 
     def resume_memory(self, tags: frozenset[str]) -> None:
         self._control("/resume_memory_occupation", {"tags": self._tags(tags)}, f"resuming {sorted(tags)}")
         self._released -= set(tags)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The device memory the last release freed, when the server shares this process's GPU
+        (core logs it after releasing the KV cache before a push)."""
+        return dict(self._memory_metrics)
 
     @property
     def released_tags(self) -> frozenset[str]:
@@ -255,6 +273,11 @@ class SGLangBackend:
             raise RolloutError("the sglang rollout backend is paused; resume() it before generate()")
         if "kv_cache" in self._released:
             raise RolloutError("SGLang's KV cache is released; resume_memory({'kv_cache'}) before generate()")
+        if self._draft_discarded:
+            raise RolloutError("SGLang discarded the speculative draft's weights when it released 'weights', and "
+                               "resuming does not restore them (sgl-project/sglang PR #31674): push the policy with "
+                               "sglang-tensor or sglang-disk and selector 'all' before generating, or acceptance "
+                               "collapses silently")
         if params.return_routed_experts and Cap.ROUTED_EXPERTS not in self.capabilities():
             raise RolloutError("routed experts were asked for, but the SGLang server runs without "
                                "--enable-return-routed-experts")
@@ -308,6 +331,16 @@ class SGLangBackend:
             routed_experts=routes,
             weight_versions=spans,
         )
+
+
+def device_free_bytes() -> int | None:
+    """Free memory of this process's GPU, or None without one."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info()[0])
+    except Exception:  # noqa: BLE001 - a measurement, not a reason to fail the release
+        return None
 
 
 def build_backend(ctx: Any) -> SGLangBackend:

@@ -82,8 +82,33 @@ class SGLangSettings:
     disk_dir: str = ""
 
 
-def check_settings(s: Any) -> None:
-    """Value checks omegaconf's types cannot express; errors name the key."""
+def drafts_from_policy(s: Any) -> bool:
+    """Whether the speculative draft is the policy's own MTP layers (NEXTN/EAGLE without a separate
+    draft checkpoint): then every push must reach SGLang's draft runner too."""
+    return bool(s.speculative_algorithm) and not s.speculative_draft_model_path
+
+
+def draft_sync_problem(s: Any, sync_name: str | None) -> tuple[str, str] | None:
+    """``(key, message)`` when ``sync_name`` / ``sglang.selector`` would leave a policy-derived
+    draft at its start weights, else None."""
+    if not drafts_from_policy(s):
+        return None
+    if sync_name == "sglang-nccl":
+        return ("sync.name", "sync.name 'sglang-nccl' with sglang.speculative_algorithm "
+                f"{s.speculative_algorithm!r} and no separate draft model: SGLang's "
+                "update_weights_from_distributed loads only the target runner (sgl-project/sglang#27718), so the "
+                "MTP draft would keep its start weights and acceptance would collapse without an error; use "
+                "sync.name 'sglang-tensor' or 'sglang-disk' (both update the draft runner too)")
+    if s.selector == "target":
+        return ("sglang.selector", "sglang.selector 'target' with sglang.speculative_algorithm "
+                f"{s.speculative_algorithm!r} and no separate draft model: pushes would skip the MTP draft, which "
+                "then proposes from its start weights; use selector 'all'")
+    return None
+
+
+def check_settings(s: Any, config: Any = None) -> None:
+    """Value checks omegaconf's types cannot express; errors name the key. With the whole
+    ``config``, also the combinations that would leave a policy-derived draft stale."""
     from rlcore.errors import ConfigError
 
     choices = {
@@ -127,3 +152,7 @@ def check_settings(s: Any) -> None:
             "(e.g. NEXTN for MTP, EAGLE3) or clear the other speculative options",
             key="sglang.speculative_algorithm",
         )
+    sync = getattr(config, "sync", None) if config is not None else None
+    problem = draft_sync_problem(s, getattr(sync, "name", None))
+    if problem is not None:
+        raise ConfigError(problem[1], key=problem[0])

@@ -115,6 +115,8 @@ class _SGLangSync(ABC):
     """What the three transports share: session, versions, verification, the report."""
 
     method = "sglang"
+    #: whether this transport reaches SGLang's speculative draft runner (the NCCL path does not)
+    reaches_draft = True
 
     def __init__(self, settings: Any, bucket_bytes: int, verify: bool = True, output_dir: str | None = None):
         check_settings(settings)
@@ -128,8 +130,12 @@ class _SGLangSync(ABC):
 
     # ------------------------------------------------------------------ helpers ----------
 
-    @staticmethod
-    def _backend(target: Any) -> SGLangBackend:
+    @property
+    def updates_draft(self) -> bool:
+        """Whether a push reaches the speculative draft runner (transport and selector allow it)."""
+        return self.reaches_draft and self.settings.selector != "target"
+
+    def _backend(self, target: Any) -> SGLangBackend:
         if not isinstance(target, SGLangBackend):
             raise WeightSyncError(
                 f"the sglang weight syncs feed the sglang rollout backend, got {type(target).__name__}; "
@@ -138,6 +144,14 @@ class _SGLangSync(ABC):
             )
         if target.features is None or target.transport is None:
             raise WeightSyncError("the sglang rollout backend is not started", receiver_version=None)
+        if not self.reaches_draft and target.features.speculative_algorithm \
+                and not self.settings.speculative_draft_model_path:
+            # a server given by sglang.url reveals its speculative algorithm only now
+            raise WeightSyncError(
+                f"{self.method} cannot feed this SGLang server: it drafts with {target.features.speculative_algorithm} "
+                "from the policy's MTP layers, and update_weights_from_distributed loads only the target runner "
+                "(sgl-project/sglang#27718), so the draft would stay at its start weights; use sglang-tensor or "
+                "sglang-disk", receiver_version=target.weight_version)
         if "weights" in target.released_tags:
             raise WeightSyncError(
                 "SGLang's weights are released; resume_memory({'weights'}) before pushing new ones",
@@ -279,7 +293,7 @@ class _SGLangSync(ABC):
                 f"a mix of versions {before} and {version}: push again before generating",
                 receiver_version=None,
             ) from exc
-        backend.set_weight_version(version)
+        backend.set_weight_version(version, draft_updated=self.updates_draft)
         checked = 0
         if self.verify:
             digest, checked = self._engine_checksum(backend)
@@ -404,6 +418,7 @@ class SGLangNCCLSync(_SGLangSync):
     received and loaded the bucket, so it runs in a thread while the trainer broadcasts."""
 
     method = "sglang-nccl"
+    reaches_draft = False
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

@@ -12,11 +12,17 @@ follow :mod:`rlcore.rollout_seeds` like every other backend.
 Weight pushes (:mod:`rlcore_vllm.sync`) bracket their work with :meth:`VLLMBackend.begin_push`
 and :meth:`~VLLMBackend.commit_push` / :meth:`~VLLMBackend.fail_push`: after a failed push the
 engine may hold a mix of two versions, so the backend refuses to generate until a push succeeds.
+
+With ``vllm.speculative: mtp`` (:mod:`rlcore_vllm.speculative`) the backend also knows the draft's
+weight version (reported by the workers after every push) and measures the acceptance of each
+``generate`` call from vLLM's counters; :meth:`VLLMBackend.rollout_metrics` hands both to the
+trainer. Releasing the KV cache measures the device memory it freed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -36,13 +42,23 @@ from rlcore_vllm.engines import (
 )
 from rlcore_vllm.platform import installed_vllm, missing_reasons, runtime_backend_capabilities
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
+from rlcore_vllm.speculative import (
+    GREEDY_BELOW,
+    SpecCounters,
+    check_acceptance_floor,
+    speculative_sampling_problem,
+)
 
 
 def sampling_kwargs(params: SamplingSettings, seed: int) -> dict[str, Any]:
-    """vLLM ``SamplingParams`` fields for rlcore's settings (log-probs of the sampled token only)."""
+    """vLLM ``SamplingParams`` fields for rlcore's settings (log-probs of the sampled token only).
+
+    A temperature below ``GREEDY_BELOW`` (1e-5) is sent as 0, greedy, which is what sampling at it
+    is: vLLM would otherwise raise any temperature under 0.01 to 0.01 (with a warning)."""
+    temperature = float(params.temperature)
     return {
         "n": int(params.n),
-        "temperature": float(params.temperature),
+        "temperature": 0.0 if temperature < GREEDY_BELOW else temperature,
         "top_p": float(params.top_p),
         "top_k": int(params.top_k) if params.top_k and params.top_k > 0 else 0,  # vLLM: 0 disables
         "max_tokens": int(params.max_new_tokens),
@@ -78,6 +94,12 @@ class VLLMBackend:
         self._released: set[str] = set()
         self._push_version: int | None = None
         self._unknown_weights: str | None = None
+        self._start_version = 0
+        self._draft_version: int | None = None
+        self._first_rollout_after_push = False
+        self._rollout_metrics: dict[str, float] = {}
+        self._raw_logprobs = False
+        self._memory_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -121,10 +143,12 @@ class VLLMBackend:
             self.engine = HTTPEngine(self.settings.url, kw, host=self.settings.host, port=int(self.settings.port), env=env,
                                      start_timeout=float(self.settings.start_timeout_s),
                                      request_timeout=float(self.settings.request_timeout_s), log_dir=self.output_dir)
-        speculative = "speculative_config" in (self.settings.engine_args or {})
         self._caps = runtime_backend_capabilities(self.is_cpu, bool(kw.get("enable_sleep_mode")),
-                                                  bool(kw.get("enable_return_routed_experts")), speculative)
-        self._version = int(version)
+                                                  bool(kw.get("enable_return_routed_experts")),
+                                                  "speculative_config" in kw)
+        self._raw_logprobs = kw.get("logprobs_mode") == "raw_logprobs"
+        self._version = self._start_version = int(version)
+        self._draft_version = int(version) if self.mtp else None
         self._unknown_weights = None
 
     def shutdown(self) -> None:
@@ -135,6 +159,39 @@ class VLLMBackend:
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def start_version(self) -> int:
+        """The weight version the engine started with (its checkpoint's, the draft's too)."""
+        return self._start_version
+
+    @property
+    def mtp(self) -> bool:
+        """Whether the engine drafts with the model's MTP layers (``vllm.speculative: mtp``)."""
+        return self.settings.speculative == "mtp"
+
+    @property
+    def draft_weight_version(self) -> int | None:
+        """The weight version of the speculative draft (None without MTP speculation)."""
+        return self._draft_version
+
+    @property
+    def stale_draft_diagnostic(self) -> bool:
+        """Whether ``vllm.diagnostic_skip_draft_push_from`` keeps the draft stale on purpose (core's
+        draft-version check then reports the lag instead of failing the run)."""
+        return self.mtp and bool(self.settings.diagnostic_skip_draft_push_from)
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Metrics of the last ``generate`` call (speculative acceptance per draft position, see
+        :meth:`~rlcore_vllm.speculative.SpecCounters.metrics`); core logs them each step."""
+        out = dict(self._rollout_metrics)
+        if self.mtp and self._draft_version is not None:
+            out["rollout/spec/draft_lag"] = float(self._version - self._draft_version)
+        return out
+
+    def memory_metrics(self) -> dict[str, float]:
+        """What the last KV-cache release freed on the device (core logs it after the release)."""
+        return dict(self._memory_metrics)
 
     def _require_engine(self) -> OfflineEngine | HTTPEngine:
         if self.engine is None:
@@ -159,12 +216,19 @@ class VLLMBackend:
         if params.return_routed_experts and Cap.ROUTED_EXPERTS not in self._caps:
             why = self.lacking().get(Cap.ROUTED_EXPERTS, "not enabled")
             raise RolloutError(f"routed experts were asked for but this vLLM engine cannot return them: {why}")
+        if self.mtp and self.is_cpu:
+            problem = speculative_sampling_problem(float(params.temperature))
+            if problem:
+                raise RolloutError(problem)
         if not prompts:
             return []
         if any(len(p.ids) == 0 for p in prompts):
             raise RolloutError("vllm backend: every prompt needs at least one token")
         seed = self.seeds.next(params.seed)
+        before = engine.spec_counters() if self.mtp else None
         completions = engine.generate([list(p.ids) for p in prompts], sampling_kwargs(params, seed))
+        if before is not None:
+            self._account_acceptance(engine.spec_counters().minus(before))
         samples = []
         for prompt, comps in zip(prompts, completions, strict=True):
             for c in comps:
@@ -172,6 +236,9 @@ class VLLMBackend:
                 if len(lps) != len(ids):
                     raise RolloutError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens "
                                        f"(is the engine running with logprobs_mode=processed_logprobs?)")
+                if not all(math.isfinite(x) for x in lps):
+                    raise RolloutError(f"vLLM returned non-finite behaviour log-probs for prompt {prompt.index} "
+                                       f"({sum(not math.isfinite(x) for x in lps)} of {len(lps)} tokens)")
                 routes = None
                 if params.return_routed_experts:
                     routes = self._routes(c["routed_experts"], prompt, len(ids))
@@ -185,6 +252,15 @@ class VLLMBackend:
                     routed_experts=routes,
                 ))
         return samples
+
+    def _account_acceptance(self, delta: SpecCounters) -> None:
+        metrics = delta.metrics(int(self.settings.num_speculative_tokens))
+        self._rollout_metrics.update(metrics)
+        if self._first_rollout_after_push:
+            self._first_rollout_after_push = False
+            self._rollout_metrics["rollout/spec/acceptance_after_push"] = metrics["rollout/spec/acceptance_rate"]
+            check_acceptance_floor(metrics["rollout/spec/acceptance_rate"], delta.drafts,
+                                   float(self.settings.min_acceptance_after_push), self._version)
 
     def _routes(self, value: object, prompt: Prompt, response_len: int) -> Any:
         moe = self.moe
@@ -222,8 +298,11 @@ class VLLMBackend:
         for tag in sorted(tags):
             if needed[tag] not in self._caps:
                 raise RolloutError(f"vllm backend cannot release {tag!r} here: {self.lacking().get(needed[tag])}")
+        free_before = _device_free_bytes()
         if "weights" in tags:
-            engine.sleep(level=1)  # weights to host memory, KV cache dropped
+            # level 1: weights to host memory, KV cache dropped. Never level 2, which discards
+            # weights it does not preserve, the MTP draft's among them (verl #6661)
+            engine.sleep(level=1)
             self._released |= {"weights", "kv_cache"}
             if "kv_cache" not in tags:
                 engine.wake_up(["kv_cache"])
@@ -236,6 +315,9 @@ class VLLMBackend:
                 engine.sleep(level=1)
                 engine.wake_up(["weights"])
             self._released.add("kv_cache")
+        free_after = _device_free_bytes()
+        if free_before is not None and free_after is not None:
+            self._memory_metrics["rollout/kv_cache_freed_bytes"] = float(free_after - free_before)
 
     def resume_memory(self, tags: frozenset[str]) -> None:
         engine = self._require_engine()
@@ -261,10 +343,13 @@ class VLLMBackend:
             raise RolloutError(f"a push of weight version {self._push_version} is already in progress")
         self._push_version = int(version)
 
-    def commit_push(self, version: int) -> None:
+    def commit_push(self, version: int, draft_version: int | None = None) -> None:
         self._push_version = None
         self._unknown_weights = None
         self._version = int(version)
+        if self.mtp and draft_version is not None:
+            self._draft_version = int(draft_version)
+        self._first_rollout_after_push = True
 
     def fail_push(self, reason: str) -> None:
         """The engine may hold a mix of versions now: refuse to generate until a push succeeds."""
@@ -287,6 +372,18 @@ class VLLMBackend:
     def weight_transfer(self, op: str, payload: Any = None) -> None:
         """vLLM's native weight-transfer API: ``init`` / ``start`` / ``start_draft`` / ``update`` / ``finish``."""
         self._require_engine().weight_transfer(op, payload)
+
+
+def _device_free_bytes() -> int | None:
+    """Free memory of this process's GPU (the engine's, colocated), or None without one."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info()[0])
+    except Exception:  # noqa: BLE001 - a measurement, not a reason to fail the release
+        return None
 
 
 def build_backend(ctx: Any) -> VLLMBackend:

@@ -22,6 +22,13 @@ from typing import Any
 
 from rlcore.serving import LOOPBACK, JSONClient, ServerProcess, launch_server, local_url, wait_healthy
 
+from rlcore_vllm.speculative import (
+    SpecCounters,
+    counters_from_metrics,
+    counters_from_prometheus,
+    speculative_kwargs,
+)
+
 WORKER_EXTENSION = "rlcore_vllm.worker_ext.RLCoreWorkerExtension"
 #: in-process engines alive in this process: vLLM keeps its parallel state (process groups, the
 #: expert-parallel group of MoE models) in process globals, so only one engine can live in-process
@@ -74,6 +81,7 @@ def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, ro
         kw["enable_return_routed_experts"] = True  # needs Model Runner V2 (Triton): GPUs only
     if transport in ("nccl", "ipc"):
         kw["weight_transfer_config"] = {"backend": transport}
+    kw.update(speculative_kwargs(settings, is_cpu))
     kw.update(dict(settings.engine_args or {}))
     return kw
 
@@ -159,6 +167,10 @@ class OfflineEngine:
 
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
+
+    def spec_counters(self) -> SpecCounters:
+        """vLLM's cumulative speculative-decoding counters (needs ``disable_log_stats=False``)."""
+        return counters_from_metrics(self.llm.get_metrics())
 
     def release_kv_cache_memory(self) -> bool:
         fn = getattr(self.llm, "release_kv_cache_memory", None)
@@ -267,6 +279,13 @@ class HTTPEngine:
 
     def sleep(self, level: int) -> None:
         self.request("POST", "/sleep", query={"level": level})
+
+    def spec_counters(self) -> SpecCounters:
+        """The server's cumulative speculative-decoding counters, from its Prometheus ``/metrics``."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.url.rstrip("/") + "/metrics", timeout=30) as resp:  # noqa: S310 - our server
+            return counters_from_prometheus(resp.read().decode())
 
     def release_kv_cache_memory(self) -> bool:
         self.request("POST", "/release_kv_cache_memory", {})

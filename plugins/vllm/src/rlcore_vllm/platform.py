@@ -80,7 +80,7 @@ def missing_reasons(runtime: frozenset[str], is_cpu: bool) -> dict[str, str]:
         elif cap == Cap.ROUTED_EXPERTS:
             out[cap] = "rollout.return_routed_experts is false (the engine was started without it)"
         elif cap == Cap.SPECULATIVE:
-            out[cap] = "no speculative_config in vllm.engine_args"
+            out[cap] = "vllm.speculative is off (and no speculative_config in vllm.engine_args)"
     return out
 
 
@@ -102,7 +102,7 @@ def predicted_backend_gaps(config: Any) -> dict[str, str]:
     settings = config.get("vllm") if hasattr(config, "get") else None
     sleep_mode = bool(getattr(settings, "enable_sleep_mode", True))
     engine_args = getattr(settings, "engine_args", None) or {}
-    speculative = "speculative_config" in engine_args
+    speculative = "speculative_config" in engine_args or getattr(settings, "speculative", "") == "mtp"
     routed = bool(config.rollout.return_routed_experts)
     runtime = runtime_backend_capabilities(is_cpu, sleep_mode, routed, speculative)
     return missing_reasons(runtime, is_cpu)

