@@ -35,6 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from rlcore_megatron.testing import perturb_routers
 
 SEQS = [[3, 4, 5, 13, 6, 2, 9], [7, 7, 13, 4], [10, 9, 8, 7, 6, 13, 2]]
 MOE = dict(arch="qwen3_moe", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -170,14 +171,6 @@ def _replay_cfg(mode: str):
     return OmegaConf.create({"replay": {"mode": mode, "on_missing": "error", "mtp": "replay", "agreement": True}})
 
 
-def _perturb(engine, seed: int = 1, scale: float = 3.0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for site in engine.seam.sites:
-            w = site.router.weight
-            w.add_((torch.randn(w.shape, generator=g) * scale).to(w.device))
-
-
 def check_replay(path: Path, device: str) -> dict:
     from rlcore.batch import PackedBatch
     from rlcore.heads import reference_logprobs
@@ -207,7 +200,7 @@ def check_replay(path: Path, device: str) -> dict:
         same, _ = replayed(engine, Replayer(_replay_cfg("R3")), batch, "train")
         bit_identical = torch.equal(logprobs(engine, batch, same), logprobs(engine, batch, base)) and \
             torch.equal(same.mtp_hidden[0], base.mtp_hidden[0])
-        _perturb(engine)
+        perturb_routers(engine)
         native = engine.forward(batch, record_routes=True, mtp_hidden=True).routes
         batch.fields["routes"] = recorded
         rep = Replayer(_replay_cfg("R3"))
@@ -234,7 +227,7 @@ def check_replay(path: Path, device: str) -> dict:
         old, res = replayed(engine, rep, batch, "old_logprob")
         for k, v in res.batch_updates.items():
             batch.write_back(batch, k, v)
-        _perturb(engine)
+        perturb_routers(engine)
         native = engine.forward(batch, record_routes=True, mtp_hidden=True).routes
     again, _ = replayed(engine, rep, batch, "train")  # with gradients, as the update runs
     results["R2"] = {

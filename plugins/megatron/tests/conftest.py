@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 
-
 @pytest.fixture(scope="session")
 def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     """HF directories beyond the conformance ones: tied embeddings, KV heads divisible by 2

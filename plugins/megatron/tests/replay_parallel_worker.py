@@ -35,6 +35,7 @@ def run(model_dir: str, result_path: str, tp: int, ep: int) -> None:
     from rlcore.types import HeadInput, MicroBatchContext, RouterDecision
     from rlcore_megatron.engine import HFSource, MegatronEngine
     from rlcore_megatron.settings import MegatronSettings
+    from rlcore_megatron.testing import perturb_routers
     from rlcore_replay.replay import Replayer
 
     engine = MegatronEngine(HFSource.from_dir(model_dir),
@@ -49,9 +50,7 @@ def run(model_dir: str, result_path: str, tp: int, ep: int) -> None:
 
     with torch.no_grad():
         recorded = engine.forward(batch, record_routes=True).routes.clone()
-        g = torch.Generator().manual_seed(1)
-        for site in engine.seam.sites:
-            site.router.weight.add_(torch.randn(site.router.weight.shape, generator=g) * 3.0)
+        perturb_routers(engine, seed=1, scale=3.0)
         native = engine.forward(batch, record_routes=True)
         batch.fields["routes"] = recorded.to(torch.int16)
         cfg = OmegaConf.create({"replay": {"mode": "R3", "on_missing": "error", "mtp": "replay", "agreement": True}})

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from rlcore.batch import PackedBatch
 from rlcore.errors import BatchShapeError, RLCoreError
 from rlcore.types import MicroBatchContext, RouterDecision
+from rlcore_megatron.testing import perturb_routers
 
 pytestmark = pytest.mark.engine("megatron")
 
@@ -48,13 +49,6 @@ def _replay(engine, rep, batch, phase="train", mtp_hidden=False):
     return out
 
 
-def _perturb(engine, seed=1, scale=3.0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for site in engine.seam.sites:
-            site.router.weight.add_(torch.randn(site.router.weight.shape, generator=g) * scale)
-
-
 def test_interception_replaces_the_function_in_the_router_module_and_where_it_is_defined(fresh):
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.router as router_mod
@@ -74,7 +68,7 @@ def test_replay_forces_recorded_experts_after_the_routers_change(fresh, figures)
     batch = PackedBatch.pack(SEQS, [1, 1, 2])
     with torch.no_grad():
         recorded = engine.forward(batch, record_routes=True).routes
-        _perturb(engine)
+        perturb_routers(engine)
         native = engine.forward(batch, record_routes=True).routes
     assert not torch.equal(native, recorded), "the perturbation must change native routing"
     batch.fields["routes"] = recorded
@@ -100,7 +94,7 @@ def test_replay_on_unchanged_weights_is_bit_identical_and_mtp_gets_its_own_rows(
         out = _replay(engine, rep, batch, mtp_hidden=True)
     assert torch.equal(out.hidden, base.hidden) and torch.equal(out.routes, routes)
     # an MTP column different from decoder layer 0's: the MTP router replays its own rows
-    _perturb(engine)
+    perturb_routers(engine)
     batch.fields["routes"] = routes
     rep = Replayer(_cfg("R3"))
     with torch.no_grad():
@@ -148,7 +142,7 @@ def test_a_router_rerun_in_backward_replays_the_forward_experts(fresh):
     batch = PackedBatch.pack(SEQS, [1, 1, 2])
     with torch.no_grad():
         recorded = engine.forward(batch, record_routes=True).routes
-        _perturb(engine)
+        perturb_routers(engine)
     site = engine.seam.sites[0]
     calls = []
 
@@ -193,7 +187,7 @@ def test_r2_records_in_the_old_logprob_pass_and_replays_in_the_update(fresh):
     res = rep.postprocess(old, SimpleNamespace(engine=out))
     for k, v in res.batch_updates.items():
         batch.write_back(batch, k, v)
-    _perturb(engine)
+    perturb_routers(engine)
     with torch.no_grad():
         assert not torch.equal(engine.forward(batch, record_routes=True).routes, out.routes)
         again = _replay(engine, rep, batch, phase="train")

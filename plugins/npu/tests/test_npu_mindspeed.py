@@ -26,6 +26,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from rlcore.batch import PackedBatch  # noqa: E402
 from rlcore.errors import ConfigError, RLCoreError  # noqa: E402
 from rlcore.types import MicroBatchContext  # noqa: E402
+from rlcore_megatron.testing import perturb_routers  # noqa: E402
 
 ROUTING_NAMES = ("topk_routing_with_score_function", "topk_softmax_with_capacity")
 SEQS = [[3, 4, 5, 13, 6], [7, 7, 13], [10, 9, 8, 7, 6, 13, 2]]
@@ -90,18 +91,11 @@ def _replay(engine, batch):
     return out, rep.step_end(SimpleNamespace(step=0, batch=batch))
 
 
-def _perturb(engine, seed=1, scale=3.0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for site in engine.seam.sites:
-            site.router.weight.add_(torch.randn(site.router.weight.shape, generator=g) * scale)
-
-
 def _record_perturb_replay(engine):
     batch = PackedBatch.pack(SEQS, [1, 1, 2])
     with torch.no_grad():
         recorded = engine.forward(batch, record_routes=True).routes
-        _perturb(engine)
+        perturb_routers(engine)
         native = engine.forward(batch, record_routes=True).routes
     assert not torch.equal(native, recorded), "the perturbation must change native routing"
     batch.fields["routes"] = recorded

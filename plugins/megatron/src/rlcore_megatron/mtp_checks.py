@@ -14,7 +14,7 @@
   ``detach_trunk`` / ``detach_head``.
 
 :func:`rlcore_mtp_loss` is the ``rlcore-mtp`` plugin's own MTP loss term (so rlcore-mtp must be
-importable: the tests put ``plugins/mtp/src`` on the path, the GPU script installs it).
+importable: the megatron suites and the GPU script install it).
 """
 
 from __future__ import annotations
