@@ -70,6 +70,19 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_free_bytes() -> int | None:
+    """Free memory of this process's current CUDA device, or None without one. A measurement
+    (e.g. what a colocated engine's memory release freed): it never raises."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info()[0])
+    except Exception:  # noqa: BLE001 - a measurement, not a reason to fail the caller
+        return None
+
+
 def builtin_platforms() -> dict[str, PlatformSpec]:
     """The specs core registers itself (``rlcore.builtin.platforms``)."""
     return {

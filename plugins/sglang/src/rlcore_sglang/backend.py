@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from rlcore.errors import ConfigError, RolloutError
+from rlcore.platforms import cuda_free_bytes
 from rlcore.routed_experts import MoEShape, decode_routed_experts, moe_shape
 from rlcore.serving import EngineServerError, ServerProcess, answer_message, launch_server, local_url
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
@@ -213,10 +214,10 @@ class SGLangBackend:
         return sorted(tags)
 
     def release_memory(self, tags: frozenset[str]) -> None:
-        before = device_free_bytes()
+        before = cuda_free_bytes()
         self._control("/release_memory_occupation", {"tags": self._tags(tags)}, f"releasing {sorted(tags)}")
         self._released |= set(tags)
-        after = device_free_bytes()
+        after = cuda_free_bytes()
         if before is not None and after is not None:  # colocated: the server's GPU is this process's
             self._memory_metrics["rollout/kv_cache_freed_bytes"] = float(after - before)
         if "weights" in tags and self.features is not None and self.features.speculative_algorithm:
@@ -331,16 +332,6 @@ class SGLangBackend:
             routed_experts=routes,
             weight_versions=spans,
         )
-
-
-def device_free_bytes() -> int | None:
-    """Free memory of this process's GPU, or None without one."""
-    try:
-        if not torch.cuda.is_available():
-            return None
-        return int(torch.cuda.mem_get_info()[0])
-    except Exception:  # noqa: BLE001 - a measurement, not a reason to fail the release
-        return None
 
 
 def build_backend(ctx: Any) -> SGLangBackend:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlcore.errors import RolloutError
+from rlcore.platforms import cuda_free_bytes
 from rlcore.rollout_seeds import CallSeeds, base_seed
 from rlcore.routed_experts import MoEShape, decode_routed_experts, moe_shape
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
@@ -298,7 +299,7 @@ class VLLMBackend:
         for tag in sorted(tags):
             if needed[tag] not in self._caps:
                 raise RolloutError(f"vllm backend cannot release {tag!r} here: {self.lacking().get(needed[tag])}")
-        free_before = _device_free_bytes()
+        free_before = cuda_free_bytes()
         if "weights" in tags:
             # level 1: weights to host memory, KV cache dropped. Never level 2, which discards
             # weights it does not preserve, the MTP draft's among them (verl #6661)
@@ -315,7 +316,7 @@ class VLLMBackend:
                 engine.sleep(level=1)
                 engine.wake_up(["weights"])
             self._released.add("kv_cache")
-        free_after = _device_free_bytes()
+        free_after = cuda_free_bytes()
         if free_before is not None and free_after is not None:
             self._memory_metrics["rollout/kv_cache_freed_bytes"] = float(free_after - free_before)
 
@@ -372,18 +373,6 @@ class VLLMBackend:
     def weight_transfer(self, op: str, payload: Any = None) -> None:
         """vLLM's native weight-transfer API: ``init`` / ``start`` / ``start_draft`` / ``update`` / ``finish``."""
         self._require_engine().weight_transfer(op, payload)
-
-
-def _device_free_bytes() -> int | None:
-    """Free memory of this process's GPU (the engine's, colocated), or None without one."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        return int(torch.cuda.mem_get_info()[0])
-    except Exception:  # noqa: BLE001 - a measurement, not a reason to fail the release
-        return None
 
 
 def build_backend(ctx: Any) -> VLLMBackend:
