@@ -36,24 +36,13 @@ RESPONSES = [[10, 11, 12], [13, 14]]
 @pytest.fixture(scope="module")
 def mixed_moe(tmp_path_factory):
     """Qwen3-MoE with a dense middle layer (``mlp_only_layers=[1]``): HF directory + hf engine."""
-    from rlcore.config import TinyModelConfig
     from rlcore.engines.hf import HFEngine
-    from rlcore.engines.tiny import init_tiny_weights, make_tokenizer, tiny_config
-    from transformers import AutoModelForCausalLM
+    from rlcore.testing.models import make_mixed_moe_dir
 
-    tok = make_tokenizer([str(i) for i in range(20)])
-    tiny = replace(TinyModelConfig(), arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, hidden_size=64,
-                   head_dim=32, intermediate_size=64, moe_intermediate_size=32, seed=5, init_std=0.2)
-    cfg = tiny_config(tiny, vocab_size=len(tok), eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    cfg.mlp_only_layers = [1]
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    init_tiny_weights(model, tiny.init_std, tiny.seed)
-    path = tmp_path_factory.mktemp("mixed-moe")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    path, model, tok = make_mixed_moe_dir(tmp_path_factory.mktemp("mixed-moe"))
     engine = HFEngine(model, tok, "cpu")
     assert engine.info.route_layout.layers == (0, 2)
-    return Path(path), engine
+    return path, engine
 
 
 def _answer(engine, prompt, response):

@@ -29,6 +29,31 @@ def make_model_dir(path: str | Path, arch: str = "qwen2", seed: int = 0, **overr
     return save_tiny(path, tiny_config(arch, seed, **overrides), WORDS)
 
 
+def make_mixed_moe_dir(path: str | Path) -> tuple[Path, Any, Any]:
+    """A tiny Qwen3-MoE with a dense middle layer (``mlp_only_layers=[1]``: routed layers 0 and 2)
+    saved as an HF directory at ``path``: ``(path, model, tokenizer)``."""
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlcore.config import TinyModelConfig
+    from rlcore.engines.tiny import init_tiny_weights, make_tokenizer
+    from rlcore.engines.tiny import tiny_config as hf_tiny_config
+
+    tok = make_tokenizer([str(i) for i in range(20)])
+    tiny = replace(TinyModelConfig(), arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, hidden_size=64,
+                   head_dim=32, intermediate_size=64, moe_intermediate_size=32, seed=5, init_std=0.2)
+    cfg = hf_tiny_config(tiny, vocab_size=len(tok), eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    cfg.mlp_only_layers = [1]
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    init_tiny_weights(model, tiny.init_std, tiny.seed)
+    path = Path(path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, model, tok
+
+
 @dataclass
 class HFRun:
     tokens: list[int]
