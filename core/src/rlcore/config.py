@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from rlcore.algorithms.spec import LOSS_AGGREGATIONS
-from rlcore.cluster.settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
+from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
 from rlcore.errors import ConfigError
 
 

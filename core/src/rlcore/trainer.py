@@ -29,7 +29,6 @@ from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
-from rlcore.cluster.ranks import SINGLE, Ranks, on_writer
 from rlcore.config import training_fingerprint
 from rlcore.errors import (
     CheckpointError,
@@ -40,6 +39,7 @@ from rlcore.errors import (
 from rlcore.faults import fault_point
 from rlcore.platforms import resolve_device
 from rlcore.push import push_weights, rollout_metrics
+from rlcore.ranks import SINGLE, Ranks, on_writer
 from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
@@ -94,7 +94,7 @@ class Trainer:
 
     def __init__(self, stack: Stack, resume: bool = False, console: Any = None, *, overwrite: bool = False,
                  allow_config_change: bool = False, ranks: Ranks = SINGLE):
-        self.stack, self.ranks = stack, ranks  # several ranks: only the writer writes outputs (cluster/ranks.py)
+        self.stack, self.ranks = stack, ranks  # several ranks: only the writer writes outputs (rlcore/ranks.py)
         self.cfg = cfg = stack.config
         self.pm = stack.plugins
         self.resume = resume

@@ -57,7 +57,7 @@ def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: A
     import torch.distributed as dist
 
     from rlcore.cluster.data_parallel import DataParallelTrainer
-    from rlcore.cluster.ranks import TorchRanks
+    from rlcore.ranks import TorchRanks
 
     stack = stack_from_yaml(config_yaml)
     cfg = stack.config
