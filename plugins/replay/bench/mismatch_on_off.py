@@ -21,12 +21,22 @@ from rlcore.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def run(steps: int, out: Path, prompts: int = 8) -> list[dict]:
+def run(steps: int, out: Path, prompts: int = 8, extra: tuple[str, ...] = (), head_calls: list | None = None
+        ) -> list[dict]:
+    """``extra``: more overrides (another plugin stack); ``head_calls`` collects every head input."""
     s = load_stack(str(ROOT / "examples" / "tiny_moe.yaml"), [
         "plugins=[replay]", f"training.steps={steps}", "output.plot=false", "output.tensorboard=false",
         "output.progress=false", f"data.prompts_per_step={prompts}", f"output.dir={out}", "sync.verify=false",
-        "replay.mode=R3", "replay.agreement=true", "replay.mismatch_off=true"])
+        "replay.mode=R3", "replay.agreement=true", "replay.mismatch_off=true", *extra])
     t = Trainer(s)
+    if head_calls is not None:
+        head = t.forward_fn
+
+        def recording_head(inp):
+            head_calls.append(inp)
+            return head(inp)
+
+        t.forward_fn = recording_head
     t.backend.dtype = torch.bfloat16  # the rollout serves in bf16, the trainer computes in fp32
     t.backend._check_tensor = lambda name, x: None  # fp32 pushes are cast into the bf16 copy (unverified)
     t.run()
