@@ -19,8 +19,9 @@ Alignment conventions (see :mod:`rlcore.types`):
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -212,7 +213,7 @@ class PackedBatch:
                 f"response_starts has {len(response_starts)} entries, expected one per sequence ({len(seqs)})"
             )
         lens = [s.numel() for s in seqs]
-        for i, (rs, n) in enumerate(zip(response_starts, lens)):
+        for i, (rs, n) in enumerate(zip(response_starts, lens, strict=True)):
             if not 0 < rs <= n:
                 raise BatchShapeError(
                     f"response_starts[{i}]={rs} must be in [1, {n}] for a sequence of {n} tokens"
@@ -223,7 +224,7 @@ class PackedBatch:
 
         input_ids = torch.full((T,), pad_id, dtype=torch.long)
         response = torch.zeros(T, dtype=torch.bool)
-        for s, st, rs, n in zip(seqs, starts, response_starts, lens):
+        for s, st, rs, n in zip(seqs, starts, response_starts, lens, strict=True):
             input_ids[st : st + n] = s
             response[st + rs : st + n] = True
         probe = cls(layout, input_ids, response)  # token-aligned mask, rolled below
@@ -256,7 +257,7 @@ class PackedBatch:
         first = values[0] if values else torch.zeros(0)
         trailing = tuple(first.shape[1:])
         out = torch.full((layout.total_tokens, *trailing), _default_fill(first.dtype), dtype=first.dtype)
-        for i, (v, st, n, rs) in enumerate(zip(values, layout.starts.tolist(), lens, response_starts)):
+        for i, (v, st, n, rs) in enumerate(zip(values, layout.starts.tolist(), lens, response_starts, strict=True)):
             if tuple(v.shape[1:]) != trailing:
                 raise BatchShapeError(
                     f"field {name!r}[{i}] has trailing shape {tuple(v.shape[1:])}, expected {trailing}"
@@ -341,7 +342,7 @@ class PackedBatch:
         if x.shape[0] != self.num_tokens:
             raise BatchShapeError(f"unpack expects T={self.num_tokens} rows, got {tuple(x.shape)}")
         pieces = torch.split(x, self.layout.padded_lens.tolist(), dim=0)
-        return [p[:n] for p, n in zip(pieces, self.layout.seq_lens.tolist())]
+        return [p[:n] for p, n in zip(pieces, self.layout.seq_lens.tolist(), strict=True)]
 
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Per-sequence sum of a per-token tensor ``[T]`` → ``[B]`` (vectorised)."""

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rlcore.distributed import all_reduce_max, copy_to_group, gather_from_sequence_parallel, group_size, reduce_from_group
+from rlcore.distributed import (
+    all_reduce_max,
+    copy_to_group,
+    gather_from_sequence_parallel,
+    group_size,
+    reduce_from_group,
+)
 from rlcore.errors import BatchShapeError
 from rlcore.types import HeadInput, HeadOutput, VocabShard
 

@@ -3,9 +3,10 @@ whether the combination is allowed. ``rlcore check`` prints this; ``rlcore train
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 

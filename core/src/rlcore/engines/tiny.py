@@ -11,8 +11,9 @@ its own, the hf engine refuses: :func:`check_hf_mtp`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rlcore.engines.mimo_layout import ARCHITECTURE, NUM_LAYERS_KEY
 

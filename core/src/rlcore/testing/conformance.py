@@ -22,7 +22,8 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -502,7 +503,7 @@ class EngineConformance:
         batch = self._batch(seqs)
         with torch.no_grad():
             _, lp = self._logprobs(engine, batch)
-        for seq, got in zip(seqs, batch.unpack(lp.cpu())):
+        for seq, got in zip(seqs, batch.unpack(lp.cpu()), strict=True):
             ref = hf_token_logprobs(hf, seq[:1], seq[1:])
             torch.testing.assert_close(got[:-1], torch.tensor(ref), atol=self.atol, rtol=0)
 

@@ -21,7 +21,8 @@ Fixtures for plugin authors:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -47,7 +48,7 @@ class _Registrar:
         self.default = default_manager
         self.done: list[tuple[Any, str]] = []
 
-    def __call__(self, plugin: Any, name: str | None = None, manager: Any = None, **kw: Any) -> "_Registration":
+    def __call__(self, plugin: Any, name: str | None = None, manager: Any = None, **kw: Any) -> _Registration:
         pm = manager or self.default
         reg_name = pm.register(plugin, name, **kw)
         self.done.append((pm, reg_name))
