@@ -50,27 +50,32 @@ def shard_file(step: int, rank: int, world: int) -> str:
     return f"{_stem(step)}.rank_{rank}-of-{world}.pt"
 
 
-def resident_bytes() -> int:
-    """This process's resident set size (Linux ``/proc/self/statm``; 0 where it is missing)."""
+def resident_bytes() -> tuple[int, int]:
+    """This process's resident set size and its private (anonymous) part, in bytes (Linux
+    ``/proc/self/statm``: resident minus shared pages; Ray's object store is shared memory, so
+    a bucket put there counts in the first only). ``(0, 0)`` where the file is missing."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            fields = f.read().split()
+        page = os.sysconf("SC_PAGE_SIZE")
+        return int(fields[1]) * page, (int(fields[1]) - int(fields[2])) * page
     except (OSError, ValueError, IndexError):
-        return 0
+        return 0, 0
 
 
 class PeakResident:
-    """The peak resident set size above the value at entry, sampled by a thread every
-    ``interval_s`` and by :meth:`sample` (called where the peak is expected)."""
+    """The peak resident set size (and its private part) above the values at entry, sampled by a
+    thread every ``interval_s`` and by :meth:`sample` (called where the peak is expected)."""
 
     def __init__(self, interval_s: float = 0.001):
         self.interval_s = interval_s
-        self.base = self.peak = 0
+        self.base = self.peak = (0, 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
-        self.peak = max(self.peak, resident_bytes())
+        now = resident_bytes()
+        self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -90,7 +95,11 @@ class PeakResident:
 
     @property
     def extra_bytes(self) -> int:
-        return self.peak - self.base
+        return self.peak[0] - self.base[0]
+
+    @property
+    def extra_private_bytes(self) -> int:
+        return self.peak[1] - self.base[1]
 
 
 class ModelParallelTrainer(Trainer):
@@ -124,6 +133,7 @@ class ModelParallelTrainer(Trainer):
             finally:
                 self._peak = None
         self.push_metrics["push_peak_extra_rss_mib"] = peak.extra_bytes / MIB
+        self.push_metrics["push_peak_extra_private_mib"] = peak.extra_private_bytes / MIB
         return report
 
     def _export_for_push(self) -> Any:
