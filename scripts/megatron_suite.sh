@@ -33,8 +33,11 @@ if ! venv_is_current "$VENV" "$hash"; then
   esac
   # rlcore-replay, rlcore-npu and rlcore-mtp need nothing beyond rlcore and megatron-core; rlcore-npu's
   # MindSpeed / 0.12.1 compatibility tests run here against the real megatron-core, and stacks with
-  # plugins: [megatron, mtp, replay] find every plugin through its entry point
-  "${PIP[@]}" --no-build-isolation -e "core[test]" -e plugins/megatron -e plugins/replay -e plugins/npu -e plugins/mtp pytest hypothesis
+  # plugins: [megatron, mtp, replay] find every plugin through its entry point. Ray (the same pin
+  # as scripts/setup_venv.sh's rlcore[ray]) runs the megatron TP/EP ranks as Ray actors
+  # (tests/test_megatron_ray.py)
+  "${PIP[@]}" --no-build-isolation -e "core[test,ray]" -e plugins/megatron -e plugins/replay -e plugins/npu -e plugins/mtp \
+    pytest hypothesis ray==2.60.0
   venv_stamp "$VENV" "$hash"
   echo "[$NAME] $VENV ready" >&2
 fi

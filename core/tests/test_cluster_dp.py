@@ -119,9 +119,12 @@ def test_bad_cluster_values_name_the_key(override, key):
 
 
 def test_ray_backend_checks_what_it_can_run():
-    with pytest.raises(ConfigError, match="tp/ep/pp are rlcore-megatron's") as err:
+    with pytest.raises(ConfigError, match="tp/ep are rlcore-megatron's") as err:
         load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.trainer.tp=2"])
     assert err.value.key == "cluster.trainer.tp"
+    with pytest.raises(ConfigError, match="pipeline parallelism is not supported") as err:
+        load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.trainer.pp=2"])
+    assert err.value.key == "cluster.trainer.pp"
     with pytest.raises(ConfigError, match="colocated replicas need as many trainer ranks"):
         load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.placement=colocated", "cluster.rollout.replicas=2"])
     with pytest.raises(ConfigError, match="depend on how prompts are split") as err:

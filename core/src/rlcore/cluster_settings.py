@@ -19,8 +19,12 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 REPLICA_BACKENDS = ("local",)
 #: weight syncs that feed a fleet of replicas (the fleet is a BucketReceiver and a DiskReceiver)
 FLEET_SYNCS = ("inproc", "disk")
-#: training engines whose ranks the cluster layer runs, and the parallel dimensions each has
-ENGINE_DIMS = {"hf": ("dp",)}
+#: training engines whose ranks the cluster layer runs, and the parallel dimensions each has:
+#: ``hf`` ranks are data-parallel (each holds the whole model, samples are split over them:
+#: rlcore.cluster.data_parallel); ``megatron`` ranks are tensor/expert-parallel (each holds a
+#: shard, every rank runs the same step on the same samples: rlcore.cluster.model_parallel).
+#: Megatron data parallelism (dp > 1 next to tp/ep) is not implemented.
+ENGINE_DIMS = {"hf": ("dp",), "megatron": ("tp", "ep")}
 
 
 @dataclass
@@ -33,8 +37,10 @@ class WorkerResources:
 
 @dataclass
 class TrainerRanks:
-    """Trainer ranks: ``dp`` data-parallel ranks (the hf engine); ``tp`` / ``ep`` / ``pp`` are the
-    model-parallel sizes of rlcore-megatron (not run under Ray yet: must be 1)."""
+    """Trainer ranks: ``dp`` data-parallel ranks (the hf engine); ``tp`` / ``ep`` the tensor- and
+    expert-parallel sizes of rlcore-megatron (``tp * ep`` ranks; under ``cluster.backend=ray`` they
+    are the source of truth for ``megatron.tensor_parallel_size`` / ``expert_parallel_size``, which
+    may be left at 1 or set equal). ``pp`` (pipeline) must be 1."""
 
     dp: int = 1
     tp: int = 1
@@ -113,12 +119,16 @@ def check_cluster(cfg: Any) -> None:
     engine = str(cfg.engine.name)
     dims = ENGINE_DIMS.get(engine)
     if dims is None:
-        raise _bad("cluster.backend", f"'ray' runs the engines {', '.join(ENGINE_DIMS)}; engine.name is {engine!r} "
-                   f"(rlcore-megatron under Ray is not implemented yet: see docs/scale.md)")
+        raise _bad("cluster.backend", f"'ray' runs the engines {', '.join(ENGINE_DIMS)}; engine.name is {engine!r}")
+    why = {"dp": "data parallelism over megatron ranks is not implemented (tp/ep ranks all train on the same "
+                 "samples; see docs/scale.md)",
+           "tp": "tp/ep are rlcore-megatron's (engine.name=megatron)",
+           "ep": "tp/ep are rlcore-megatron's (engine.name=megatron)",
+           "pp": "pipeline parallelism is not supported (megatron.pipeline_parallel_size must be 1 too)"}
     for dim in ("dp", "tp", "ep", "pp"):
         if dim not in dims and int(c.trainer[dim]) != 1:
-            raise _bad(f"cluster.trainer.{dim}", f"{c.trainer[dim]}; engine {engine!r} has only "
-                       f"{', '.join(dims)} (tp/ep/pp are rlcore-megatron's)")
+            raise _bad(f"cluster.trainer.{dim}", f"{c.trainer[dim]}; engine {engine!r} runs only "
+                       f"{', '.join(dims)} ranks: {why[dim]}")
     if str(cfg.rollout.backend) not in REPLICA_BACKENDS:
         raise _bad("rollout.backend", f"{cfg.rollout.backend!r} cannot run as a cluster rollout replica yet; "
                    f"cluster.backend=ray runs: {', '.join(REPLICA_BACKENDS)}")

@@ -30,12 +30,7 @@ from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
 from rlcore.config import training_fingerprint
-from rlcore.errors import (
-    CheckpointError,
-    ConfigError,
-    NonFiniteError,
-    RolloutError,
-)
+from rlcore.errors import CheckpointError, ConfigError, NonFiniteError, RolloutError
 from rlcore.faults import fault_point
 from rlcore.platforms import resolve_device
 from rlcore.push import push_weights, rollout_metrics
@@ -184,7 +179,7 @@ class Trainer:
         self._check_weights_finite("rollout engine starts from them", hint="the model loaded (engine.model.path, or "
                                    "the checkpoint resumed) holds NaN/inf")
         model_dir = self.out / "policy_hf"
-        on_writer(self.ranks, lambda: self.engine.save_hf(model_dir))
+        self._write_policy_hf(model_dir)
         self.backend.start(str(model_dir), version=self.version)
         declared = self.stack.rollout_backend.capabilities
         runtime = self.backend.capabilities()
@@ -202,6 +197,10 @@ class Trainer:
             self.console.print("[yellow]note:[/] KV cache stays resident during weight sync (backend cannot release it)")
         if self.cfg.rollout.return_routed_experts and Cap.ROUTED_EXPERTS not in runtime:
             raise RolloutError("rollout.return_routed_experts is set but the backend cannot return routed experts here")
+
+    def _write_policy_hf(self, model_dir: Path) -> None:
+        """The directory the rollout starts from (model-parallel ranks: rlcore/cluster/model_parallel.py)."""
+        on_writer(self.ranks, lambda: self.engine.save_hf(model_dir))
 
     def _restore(self) -> None:
         state, record, diffs = self._resume_from

@@ -186,6 +186,19 @@ def test_hf_configs_megatron_cannot_express_are_errors_naming_the_field(arch, ov
      "needs an MoE model; 'qwen2' has no experts"),
     (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.num_experts=6",
       "megatron.expert_parallel_size=4"], "megatron.expert_parallel_size", r"divide the number of experts \(6\)"),
+    # under Ray, cluster.trainer.tp/ep decide the sizes: a conflict names both keys, a bad size the cluster key
+    (["engine.name=megatron", "engine.model.tiny.num_kv_heads=2", "cluster.backend=ray",
+      "megatron.tensor_parallel_size=2"], "cluster.trainer.tp",
+     "megatron.tensor_parallel_size=2 conflicts with cluster.trainer.tp=1"),
+    (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "cluster.backend=ray", "cluster.trainer.ep=2",
+      "megatron.expert_parallel_size=4"], "cluster.trainer.ep",
+     "megatron.expert_parallel_size=4 conflicts with cluster.trainer.ep=2"),
+    (["engine.name=megatron", "cluster.backend=ray", "cluster.trainer.tp=2"], "megatron.tensor_parallel_size",
+     r"key/value heads \(1\).*cluster.trainer.tp"),
+    (["engine.name=megatron", "cluster.backend=ray", "cluster.trainer.dp=2"], "cluster.trainer.dp",
+     "data parallelism over megatron ranks is not implemented"),
+    (["engine.name=megatron", "cluster.backend=ray", "cluster.trainer.pp=2"], "cluster.trainer.pp",
+     "pipeline parallelism is not supported"),
     (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.topk=1"], "engine.model",
      "norm_topk_prob=true cannot be built in megatron-core.*engine.model.tiny: arch=qwen3_moe, topk=1"),
     # was: the local rollout refused the exported directory at the first weight push
@@ -219,6 +232,24 @@ def test_megatron_model_checks_read_the_model_directory(register_plugin, rlcore_
         with pytest.raises(ConfigError, match=f"bad{i}/config.json") as e:
             rlcore_config("engine.name=megatron", f"engine.model.path={tmp_path / f'bad{i}'}")
         assert e.value.key == "engine.model.path"
+
+
+def test_cluster_trainer_sizes_decide_megatrons_under_ray(register_plugin, rlcore_config):
+    from rlcore_megatron.settings import resolve_parallel, section_settings
+
+    register_plugin(plugin, "megatron")
+    for extra in ([], ["megatron.tensor_parallel_size=2"]):  # left at 1, or the same value
+        cfg = rlcore_config("engine.name=megatron", "engine.model.tiny.num_kv_heads=2", "cluster.backend=ray",
+                            "cluster.trainer.tp=2", *extra)
+        s = resolve_parallel(section_settings(cfg.megatron), cfg)
+        assert (s.tensor_parallel_size, s.expert_parallel_size) == (2, 1)
+        assert plugin._tp(cfg) == 2  # the vocab-parallel head requirement sees it
+    cfg = rlcore_config("engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "cluster.backend=ray",
+                        "cluster.trainer.ep=2")
+    assert resolve_parallel(section_settings(cfg.megatron), cfg).expert_parallel_size == 2
+    # one process: the megatron keys as they are (a bare engine under torchrun reads them)
+    cfg = rlcore_config("engine.name=megatron", "engine.model.tiny.num_kv_heads=2", "megatron.tensor_parallel_size=2")
+    assert resolve_parallel(section_settings(cfg.megatron), cfg).tensor_parallel_size == 2
 
 
 def test_megatron_section_passes_when_the_engine_can_build_it(register_plugin, rlcore_config):

@@ -156,24 +156,29 @@ class FollowerSync:
         pass
 
 
+def rank_stack(stack: Stack, ranks: Ranks, rollout: Any = None) -> Stack:
+    """The stack of one trainer rank: the writer's rollout backend (``rollout``, a fleet of
+    replicas, or the configured one built in its process) broadcasts its samples to every rank;
+    the other ranks receive them, and drain the export instead of pushing (:class:`FollowerSync`)."""
+    declared = frozenset(stack.rollout_backend.capabilities)
+    build_backend = stack.rollout_backend.factory
+
+    def backend_factory(ctx: Any) -> SampleBroadcast:
+        if not ranks.writer:
+            return SampleBroadcast(ranks, None, declared)
+        return SampleBroadcast(ranks, rollout if rollout is not None else build_backend(ctx))
+
+    sync = stack.weight_sync if ranks.writer else replace(stack.weight_sync, factory=lambda ctx: FollowerSync())
+    return replace(stack, rollout_backend=replace(stack.rollout_backend, factory=backend_factory), weight_sync=sync)
+
+
 class DataParallelTrainer(Trainer):
     """:class:`~rlcore.trainer.Trainer` over several data-parallel ranks (torch.distributed is
     initialised; see the module docstring). ``rollout``: the writer's rollout backend (a fleet of
     replicas); ``None`` builds the configured one in the writer's process."""
 
     def __init__(self, stack: Stack, ranks: Ranks, rollout: Any = None, **kwargs: Any):
-        declared = frozenset(stack.rollout_backend.capabilities)
-        build_backend = stack.rollout_backend.factory
-
-        def backend_factory(ctx: Any) -> SampleBroadcast:
-            if not ranks.writer:
-                return SampleBroadcast(ranks, None, declared)
-            return SampleBroadcast(ranks, rollout if rollout is not None else build_backend(ctx))
-
-        sync = stack.weight_sync if ranks.writer else replace(stack.weight_sync, factory=lambda ctx: FollowerSync())
-        stack = replace(stack, rollout_backend=replace(stack.rollout_backend, factory=backend_factory),
-                        weight_sync=sync)
-        super().__init__(stack, ranks=ranks, **kwargs)
+        super().__init__(rank_stack(stack, ranks, rollout), ranks=ranks, **kwargs)
         broadcast_parameters(self.engine.parameters())
         if self.reference is not None:
             broadcast_parameters(self.reference.parameters())

@@ -1,4 +1,5 @@
-"""A trainer rank in its own process: joins torch.distributed and runs the data-parallel trainer.
+"""A trainer rank in its own process: joins torch.distributed and runs the data-parallel trainer
+(hf) or the model-parallel one (megatron).
 
 Used by the Ray actors (:mod:`rlcore.cluster.ray_launch`) and, without Ray, by anything that
 starts the processes itself (the tests spawn two with ``torch.multiprocessing``).
@@ -53,18 +54,25 @@ def init_distributed(rank: int, world: int, master: str, device: str, timeout_s:
 
 def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: Any = None, resume: bool = False,
              overwrite: bool = False, allow_config_change: bool = False) -> dict[str, Any]:
-    """Build the stack, join the group, train; the summary of the run (the writer's is the full one)."""
+    """Build the stack, join the group, train; the summary of the run (the writer's is the full one).
+    The engine decides the kind of ranks (:data:`rlcore.cluster_settings.ENGINE_DIMS`): data
+    parallel (``hf``: samples split, gradients summed) or model parallel (``megatron``: every
+    rank the same samples, the engine's collectives)."""
     import torch.distributed as dist
 
-    from rlcore.cluster.data_parallel import DataParallelTrainer
+    from rlcore.cluster_settings import ENGINE_DIMS
     from rlcore.ranks import TorchRanks
 
     stack = stack_from_yaml(config_yaml)
     cfg = stack.config
+    if "dp" in ENGINE_DIMS.get(str(cfg.engine.name), ("dp",)):
+        from rlcore.cluster.data_parallel import DataParallelTrainer as RankTrainer
+    else:
+        from rlcore.cluster.model_parallel import ModelParallelTrainer as RankTrainer
     init_distributed(rank, world, master, str(cfg.engine.device), float(cfg.cluster.timeout_s))
     try:
-        trainer = DataParallelTrainer(stack, TorchRanks(), rollout=rollout, resume=resume, overwrite=overwrite,
-                                      allow_config_change=allow_config_change)
+        trainer = RankTrainer(stack, TorchRanks(), rollout=rollout, resume=resume, overwrite=overwrite,
+                              allow_config_change=allow_config_change)
         return trainer.run()
     finally:
         dist.destroy_process_group()

@@ -33,7 +33,6 @@ the EP size before the optimizer step; the gradient norm sums each shard once.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,18 +64,16 @@ from rlcore_megatron.model import (
     router_sites,
 )
 from rlcore_megatron.routers import RouterSeam, RoutingState
-from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings
+from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings, resolve_parallel, section_settings
 from rlcore_megatron.weights import NameMap, Parallel, detect_mtp_layout, export_hf, load_hf_into
 
 __all__ = ["MegatronEngine", "HFSource", "build_megatron_engine", "settings_from_section"]
 
 
-def settings_from_section(section: Any) -> MegatronSettings:
-    """The ``megatron:`` config section (validated by its schema) as :class:`MegatronSettings`."""
-    if section is None:
-        return MegatronSettings()
-    names = {f.name for f in dataclasses.fields(MegatronSettings)}
-    return MegatronSettings(**{k: section[k] for k in section.keys() if k in names})
+def settings_from_section(section: Any, config: Any = None) -> MegatronSettings:
+    """The ``megatron:`` config section (validated by its schema) as :class:`MegatronSettings`,
+    with the parallel sizes of ``config``'s launcher (:func:`.settings.resolve_parallel`)."""
+    return resolve_parallel(section_settings(section), config)
 
 
 #: what the decoder got that an MTP layer's transformer layer needs too (every version has them)
@@ -369,6 +366,12 @@ class MegatronEngine:
         write_hf_dir(self.export_hf_weights(), path, config, self.tokenizer,
                      writer=dist.get_rank() == 0, shard_bytes=shard_bytes)
 
+    def parallel_layout(self) -> dict[str, int]:
+        """How the model is split over the ranks (recorded with per-rank checkpoints: a shard
+        only loads into the same layout)."""
+        return {"tp": self.par.tp_size, "ep": self.par.ep_size, "etp": self.par.etp_size, "pp": 1,
+                "rank": dist.get_rank(), "world": dist.get_world_size()}
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
@@ -391,7 +394,7 @@ def build_megatron_engine(ctx: Any) -> MegatronEngine:
 
     ecfg = ctx.config.engine
     device = str(run_device(ctx))  # the run's platform (cpu, cuda, or a plugin's: npu), resolved by core
-    settings = settings_from_section(ctx.settings)
+    settings = settings_from_section(ctx.settings, ctx.config)
     if ecfg.model.path:
         source = HFSource.from_dir(ecfg.model.path)
     else:

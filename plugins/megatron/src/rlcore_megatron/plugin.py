@@ -10,7 +10,13 @@ from rlcore import PLUGIN_API, hookimpl
 from rlcore.errors import PluginError
 from rlcore.types import Cap, EngineSpec, PluginSettings, RequiresCapability
 
-from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings, validate_settings
+from rlcore_megatron.settings import (
+    ENGINE_CAPABILITIES,
+    MegatronSettings,
+    resolve_parallel,
+    section_settings,
+    validate_settings,
+)
 
 __all__ = ["PLUGIN_API", "constraints", "engine", "plugin_settings", "MegatronSettings", "INSTALL_HINT"]
 
@@ -51,6 +57,11 @@ def _megatron_selected(cfg) -> bool:
     return cfg.engine.name == "megatron"
 
 
+def _tp(cfg) -> int:
+    """The run's tensor-parallel size (cluster.trainer.tp under cluster.backend=ray)."""
+    return resolve_parallel(section_settings(cfg.megatron), cfg).tensor_parallel_size
+
+
 @hookimpl
 def constraints():
     """What the engine's parallel layout asks of the head: under tensor parallelism the LM-head
@@ -58,10 +69,10 @@ def constraints():
     the group); under sequence parallelism each rank holds a slice of the hidden states."""
     yield RequiresCapability(
         "forward_fn", Cap.VOCAB_PARALLEL,
-        lambda cfg: (f"megatron.tensor_parallel_size={cfg.megatron.tensor_parallel_size} shards the LM-head "
+        lambda cfg: (f"megatron.tensor_parallel_size={_tp(cfg)} shards the LM-head "
                      f"vocabulary over the tensor-parallel ranks; a head without it computes a softmax over "
                      f"its own shard"),
-        when=lambda cfg: _megatron_selected(cfg) and cfg.megatron.tensor_parallel_size > 1,
+        when=lambda cfg: _megatron_selected(cfg) and _tp(cfg) > 1,
     )
     yield RequiresCapability(
         "forward_fn", Cap.SEQUENCE_PARALLEL,

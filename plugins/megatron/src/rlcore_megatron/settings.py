@@ -10,6 +10,7 @@ config megatron-core cannot express, parallel sizes the model cannot be split by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,11 @@ ENGINE_CAPABILITIES = frozenset(
 class MegatronSettings:
     """``megatron:`` section.
 
-    * ``tensor_parallel_size`` / ``expert_parallel_size``: model split over ranks (launch with
-      ``torchrun --nproc-per-node N``; every rank runs the same step). ``pipeline_parallel_size``
-      must be 1 (pipelining needs the loss inside megatron's schedule).
+    * ``tensor_parallel_size`` / ``expert_parallel_size``: model split over ranks; every rank
+      runs the same step. ``rlcore train`` runs the ranks with ``cluster.backend=ray``, where
+      ``cluster.trainer.tp`` / ``ep`` decide these (:func:`resolve_parallel`); a bare engine
+      (tests) may run under torchrun with them set here. ``pipeline_parallel_size`` must be 1
+      (pipelining needs the loss inside megatron's schedule).
     * ``sequence_parallel``: only with Transformer Engine (the THD path).
     * ``attention``: ``auto`` (THD with Transformer Engine on CUDA, else padded rows), ``te``, ``local``.
     * ``token_dispatcher``: ``allgather`` (any device) or ``alltoall`` (CUDA).
@@ -60,6 +63,38 @@ class MegatronSettings:
 
 
 ATTENTION = ("auto", "te", "local")
+
+#: the megatron setting each ``cluster.trainer`` dimension decides under ``cluster.backend=ray``
+CLUSTER_DIMS = (("tp", "tensor_parallel_size"), ("ep", "expert_parallel_size"))
+
+
+def section_settings(section: Any) -> MegatronSettings:
+    """The ``megatron:`` config section (validated by its schema) as :class:`MegatronSettings`."""
+    if section is None:
+        return MegatronSettings()
+    names = {f.name for f in dataclasses.fields(MegatronSettings)}
+    return MegatronSettings(**{k: section[k] for k in section.keys() if k in names})
+
+
+def resolve_parallel(s: MegatronSettings, config: Any = None) -> MegatronSettings:
+    """The settings with the run's parallel sizes. One source of truth per launcher: under
+    ``cluster.backend=ray`` the ranks are started by the cluster layer, so ``cluster.trainer.tp``
+    / ``ep`` decide ``tensor_parallel_size`` / ``expert_parallel_size``; the megatron keys may
+    be left at 1 or set to the same value, anything else is an error naming both keys. Otherwise
+    (one process, or a bare engine under torchrun) the megatron keys are used as they are."""
+    if config is None or str(config.cluster.backend) != "ray":
+        return s
+    sizes = {}
+    for dim, key in CLUSTER_DIMS:
+        mine, theirs = int(getattr(s, key)), int(config.cluster.trainer[dim])
+        if mine not in (1, theirs):
+            raise ConfigError(
+                f"megatron.{key}={mine} conflicts with cluster.trainer.{dim}={theirs}: under cluster.backend=ray "
+                f"the trainer ranks' layout is cluster.trainer.{dim} and megatron.{key} follows it; set "
+                f"cluster.trainer.{dim}={mine} (and leave megatron.{key} at 1 or equal to it)",
+                key=f"cluster.trainer.{dim}")
+        sizes[key] = theirs
+    return dataclasses.replace(s, **sizes)
 TOKEN_DISPATCHERS = ("allgather", "alltoall")
 
 
@@ -174,10 +209,18 @@ def validate_settings(section: Any, config: Any = None) -> None:
     check_values(section)
     if config is None or config.engine.name != "megatron":
         return
-    check_device(section, str(config.engine.device).split(":")[0])
+    resolved = resolve_parallel(section_settings(section), config)
+    check_values(resolved)
+    check_device(resolved, str(config.engine.device).split(":")[0])
     spec = model_spec_for(config)
-    check_model(section, spec)
-    check_mtp_export(section, spec, str(config.rollout.backend))
+    try:
+        check_model(resolved, spec)
+    except ConfigError as exc:
+        if resolved is section or str(config.cluster.backend) != "ray":
+            raise
+        raise ConfigError(f"{exc} (under cluster.backend=ray the sizes are cluster.trainer.tp / "
+                          f"cluster.trainer.ep)", key=exc.key) from exc
+    check_mtp_export(resolved, spec, str(config.rollout.backend))
 
 
 def check_mtp_export(s: Any, sp: ModelSpec, rollout_backend: str) -> None:
