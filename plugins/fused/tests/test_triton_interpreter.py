@@ -147,6 +147,15 @@ def test_fused_loss_kernels_match_reference_path(name):
     assert_paths_agree(head, case, OBJECTIVES[name])
 
 
+@pytest.mark.parametrize("pipeline", ["gemm+dx", "rows"])
+def test_fused_loss_other_pipelines_match_reference_path(pipeline):
+    """The other chunk schedules (dX GEMM per half; one logits GEMM per chunk) compute the same."""
+    case = make_case(seed=14, vocab=600, rows=608, H=32)
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=11 * 608 * 4 / 2**20,
+                                                                  loss_pipeline=pipeline))
+    assert_paths_agree(head, case, OBJECTIVES["ppo+entropy+kl-k3"])
+
+
 @pytest.mark.parametrize("dw_fp32", [False, True])
 def test_fused_loss_kernels_bf16_in_place(dw_fp32):
     """bf16: ∂L/∂logits is written over the fp32 logits in place (the aliased path); dW summed

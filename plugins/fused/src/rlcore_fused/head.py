@@ -143,9 +143,19 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
     dev = h.device
     loss_mask = req.inputs.mask.to(dev, torch.bool)
     keep = loss_mask if mask is None else (mask & loss_mask)
+    all_labels = inp.labels.to(dev)
+    # the label check rides on the compaction's host sync (queued before it, read after it), so
+    # the call takes no second sync after its kernels (the GPU would idle through the host's tail)
+    bad_any = (keep & ((all_labels < 0) | (all_labels >= vocab.vocab_size))).any()
     idx = keep.nonzero().squeeze(1)
+    if bool(bad_any):
+        labels = all_labels.index_select(0, idx)
+        bad = (labels < 0) | (labels >= vocab.vocab_size)
+        raise BatchShapeError(
+            f"labels at unmasked positions must be in [0, {vocab.vocab_size}); found {labels[bad][:4].tolist()}"
+        )
     n = idx.numel()
-    labels = inp.labels.to(dev).index_select(0, idx)
+    labels = all_labels if n == T else all_labels.index_select(0, idx)
     temp = inp.temperature
     if isinstance(temp, torch.Tensor) and temp.dim() > 0:
         inv_temp = 1.0 / temp.to(dev, torch.float32).index_select(0, idx)
@@ -170,11 +180,6 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
         res = kernels.loss_grads(h.detach() if dense else h.detach().index_select(0, idx),
                                  inp.weight.detach()[: vocab.valid_rows], labels - vocab.start, inv_temp, group, closed,
                                  shard_rows=inp.weight.shape[0])
-        bad = (labels < 0) | (labels >= vocab.vocab_size)
-        if bool(bad.any()):
-            raise BatchShapeError(
-                f"labels at unmasked positions must be in [0, {vocab.vocab_size}); found {labels[bad][:4].tolist()}"
-            )
         dx = res.dx.to(h.dtype) if dense else \
             torch.zeros(h.shape, dtype=h.dtype, device=dev).index_copy_(0, idx, res.dx.to(h.dtype))
         dw = res.dw
@@ -182,9 +187,12 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
             full = torch.zeros_like(inp.weight)
             full[: dw.shape[0]] = dw
             dw = full
-        zeros = torch.zeros(T, dtype=torch.float32, device=dev)
-        lp = zeros.index_put((idx,), res.logprobs)
-        ent = zeros.index_put((idx,), res.entropy)
+        if dense:
+            lp, ent = res.logprobs, res.entropy
+        else:
+            zeros = torch.zeros(T, dtype=torch.float32, device=dev)
+            lp = zeros.index_put((idx,), res.logprobs)
+            ent = zeros.index_put((idx,), res.entropy)
     loss = _PrecomputedLoss.apply(res.loss, h, inp.weight, dx, dw)
     return HeadOutput(logprobs=lp, entropy=ent if inp.compute_entropy else None, loss=loss)
 
