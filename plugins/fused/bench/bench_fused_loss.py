@@ -8,8 +8,8 @@ entropy bonus 1e-3, token-mean aggregation:
 * ``floor3``  the same without the recompute: what a head that knows the loss needs
 * ``fused_loss``  FusedHead(backend=triton) given the LossRequest: loss, dX, dW (autograd.grad)
 * ``fused+torch_loss``  today's path: FusedHead log-probs/entropy, core's TokenObjective.value, autograd
-* ``prev_fused_loss``  the fused-loss head before the single-read row statistics and the
-  overlapped objective (``rlcore_fused_prev``, built from git by run_on_gpu_loss.sh), if present
+* ``prev_fused_loss``  the fused-loss head at an earlier git revision (``rlcore_fused_prev``,
+  written by make_prev_head.sh and carried), if present
 * ``liger_grpo``  LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False), [T/2048, 2048, H] (T=16384 only)
 
 The floors and the heads are timed interleaved (``--rounds`` rounds of ``--reps`` calls each, the
@@ -265,8 +265,8 @@ def grad_accuracy(device, H, V, T):
     out = {"T": T, "rounded_to_bf16": {"dX": rel_err(gx.to(h.dtype), gx), "dW": rel_err(gw.to(w.dtype), gw)}}
     heads = {"fused_loss": FusedHead(backend="triton"), "fused+torch_loss": FusedHead(backend="triton"),
              "fused_loss_dw_fp32": FusedHead(backend="triton", triton_config=TritonConfig(loss_dw_fp32=True)),
-             "fused_loss_compiled": FusedHead(backend="triton",
-                                              triton_config=TritonConfig(loss_compile_objective=True))}
+             "fused_loss_eager_objective": FusedHead(backend="triton",
+                                                     triton_config=TritonConfig(loss_compile_objective=False))}
     if PrevFusedHead is not None:
         heads["prev_fused_loss"] = PrevFusedHead(backend="triton")
     for name, head in heads.items():
@@ -293,7 +293,7 @@ def parse_variant(spec: str) -> TritonConfig:
     f = spec.split(":")
     return TritonConfig(loss_block=int(f[0]), loss_warps=int(f[1]), loss_chunk_mib=float(f[2]),
                         loss_dw_fp32=f[3] == "1", loss_overlap=(f[4] != "0") if len(f) > 4 else True,
-                        loss_compile_objective=len(f) > 5 and f[5] == "1",
+                        loss_compile_objective=(f[5] == "1") if len(f) > 5 else TritonConfig.loss_compile_objective,
                         **({"loss_pipeline": f[6]} if len(f) > 6 else {}))
 
 
@@ -306,6 +306,7 @@ def main() -> int:
     ap.add_argument("--accuracy", default="1024,4096")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--phases", action="store_true", help="per-phase CUDA-event times of one call (phase_times)")
+    ap.add_argument("--variants-everywhere", action="store_true", help="time the variants at every T and case")
     ap.add_argument("--torch-loss", action="store_true", help="also time today's fused head + torch loss")
     ap.add_argument("--variants", default="",
                     help="at T=16384: ';'-separated block:warps:chunk_mib:dw_fp32[:overlap[:compile[:pipeline]]] configs")
@@ -346,7 +347,7 @@ def main() -> int:
         for case, mask in cases:
             x = token_inputs(h.detach(), w.detach(), labels, mask, device)
             variant_heads = {}
-            if case == "all" and T == 16384:
+            if (case == "all" and T == 16384) or args.variants_everywhere:
                 variant_heads = {spec: FusedHead(backend="triton", triton_config=parse_variant(spec))
                                  for spec in filter(None, args.variants.split(";"))}
             if args.phases:
@@ -363,7 +364,7 @@ def main() -> int:
             if args.torch_loss:
                 fns["fused+torch_loss"] = lambda m=mask, x=x: torch_loss_call(head, h, w, labels, m, x)
             for spec, vh in variant_heads.items():
-                fns[f"fused_loss[{spec}]"] = lambda vh=vh, x=x: fused_loss_call(vh, h, w, labels, None, x)
+                fns[f"fused_loss[{spec}]"] = lambda vh=vh, m=mask, x=x: fused_loss_call(vh, h, w, labels, m, x)
             log(f" case {case}: interleaved, {rounds.get(T, 2)} rounds x {args.reps} calls")
             timed = interleaved(fns, device, rounds.get(T, 2), args.reps)
             for name in fns:

@@ -138,6 +138,28 @@ def test_backward_scales_by_the_incoming_gradient():
     torch.testing.assert_close(gw3, -2.5 * gw1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+def test_triton_on_gpu_backward_scales_in_place_without_sync():
+    """On CUDA the stored gradients are scaled on the device (no host sync); a gradient of 1
+    leaves them bitwise unchanged, any other scales them; a second backward is refused."""
+    case = _to(make_case(seed=25, T=300, H=256, vocab=5000, rows=5120), "cuda")
+    obj = OBJECTIVES["ppo-dual-clip"]
+    head = FusedHead(backend="triton")
+    _, _, _, gh1, gw1 = fused_path(head, *case, obj)
+    _, _, _, gh3, gw3 = fused_path(head, *case, obj, scale=-2.5)
+    torch.testing.assert_close(gh3, -2.5 * gh1)
+    torch.testing.assert_close(gw3, -2.5 * gw1)
+    ref = reference_path(*case, obj)
+    assert float((gh1 - ref[3]).norm() / ref[3].norm()) < 1e-4
+    h, w, labels, mask, x, vocab, t = case
+    hh, ww = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    out = head(HeadInput(hidden=hh, weight=ww, labels=labels, vocab=vocab, loss_mask=mask, temperature=t,
+                         loss=LossRequest(obj, x)))
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.loss.backward()
+
+
 def test_sequence_level_loss_is_declined():
     """GSPO needs the sequence's log-probs before any derivative: the head returns no loss and
     differentiable log-probs, so core's plain path forms it (never a silently wrong gradient)."""

@@ -294,6 +294,19 @@ class TritonKernels:
 
     # ------------------------------------------------------------------- fused loss ------
 
+    def scale_in_place(self, t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``t *= g`` for a contiguous ``t`` (CUDA, or CPU under the interpreter) and a 0-d ``g``
+        on its device, with no host sync: the kernel does nothing when ``g`` is 1. Returns ``t``."""
+        n = t.numel()
+        if n == 0:
+            return t
+        block = 4096
+        programs = 4 * torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 2
+        with self._device_ctx(t):
+            K.scale_unless_one_kernel[(max(1, min(_cdiv(n, block), programs)),)](
+                t, g.detach().float().contiguous(), n, BLOCK=block, num_warps=4)
+        return t
+
     def loss_grads(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor, inv_temp: torch.Tensor,
                    group, objective: ObjectiveFn, shard_rows: int | None = None) -> LossResult:
         """The fused-loss path: three GEMMs per token chunk (see :mod:`rlcore_fused.loss_common`).

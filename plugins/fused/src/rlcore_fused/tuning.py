@@ -59,7 +59,7 @@ class TritonConfig:
     loss_pipeline: str = "gemm"
     #: fused-loss path on CUDA: run ``TokenObjective.closed_form`` through ``torch.compile``
     #: (a few fused kernels per chunk instead of a chain of ~35 small ones)
-    loss_compile_objective: bool = False
+    loss_compile_objective: bool = True
 
 
 # Hopper (TMA descriptors): 8 warps (two warpgroups), 3 stages (196 KB of shared memory with the
