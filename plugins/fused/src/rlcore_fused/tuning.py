@@ -8,7 +8,7 @@ from dataclasses import dataclass
 #: ``fused.backend`` values: checked at config time (plugin.py) and by the head
 BACKENDS = ("auto", "triton", "torch")
 #: ``TritonConfig.loss_pipeline`` values
-LOSS_PIPELINES = ("gemm", "gemm+dx", "rows")
+LOSS_PIPELINES = ("rows", "gemm", "gemm+dx")
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,12 @@ class TritonConfig:
     #: fused-loss path on CUDA: evaluate the objective of one half of a chunk on a side stream
     #: while the row kernel runs over the other half (False: everything on the current stream)
     loss_overlap: bool = True
-    #: fused-loss path: how a chunk's rows are split into halves. ``"gemm"``: the logits GEMM
-    #: runs per half, so the objective of the first half (on the side stream) runs behind the
-    #: second half's GEMM instead of in front of the ∂L/∂logits kernel; ``"gemm+dx"``: the dX
-    #: GEMM runs per half too (hides the second half's objective behind the first half's dX
-    #: GEMM); ``"rows"``: one logits GEMM per chunk, only the row passes per half (the schedule
-    #: before 2026-11-23's third pass)
-    loss_pipeline: str = "gemm"
+    #: fused-loss path: how a chunk is split into halves. ``"rows"``: one logits GEMM per chunk,
+    #: the two row passes per half (the side stream's objective of one half runs beside the row
+    #: kernel of the other); ``"gemm"``: the logits GEMM per half too; ``"gemm+dx"``: the dX GEMM
+    #: per half as well. cuBLAS's persistent GEMMs hold every SM, so nothing runs beside them and
+    #: the split GEMMs bought nothing: on an H100 "rows" was fastest (docs/benchmarks/fused.md)
+    loss_pipeline: str = "rows"
     #: fused-loss path on CUDA: run ``TokenObjective.closed_form`` through ``torch.compile``
     #: (a few fused kernels per chunk instead of a chain of ~35 small ones)
     loss_compile_objective: bool = True
