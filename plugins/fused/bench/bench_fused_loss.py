@@ -8,8 +8,8 @@ entropy bonus 1e-3, token-mean aggregation:
 * ``floor3``  the same without the recompute: what a head that knows the loss needs
 * ``fused_loss``  FusedHead(backend=triton) given the LossRequest: loss, dX, dW (autograd.grad)
 * ``fused+torch_loss``  today's path: FusedHead log-probs/entropy, core's TokenObjective.value, autograd
-* ``prev_fused_loss``  the fused-loss head before the single-read row statistics and the
-  overlapped objective (``rlcore_fused_prev``, built from git by run_on_gpu_loss.sh), if present
+* ``prev_fused_loss``  the fused-loss head at an earlier git revision (``rlcore_fused_prev``,
+  written by make_prev_head.sh and carried), if present
 * ``liger_grpo``  LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False), [T/2048, 2048, H] (T=16384 only)
 
 The floors and the heads are timed interleaved (``--rounds`` rounds of ``--reps`` calls each, the
@@ -212,6 +212,39 @@ def profile_parts(head, h, w, labels, mask, x, device, trace=None):
             "wall_ms": a.elapsed_time(b)}
 
 
+def phase_times(head, h, w, labels, mask, x, device, reps=3):
+    """Where one fused-loss call's time goes on the main stream, without the profiler: the head's
+    kernels record a CUDA event after each phase of every chunk (``TritonKernels.phase_log``);
+    per phase the sum over chunks of the time from the previous mark, the median over ``reps``
+    calls. ``host_start``: call start to the first chunk (host setup, the mask's sync);
+    ``tail``: the last GEMM's end to the call's end (outputs, autograd backward); a phase whose
+    kernel had to wait (the ∂L/∂logits kernel for the side stream's objective) includes the wait."""
+    kern = head.kernels_for(h.device)
+    fused_loss_call(head, h, w, labels, mask, x)
+    sync(device)
+    runs = []
+    for _ in range(reps):
+        kern.phase_log = []
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fused_loss_call(head, h, w, labels, mask, x)
+        b.record()
+        b.synchronize()
+        marks, kern.phase_log = kern.phase_log, None
+        sums: dict[str, float] = {}
+        prev = a
+        for label, ev in marks:
+            key = "host_start" if label == "setup" else label
+            sums[key] = sums.get(key, 0.0) + prev.elapsed_time(ev)
+            prev = ev
+        sums["tail"] = prev.elapsed_time(b)
+        sums["total"] = a.elapsed_time(b)
+        runs.append(sums)
+    out = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
+    log("    " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
+    return out
+
+
 def grad_accuracy(device, H, V, T):
     """dX, dW, log-prob, entropy against float64 autograd of the same objective."""
     h, w, labels, _, _ = make_inputs(T, H, V, device, seed=7)
@@ -232,8 +265,8 @@ def grad_accuracy(device, H, V, T):
     out = {"T": T, "rounded_to_bf16": {"dX": rel_err(gx.to(h.dtype), gx), "dW": rel_err(gw.to(w.dtype), gw)}}
     heads = {"fused_loss": FusedHead(backend="triton"), "fused+torch_loss": FusedHead(backend="triton"),
              "fused_loss_dw_fp32": FusedHead(backend="triton", triton_config=TritonConfig(loss_dw_fp32=True)),
-             "fused_loss_compiled": FusedHead(backend="triton",
-                                              triton_config=TritonConfig(loss_compile_objective=True))}
+             "fused_loss_eager_objective": FusedHead(backend="triton",
+                                                     triton_config=TritonConfig(loss_compile_objective=False))}
     if PrevFusedHead is not None:
         heads["prev_fused_loss"] = PrevFusedHead(backend="triton")
     for name, head in heads.items():
@@ -256,11 +289,12 @@ def grad_accuracy(device, H, V, T):
 
 
 def parse_variant(spec: str) -> TritonConfig:
-    """``block:warps:chunk_mib:dw_fp32[:overlap[:compile_objective]]``"""
+    """``block:warps:chunk_mib:dw_fp32[:overlap[:compile_objective[:pipeline]]]``"""
     f = spec.split(":")
     return TritonConfig(loss_block=int(f[0]), loss_warps=int(f[1]), loss_chunk_mib=float(f[2]),
                         loss_dw_fp32=f[3] == "1", loss_overlap=(f[4] != "0") if len(f) > 4 else True,
-                        loss_compile_objective=len(f) > 5 and f[5] == "1")
+                        loss_compile_objective=(f[5] == "1") if len(f) > 5 else TritonConfig.loss_compile_objective,
+                        **({"loss_pipeline": f[6]} if len(f) > 6 else {}))
 
 
 def main() -> int:
@@ -271,9 +305,11 @@ def main() -> int:
     ap.add_argument("--masked", action="store_true")
     ap.add_argument("--accuracy", default="1024,4096")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--phases", action="store_true", help="per-phase CUDA-event times of one call (phase_times)")
+    ap.add_argument("--variants-everywhere", action="store_true", help="time the variants at every T and case")
     ap.add_argument("--torch-loss", action="store_true", help="also time today's fused head + torch loss")
     ap.add_argument("--variants", default="",
-                    help="at T=16384: ';'-separated block:warps:chunk_mib:dw_fp32[:overlap] configs")
+                    help="at T=16384: ';'-separated block:warps:chunk_mib:dw_fp32[:overlap[:compile[:pipeline]]] configs")
     ap.add_argument("--rounds", default="4096:6,16384:5,65536:2", help="interleaved rounds per T (T:rounds,...)")
     ap.add_argument("--reps", type=int, default=3, help="calls per method per round")
     args = ap.parse_args()
@@ -310,16 +346,25 @@ def main() -> int:
         fl = floor_fns(h.detach(), w.detach())
         for case, mask in cases:
             x = token_inputs(h.detach(), w.detach(), labels, mask, device)
+            variant_heads = {}
+            if (case == "all" and T == 16384) or args.variants_everywhere:
+                variant_heads = {spec: FusedHead(backend="triton", triton_config=parse_variant(spec))
+                                 for spec in filter(None, args.variants.split(";"))}
+            if args.phases:
+                log(f" case {case}: phases of one call (ms, main stream), median of 3 calls")
+                run.setdefault("phases", {})[case] = {"fused_loss": phase_times(head, h, w, labels, mask, x, device)}
+                for spec, vh in variant_heads.items():
+                    log(f"   [{spec}]")
+                    run["phases"][case][spec] = phase_times(vh, h, w, labels, mask, x, device)
+                free_memory(device)
             fns = dict(fl)
             fns["fused_loss"] = lambda m=mask, x=x: fused_loss_call(head, h, w, labels, m, x)
             if prev is not None:
                 fns["prev_fused_loss"] = lambda m=mask, x=x: fused_loss_call(prev, h, w, labels, m, x)
             if args.torch_loss:
                 fns["fused+torch_loss"] = lambda m=mask, x=x: torch_loss_call(head, h, w, labels, m, x)
-            if case == "all" and T == 16384:
-                for spec in filter(None, args.variants.split(";")):
-                    vh = FusedHead(backend="triton", triton_config=parse_variant(spec))
-                    fns[f"fused_loss[{spec}]"] = lambda vh=vh, x=x: fused_loss_call(vh, h, w, labels, None, x)
+            for spec, vh in variant_heads.items():
+                fns[f"fused_loss[{spec}]"] = lambda vh=vh, m=mask, x=x: fused_loss_call(vh, h, w, labels, m, x)
             log(f" case {case}: interleaved, {rounds.get(T, 2)} rounds x {args.reps} calls")
             timed = interleaved(fns, device, rounds.get(T, 2), args.reps)
             for name in fns:

@@ -138,6 +138,28 @@ def test_backward_scales_by_the_incoming_gradient():
     torch.testing.assert_close(gw3, -2.5 * gw1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+def test_triton_on_gpu_backward_scales_in_place_without_sync():
+    """On CUDA the stored gradients are scaled on the device (no host sync); a gradient of 1
+    leaves them bitwise unchanged, any other scales them; a second backward is refused."""
+    case = _to(make_case(seed=25, T=300, H=256, vocab=5000, rows=5120), "cuda")
+    obj = OBJECTIVES["ppo-dual-clip"]
+    head = FusedHead(backend="triton")
+    _, _, _, gh1, gw1 = fused_path(head, *case, obj)
+    _, _, _, gh3, gw3 = fused_path(head, *case, obj, scale=-2.5)
+    torch.testing.assert_close(gh3, -2.5 * gh1)
+    torch.testing.assert_close(gw3, -2.5 * gw1)
+    ref = reference_path(*case, obj)
+    assert float((gh1 - ref[3]).norm() / ref[3].norm()) < 1e-4
+    h, w, labels, mask, x, vocab, t = case
+    hh, ww = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    out = head(HeadInput(hidden=hh, weight=ww, labels=labels, vocab=vocab, loss_mask=mask, temperature=t,
+                         loss=LossRequest(obj, x)))
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.loss.backward()
+
+
 def test_sequence_level_loss_is_declined():
     """GSPO needs the sequence's log-probs before any derivative: the head returns no loss and
     differentiable log-probs, so core's plain path forms it (never a silently wrong gradient)."""
@@ -215,10 +237,37 @@ def _record_path_agrees(case, objective, device, monkeypatch, **config):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
-def test_triton_on_gpu_record_path_and_overlap_agree(monkeypatch):
+@pytest.mark.parametrize("pipeline", ["rows", "gemm", "gemm+dx"])
+def test_triton_on_gpu_record_path_and_overlap_agree(monkeypatch, pipeline):
     case = make_case(seed=22, T=300, H=256, vocab=5000, rows=5120)
     _record_path_agrees(case, OBJECTIVES["ppo+entropy+kl-k3"], "cuda", monkeypatch,
-                        loss_chunk_mib=64 * 5000 * 4 / 2**20)
+                        loss_chunk_mib=64 * 5000 * 4 / 2**20, loss_pipeline=pipeline)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+@pytest.mark.parametrize("pipeline", ["gemm", "gemm+dx"])
+def test_triton_on_gpu_other_pipelines_match_reference_path(pipeline):
+    from rlcore_fused.tuning import TritonConfig
+
+    case = _to(make_case(seed=24, T=300, H=256, vocab=5000, rows=5120, dtype=torch.bfloat16), "cuda")
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=64 * 5000 * 4 / 2**20,
+                                                                  loss_pipeline=pipeline))
+    assert_paths_agree(head, case, OBJECTIVES["ppo+entropy+kl-k3"], rtol=1e-4, atol=1e-5, grad_rtol=2e-2)
+
+
+def test_out_of_vocab_label_is_an_error_only_where_loss_is_carried():
+    """A label outside [0, vocab) at a token carrying loss is an error naming the range; at a
+    masked token it is ignored (the kernels never see it)."""
+    from rlcore.errors import BatchShapeError
+
+    h, w, labels, mask, x, vocab, t = make_case(seed=9)
+    obj = OBJECTIVES["ppo-dual-clip"]
+    bad = labels.clone()
+    bad[int((~mask).nonzero()[0])] = vocab.vocab_size  # masked: fine
+    fused_path(FusedHead(backend="torch", chunk_tokens=7), h, w, bad, mask, x, vocab, t, obj)
+    bad[int(mask.nonzero()[0])] = -1
+    with pytest.raises(BatchShapeError, match=rf"must be in \[0, {vocab.vocab_size}\)"):
+        fused_path(FusedHead(backend="torch", chunk_tokens=7), h, w, bad, mask, x, vocab, t, obj)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

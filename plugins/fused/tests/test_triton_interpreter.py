@@ -147,6 +147,15 @@ def test_fused_loss_kernels_match_reference_path(name):
     assert_paths_agree(head, case, OBJECTIVES[name])
 
 
+@pytest.mark.parametrize("pipeline", ["gemm", "gemm+dx"])
+def test_fused_loss_other_pipelines_match_reference_path(pipeline):
+    """The other chunk schedules (logits GEMM per half; dX GEMM per half too) compute the same."""
+    case = make_case(seed=14, vocab=600, rows=608, H=32)
+    head = FusedHead(backend="triton", triton_config=TritonConfig(loss_chunk_mib=11 * 608 * 4 / 2**20,
+                                                                  loss_pipeline=pipeline))
+    assert_paths_agree(head, case, OBJECTIVES["ppo+entropy+kl-k3"])
+
+
 @pytest.mark.parametrize("dw_fp32", [False, True])
 def test_fused_loss_kernels_bf16_in_place(dw_fp32):
     """bf16: ∂L/∂logits is written over the fp32 logits in place (the aliased path); dW summed
@@ -175,3 +184,22 @@ def test_fused_loss_vocab_parallel_in_interpreter():
 
 def test_fused_loss_everything_masked():
     _cases.everything_masked_gives_zero(FusedHead(backend="triton"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_unless_one_kernel(dtype):
+    """The fused loss's sync-free backward scaling: untouched (bitwise) for a gradient of 1,
+    scaled in fp32 with one rounding otherwise, over a grid-stride loop with a ragged tail."""
+    from rlcore_fused.triton_backend import TritonKernels
+
+    kern = TritonKernels()
+    t = torch.randn(3 * 4096 + 77, generator=torch.Generator().manual_seed(0)).to(dtype)
+    same = kern.scale_in_place(t.clone(), torch.tensor(1.0))
+    assert torch.equal(same, t)
+    scaled = kern.scale_in_place(t.clone(), torch.tensor(-2.5))
+    want = (t.float() * -2.5).to(dtype)
+    if dtype == torch.float32:
+        assert torch.equal(scaled, want)
+    else:  # the interpreter's fp32 → bf16 conversion truncates: within one bf16 ulp
+        torch.testing.assert_close(scaled.float(), want.float(), rtol=2**-7, atol=0)
+        assert not torch.equal(scaled, t)

@@ -84,21 +84,42 @@ class _FusedLogprobEntropy(torch.autograd.Function):
 
 class _PrecomputedLoss(torch.autograd.Function):
     """A loss whose gradients were formed in the forward: backward scales the stored ``dX``
-    (over all T rows of ``hidden``) and ``dW`` by the incoming gradient."""
+    (over all T rows of ``hidden``) and ``dW`` by the incoming gradient.
+
+    With a backend that can scale in place on the device (Triton on CUDA: a kernel that does
+    nothing when the incoming gradient is 1, the usual ``loss.backward()``), the backward takes
+    no host sync, so the host runs ahead into the next work while the head's GEMMs finish; the
+    stored gradients are then handed out scaled, and a second backward through the same graph
+    (``retain_graph``) is refused. Otherwise one sync decides whether to multiply at all."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, dx, dw):
+    def forward(ctx, loss, hidden, weight, dx, dw, kernels):
         ctx.save_for_backward(dx, dw)
+        ctx.kernels = kernels
+        ctx.scaled_in_place = False
         return loss.clone()
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.scaled_in_place:
+            raise RuntimeError(
+                "rlcore-fused: the fused loss's backward ran twice through one graph; its gradients were formed "
+                "in the forward and handed out scaled in place the first time. Call the head again (or set "
+                "fused.backend=torch) for a second backward"
+            )
         dx, dw = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        scale = getattr(ctx.kernels, "scale_in_place", None)
+        if scale is not None and all(t.is_cuda and t.is_contiguous() for t in (dx, dw)):
+            g0 = g.reshape(())
+            gx = scale(dx, g0) if need_dx else None
+            gw = scale(dw, g0) if need_dw else None
+            ctx.scaled_in_place = True
+            return None, gx, gw, None, None, None
         unit = bool(g.eq(1).all())  # the usual case: loss.backward() on the step loss's sum
         gx = (dx if unit else dx * g.to(dx.dtype)) if need_dx else None
         gw = (dw if unit else dw * g.to(dw.dtype)) if need_dw else None
-        return None, gx, gw, None, None
+        return None, gx, gw, None, None, None
 
 
 def _token_slice(x: Any, lo: int, hi: int) -> Any:
@@ -123,9 +144,20 @@ _COMPILED: dict[str, Any] = {}
 
 def _compiled_closed_form():
     """:func:`_closed_form` through ``torch.compile`` (dynamic shapes: one compile serves every
-    chunk size), built on first use."""
+    chunk size), built on first use. A failing compile is an error naming the setting that runs
+    the objective eagerly instead."""
     if "closed_form" not in _COMPILED:
-        _COMPILED["closed_form"] = torch.compile(_closed_form, dynamic=True)
+        compiled = torch.compile(_closed_form, dynamic=True)
+
+        def closed_form(objective, logp, ent, x):
+            try:
+                return compiled(objective, logp, ent, x)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"rlcore-fused: torch.compile of the loss objective failed ({type(exc).__name__}: {exc}); "
+                    "set fused.loss_compile_objective: false to evaluate it eagerly"
+                ) from exc
+        _COMPILED["closed_form"] = closed_form
     return _COMPILED["closed_form"]
 
 
@@ -143,9 +175,19 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
     dev = h.device
     loss_mask = req.inputs.mask.to(dev, torch.bool)
     keep = loss_mask if mask is None else (mask & loss_mask)
+    all_labels = inp.labels.to(dev)
+    # the label check rides on the compaction's host sync (queued before it, read after it), so
+    # the call takes no second sync after its kernels (the GPU would idle through the host's tail)
+    bad_any = (keep & ((all_labels < 0) | (all_labels >= vocab.vocab_size))).any()
     idx = keep.nonzero().squeeze(1)
+    if bool(bad_any):
+        labels = all_labels.index_select(0, idx)
+        bad = (labels < 0) | (labels >= vocab.vocab_size)
+        raise BatchShapeError(
+            f"labels at unmasked positions must be in [0, {vocab.vocab_size}); found {labels[bad][:4].tolist()}"
+        )
     n = idx.numel()
-    labels = inp.labels.to(dev).index_select(0, idx)
+    labels = all_labels if n == T else all_labels.index_select(0, idx)
     temp = inp.temperature
     if isinstance(temp, torch.Tensor) and temp.dim() > 0:
         inv_temp = 1.0 / temp.to(dev, torch.float32).index_select(0, idx)
@@ -160,7 +202,7 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
     compact = req.inputs if dense else req.inputs_at(idx)
 
     config = getattr(kernels, "config", None)
-    closed_form = _compiled_closed_form() if (dev.type == "cuda" and getattr(config, "loss_compile_objective", False)) \
+    closed_form = _compiled_closed_form() if (dev.type == "cuda" and getattr(config, "loss_compile_objective", True)) \
         else _closed_form
 
     def closed(lo: int, hi: int, logp: torch.Tensor, ent: torch.Tensor):
@@ -170,11 +212,6 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
         res = kernels.loss_grads(h.detach() if dense else h.detach().index_select(0, idx),
                                  inp.weight.detach()[: vocab.valid_rows], labels - vocab.start, inv_temp, group, closed,
                                  shard_rows=inp.weight.shape[0])
-        bad = (labels < 0) | (labels >= vocab.vocab_size)
-        if bool(bad.any()):
-            raise BatchShapeError(
-                f"labels at unmasked positions must be in [0, {vocab.vocab_size}); found {labels[bad][:4].tolist()}"
-            )
         dx = res.dx.to(h.dtype) if dense else \
             torch.zeros(h.shape, dtype=h.dtype, device=dev).index_copy_(0, idx, res.dx.to(h.dtype))
         dw = res.dw
@@ -182,10 +219,13 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
             full = torch.zeros_like(inp.weight)
             full[: dw.shape[0]] = dw
             dw = full
-        zeros = torch.zeros(T, dtype=torch.float32, device=dev)
-        lp = zeros.index_put((idx,), res.logprobs)
-        ent = zeros.index_put((idx,), res.entropy)
-    loss = _PrecomputedLoss.apply(res.loss, h, inp.weight, dx, dw)
+        if dense:
+            lp, ent = res.logprobs, res.entropy
+        else:
+            zeros = torch.zeros(T, dtype=torch.float32, device=dev)
+            lp = zeros.index_put((idx,), res.logprobs)
+            ent = zeros.index_put((idx,), res.entropy)
+    loss = _PrecomputedLoss.apply(res.loss, h, inp.weight, dx, dw, kernels)
     return HeadOutput(logprobs=lp, entropy=ent if inp.compute_entropy else None, loss=loss)
 
 

@@ -51,9 +51,10 @@ class FusedSettings:
     #: fused-loss path: sum dW over token chunks in fp32 (exact parity with the log-prob head's dW
     #: accuracy; 4·V·H bytes more, +8 % time at T=16384)
     loss_dw_fp32: bool = False
-    #: fused-loss path: torch.compile the objective's closed form (measured 0.850x vs 0.857x the
-    #: four-GEMM floor at T=16384 on an H100, one run: off until confirmed at other sizes)
-    loss_compile_objective: bool = False
+    #: fused-loss path on CUDA: torch.compile the objective's closed form (its ~35 small kernels per
+    #: half-chunk become a few, which the side stream runs beside the row kernels; measured on an
+    #: H100: docs/benchmarks/fused.md)
+    loss_compile_objective: bool = True
 
 
 
@@ -116,7 +117,7 @@ def build_head(ctx):
         triton_config=TritonConfig(chunk_mib=int(settings.backward_chunk_mib),
                                    loss_chunk_mib=int(getattr(settings, "loss_chunk_mib", 768)),
                                    loss_dw_fp32=bool(getattr(settings, "loss_dw_fp32", False)),
-                                   loss_compile_objective=bool(getattr(settings, "loss_compile_objective", False))),
+                                   loss_compile_objective=bool(getattr(settings, "loss_compile_objective", True))),
     )
 
 

@@ -38,6 +38,7 @@ from rlcore_fused.tuning import (
     GPU_16BIT_POINTERS,
     GPU_32BIT,
     INTERPRETER,
+    LOSS_PIPELINES,
     TileConfig,
     TritonConfig,
     pick_split_tiles,
@@ -114,6 +115,9 @@ class TritonKernels:
     name: str = "triton"
     #: the last launched compiled kernels (registers, spills) for benchmarks and diagnostics
     compiled: dict = field(default_factory=dict, repr=False)
+    #: benchmarks: a list to receive ``(phase, CUDA event)`` marks from the fused-loss path
+    phase_log: list | None = field(default=None, repr=False)
+    _streams: dict = field(default_factory=dict, repr=False)
 
     # ---------------------------------------------------------------- configuration ------
 
@@ -290,6 +294,19 @@ class TritonKernels:
 
     # ------------------------------------------------------------------- fused loss ------
 
+    def scale_in_place(self, t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``t *= g`` for a contiguous ``t`` (CUDA, or CPU under the interpreter) and a 0-d ``g``
+        on its device, with no host sync: the kernel does nothing when ``g`` is 1. Returns ``t``."""
+        n = t.numel()
+        if n == 0:
+            return t
+        block = 4096
+        programs = 4 * torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 2
+        with self._device_ctx(t):
+            K.scale_unless_one_kernel[(max(1, min(_cdiv(n, block), programs)),)](
+                t, g.detach().float().contiguous(), n, BLOCK=block, num_warps=4)
+        return t
+
     def loss_grads(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor, inv_temp: torch.Tensor,
                    group, objective: ObjectiveFn, shard_rows: int | None = None) -> LossResult:
         """The fused-loss path: three GEMMs per token chunk (see :mod:`rlcore_fused.loss_common`).
@@ -337,7 +354,11 @@ class TritonKernels:
         block = int(self.config.loss_block) if x.is_cuda else 256
         warps = int(self.config.loss_warps) if x.is_cuda else 1
         main = torch.cuda.current_stream(dev) if x.is_cuda else None
-        side = torch.cuda.Stream(device=dev) if (x.is_cuda and self.config.loss_overlap) else None
+        side = self._side_stream(dev) if (x.is_cuda and self.config.loss_overlap) else None
+        pipeline = self.config.loss_pipeline
+        if pipeline not in LOSS_PIPELINES:
+            raise ValueError(f"rlcore-fused: loss_pipeline must be one of {', '.join(LOSS_PIPELINES)}; got {pipeline!r}")
+        mark = self._phase_marker(x)
 
         def objective_into(a: int, b: int):
             """The objective over rows [a, b) into the per-token buffers; on the side stream when
@@ -355,27 +376,44 @@ class TritonKernels:
                 run()
                 return side.record_event()
 
+        def logits_into(a: int, b: int, z: torch.Tensor):
+            if x.is_cuda:
+                torch.mm(x[a:b], w_valid.t(), out_dtype=torch.float32, out=z)
+            else:
+                z.copy_(x[a:b].float() @ w_valid.float().t())
+
+        def dx_from(a: int, b: int, dl: torch.Tensor):
+            if x.is_cuda:
+                torch.mm(dl, w_valid, out=dx[a:b])
+            else:
+                dx[a:b] = (dl.float() @ w_valid.float()).to(dx.dtype)
+
+        # "rows" splits only the row passes, and only where a side stream overlaps them (and on
+        # CPU, where the tests exercise them); the "gemm" schedules always split (so that serial
+        # and overlapped runs form the same GEMMs: bitwise equal results)
+        split = side is not None or not x.is_cuda or pipeline != "rows"
+        split_gemm = pipeline != "rows"
+        split_dx = pipeline == "gemm+dx"
         reductions = _full_precision_reductions() if x.is_cuda else contextlib.nullcontext()
         with self._device_ctx(x), reductions:
+            mark("setup")
             for lo in range(0, n, c):
                 hi = min(lo + c, n)
                 m = hi - lo
                 xc = x[lo:hi]
-                z = buf[:m, :v]
-                if v == 0:
-                    pass  # a rank holding only padding rows: empty records, zero gradients
-                elif x.is_cuda:
-                    torch.mm(xc, w_valid.t(), out_dtype=torch.float32, out=z)
-                else:
-                    z.copy_(xc.float() @ w_valid.float().t())
-                # halves only where they buy overlap (and on CPU, where the tests exercise them);
-                # otherwise they would only add launches
                 mid = lo + (m + 1) // 2
-                halves = [(lo, mid), (mid, hi)] if m > 1 and (side is not None or not x.is_cuda) else [(lo, hi)]
+                halves = [(lo, mid), (mid, hi)] if m > 1 and split else [(lo, hi)]
+                if v and not split_gemm:
+                    logits_into(lo, hi, buf[:m, :v])
+                    mark("gemm_logits")
                 events = []
                 for a, b in halves:
+                    if v and split_gemm:  # v == 0: a rank holding only padding rows
+                        logits_into(a, b, buf[a - lo:b - lo, :v])
+                        mark("gemm_logits")
                     self._loss_row_stats(buf, a - lo, a, b, v, labels32, scale, logp_all, ent_all, lse2_all,
                                          mu_all, group if sharded else None, block, warps)
+                    mark("row_stats")
                     events.append(objective_into(a, b))
                 if v == 0:
                     continue
@@ -387,21 +425,25 @@ class TritonKernels:
                         lse2_all[a:b], mu_all[a:b], g_lp_all[a:b], g_ent_all[a:b], v,
                         BLOCK=block, ALIASED=aliased, num_warps=warps,
                     )
+                    mark("wait+row_dlogits")
+                    if split_dx:
+                        dx_from(a, b, dl_buf[a - lo:b - lo, :v])
+                        mark("gemm_dx")
                 dl = dl_buf[:m, :v]
+                if not split_dx:
+                    dx_from(lo, hi, dl)
+                    mark("gemm_dx")
                 if dw32 is not None:
-                    torch.mm(dl, w_valid, out=dx[lo:hi]) if x.is_cuda else \
-                        dx[lo:hi].copy_(dl.float() @ w_valid.float())
                     _addmm_into_fp32(dw32, dl.t(), xc)
                 elif x.is_cuda:
-                    torch.mm(dl, w_valid, out=dx[lo:hi])
                     if lo == 0:
                         torch.mm(dl.t(), xc, out=dw)
                     else:
                         dw.addmm_(dl.t(), xc)
                 else:
-                    dx[lo:hi] = (dl.float() @ w_valid.float()).to(dx.dtype)
                     prev = 0.0 if lo == 0 else dw.float()
                     dw.copy_((prev + dl.t().float() @ xc.float()).to(dw.dtype))
+                mark("gemm_dw")
         if side is not None:
             main.wait_stream(side)  # the objective's last writes, before any buffer is reused
         if v == 0:
@@ -409,6 +451,26 @@ class TritonKernels:
         if dw32 is not None:
             dw.copy_(dw32)
         return LossResult(value_all.sum(), logp_all, ent_all, dx, dw)
+
+    def _side_stream(self, dev: torch.device):
+        """One side stream per device, kept (creating one per call costs host time)."""
+        key = str(dev)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=dev)
+        return self._streams[key]
+
+    def _phase_marker(self, x: torch.Tensor):
+        """``mark(label)``: with ``phase_log`` a list (benchmarks), records a CUDA event on the
+        current stream labelled with the phase that just ended; otherwise does nothing."""
+        log = self.phase_log
+        if log is None or not x.is_cuda:
+            return lambda label: None
+
+        def mark(label: str):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            log.append((label, ev))
+        return mark
 
     @staticmethod
     def _loss_row_stats(buf, row0, a, b, v, labels32, scale, logp_all, ent_all, lse2_all, mu_all, group, block, warps):

@@ -320,3 +320,20 @@ def loss_row_dlogits_kernel(
         if ALIASED:
             tl.debug_barrier()
         tl.store(drow + cols, d.to(dl_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def scale_unless_one_kernel(t_ptr, g_ptr, N, BLOCK: tl.constexpr):
+    """``t *= g`` in place (fp32 product, one rounding) unless the scalar ``g`` (device memory)
+    is exactly 1: then every program returns after one load. Lets the fused loss's backward
+    scale its stored gradients by the incoming gradient without a host sync (the usual incoming
+    gradient is 1: ``loss.backward()`` on the step's loss). Grid-stride over ``N`` elements."""
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:
+        offs = tl.arange(0, BLOCK)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, N, step):
+            idx = start + offs
+            ok = idx < N
+            v = tl.load(t_ptr + idx, mask=ok)
+            tl.store(t_ptr + idx, (v.to(tl.float32) * g).to(t_ptr.dtype.element_ty), mask=ok)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 #: ``fused.backend`` values: checked at config time (plugin.py) and by the head
 BACKENDS = ("auto", "triton", "torch")
+#: ``TritonConfig.loss_pipeline`` values
+LOSS_PIPELINES = ("rows", "gemm", "gemm+dx")
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,15 @@ class TritonConfig:
     #: fused-loss path on CUDA: evaluate the objective of one half of a chunk on a side stream
     #: while the row kernel runs over the other half (False: everything on the current stream)
     loss_overlap: bool = True
+    #: fused-loss path: how a chunk is split into halves. ``"rows"``: one logits GEMM per chunk,
+    #: the two row passes per half (the side stream's objective of one half runs beside the row
+    #: kernel of the other); ``"gemm"``: the logits GEMM per half too; ``"gemm+dx"``: the dX GEMM
+    #: per half as well. cuBLAS's persistent GEMMs hold every SM, so nothing runs beside them and
+    #: the split GEMMs bought nothing: on an H100 "rows" was fastest (docs/benchmarks/fused.md)
+    loss_pipeline: str = "rows"
     #: fused-loss path on CUDA: run ``TokenObjective.closed_form`` through ``torch.compile``
     #: (a few fused kernels per chunk instead of a chain of ~35 small ones)
-    loss_compile_objective: bool = False
+    loss_compile_objective: bool = True
 
 
 # Hopper (TMA descriptors): 8 warps (two warpgroups), 3 stages (196 KB of shared memory with the
