@@ -1,0 +1,135 @@
+"""The pieces of the source-mapped plane (:mod:`rlcore.transport.mapped`): sharing a storage with
+the other process once, opening it there, and the receiver's copy program.
+
+* :func:`export_storage` / :func:`open_storage`: a CUDA storage travels as torch's own IPC
+  description (``UntypedStorage._share_cuda_``: the IPC handle of the caching-allocator block that
+  holds it, plus the storage's byte offset in that block), so many parameters in one block cost one
+  ``cudaIpcOpenMemHandle`` on the receiver (torch caches opened blocks by handle). The CPU analogue,
+  for tests on machines without a GPU, is a storage in shared memory named by its file
+  (``_share_filename_cpu_``, torch's ``file_system`` sharing): the same bookkeeping, another handle.
+* :class:`CopyProgram`: the receiver's copies for one layout, built once. Pairs whose source bytes
+  and destination bytes both follow on from the previous pair's (parameters carved out of one flat
+  buffer on both sides) merge into one run; runs are viewed with the widest integer type their
+  sizes and addresses allow; runs of at least ``big_bytes`` are copied one by one (a plain
+  device-to-device ``copy_``), the rest with one ``torch._foreach_copy_`` per element width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlcore.transport.protocol import TransportError
+
+_WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def export_storage(storage: torch.UntypedStorage) -> tuple[tuple, tuple]:
+    """``(key, payload)`` of a storage another process can open with :func:`open_storage`. ``key``
+    names the storage (block handle and offset), ``payload[1][1]`` the block (CUDA) or file (CPU)."""
+    if storage.device.type == "cuda":
+        meta = storage._share_cuda_()
+        # (device, block handle, storage bytes, storage offset in the block, ref-counter handle,
+        #  ref-counter offset, event handle, event sync required)
+        return (bytes(meta[1]), int(meta[3])), ("cuda", tuple(meta))
+    if storage.device.type == "cpu":
+        if not storage.is_shared():
+            raise TransportError("a CPU tensor of a mapped push must be in shared memory (tensor.share_memory_() "
+                                 "under torch.multiprocessing.set_sharing_strategy('file_system'))")
+        try:
+            meta = storage._share_filename_cpu_()
+        except RuntimeError as exc:
+            raise TransportError(f"this CPU storage cannot be shared by name ({exc}); use "
+                                 "torch.multiprocessing.set_sharing_strategy('file_system') before share_memory_()") from exc
+        storage._shared_incref()  # the receiver's open takes this reference over (as torch's pickling does)
+        return (bytes(meta[1]), 0), ("cpu", tuple(meta))
+    raise TransportError(f"a mapped push cannot share a {storage.device.type} storage (cuda or shared cpu only)")
+
+
+def open_storage(payload: tuple) -> torch.UntypedStorage:
+    kind, meta = payload
+    if kind == "cuda":
+        torch.cuda._lazy_init()
+        return torch.UntypedStorage._new_shared_cuda(*meta)
+    storage = torch.UntypedStorage._new_shared_filename_cpu(*meta)
+    storage._shared_decref()
+    return storage
+
+
+def block_of(payload: tuple) -> bytes:
+    """The caching-allocator block (CUDA) or the file (CPU) that holds a storage."""
+    return bytes(payload[1][1])
+
+
+def typed_view(storage: torch.UntypedStorage, byte_offset: int, shape: tuple[int, ...] | list[int],
+               dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous ``dtype`` tensor of ``shape`` at ``byte_offset`` of ``storage``."""
+    item = torch.empty((), dtype=dtype).element_size()
+    if byte_offset % item:
+        raise TransportError(f"offset {byte_offset} is not a multiple of the {dtype} item size")
+    shape = tuple(int(s) for s in shape)
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    out = torch.empty(0, dtype=dtype, device=storage.device)
+    return out.set_(storage, byte_offset // item, shape, tuple(reversed(stride)))
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.UntypedStorage, int, int]:
+    s = t.untyped_storage()
+    return s, t.data_ptr() - s.data_ptr(), t.numel() * t.element_size()
+
+
+class CopyProgram:
+    """Copies ``pairs`` of ``(destination, source)`` tensors (same dtype, shape, device; both
+    contiguous) as few, wide copies; built once for a layout, :meth:`run` every push."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], big_bytes: int = 16 << 20):
+        spans = []  # (src storage, src offset, dst storage, dst offset, nbytes)
+        for dst, src in pairs:
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise TransportError(f"copy pair differs: {tuple(dst.shape)} {dst.dtype} <- {tuple(src.shape)} {src.dtype}")
+            if not (dst.is_contiguous() and src.is_contiguous()):
+                raise TransportError("copy pairs must be contiguous tensors")
+            ss, so, n = _flat(src)
+            ds, do, _ = _flat(dst)
+            if n:
+                spans.append((ss, so, ds, do, n))
+        spans.sort(key=lambda s: (s[0].data_ptr(), s[1]))
+        runs: list[list] = []
+        for ss, so, ds, do, n in spans:
+            last = runs[-1] if runs else None
+            if (last is not None and last[0].data_ptr() == ss.data_ptr() and last[2].data_ptr() == ds.data_ptr()
+                    and last[1] + last[4] == so and last[3] + last[4] == do):
+                last[4] += n
+            else:
+                runs.append([ss, so, ds, do, n])
+        self.pairs, self.runs = len(pairs), len(runs)
+        self.big: list[tuple[torch.Tensor, torch.Tensor]] = []
+        groups: dict[torch.dtype, tuple[list, list]] = {}
+        self.bytes = 0
+        for ss, so, ds, do, n in runs:
+            width, dt = next((w, d) for w, d in _WIDTHS
+                             if n % w == 0 and (ss.data_ptr() + so) % w == 0 and (ds.data_ptr() + do) % w == 0)
+            src_v, dst_v = typed_view(ss, so, (n // width,), dt), typed_view(ds, do, (n // width,), dt)
+            self.bytes += n
+            if n >= big_bytes:
+                self.big.append((dst_v, src_v))
+            else:
+                d, s = groups.setdefault(dt, ([], []))
+                d.append(dst_v)
+                s.append(src_v)
+        self.groups = list(groups.values())
+        self.fused = sum(len(d) for d, _ in self.groups)
+
+    def run(self) -> None:
+        for dst, src in self.big:
+            dst.copy_(src, non_blocking=True)
+        for dsts, srcs in self.groups:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+    def stats(self) -> dict[str, Any]:
+        return {"pairs": self.pairs, "runs": self.runs, "big_copies": len(self.big), "fused_copies": self.fused,
+                "fused_launches": len(self.groups), "bytes": self.bytes}
