@@ -28,6 +28,10 @@ def file_system_sharing():
     tmp.set_sharing_strategy(before)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC handles need a CUDA GPU; "
+                                "core/bench/bench_transport_mapped_gpu.py runs them on one (docs/benchmarks/transport.md)")
+
+
 def _start(**kwargs):
     parent, child = CTX.Pipe()
     proc = CTX.Process(target=tm.mapped_receiver_main, args=(child, tm.SPEC), kwargs=kwargs, daemon=True)
@@ -154,3 +158,25 @@ def test_checksum_plan_equals_tensor_checksum():
     assert plan.compute() == [tensor_checksum(t) for t in ts]
     ts[0][3, 3] += 1
     assert plan.compute()[0] == tensor_checksum(ts[0]) != ChecksumPlan([torch.zeros(1)]).compute()[0]
+
+
+@needs_cuda
+def test_cuda_ipc_mapped_push_one_handle_per_block_and_bitwise_copies():
+    weights = tm.allocate(tm.SPEC, device="cuda", seed=5)
+    conn, proc = _start(device="cuda")
+    sender = RecklessSender(PipeChannel(conn, "rollout"), timeout=120)
+    first = sender.send(weights, version=1)
+    for t in weights.values():
+        t.add_(1)
+    second = sender.send(weights, version=2)
+    sender.corrupt = True
+    with pytest.raises(TransportError, match="other bytes"):
+        sender.send(weights, version=3)
+    sender.corrupt = False
+    sender.send(weights, version=4)
+    _, version, sums, aborted, torn, summaries = _finish(conn, proc)
+    assert first.details["layout_sent"] and not second.details["layout_sent"]
+    assert first.details["blocks"] <= first.details["storages"] == 5
+    assert first.details["checksum_backend"] in ("triton", "per-tensor")
+    assert version == 4 and aborted == 1 and not torn
+    assert sums == {n: tensor_checksum(t) for n, t in weights.items()}

@@ -103,14 +103,16 @@ class ParamStore:
 
 
 def mapped_receiver_main(conn: Any, spec: list, slow_commit: dict[int, float] | None = None,
-                         timeout: float = 60.0) -> None:
+                         timeout: float = 60.0, device: str = "cpu") -> None:
     """Serve mapped pushes into a :class:`ParamStore` until ``("close",)``, then answer
     ``("result", version, checksums, aborted, torn, summaries)`` (or ``("crash", text)``)."""
     from rlcore.transport import MappedReceiver, PipeChannel
 
     torch.set_num_threads(1)
     try:
-        store = ParamStore(spec, slow_commit=slow_commit)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        store = ParamStore(spec, device=device, slow_commit=slow_commit)
         summaries = MappedReceiver(PipeChannel(conn, "trainer"), timeout=timeout).serve(store)
         conn.send(("result", store.version, store.weight_checksums(), store.aborted, store.torn, summaries))
     except Exception:  # noqa: BLE001

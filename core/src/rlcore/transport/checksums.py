@@ -3,8 +3,8 @@
 ``tensor_checksum`` launches a handful of kernels and waits for the GPU once per tensor; on a MoE
 with 1,651 tensors that is thousands of launches and 1,651 host waits. :class:`ChecksumPlan`
 computes the same per-tensor values for a fixed list of tensors with one Triton kernel over all of
-them (each program sums one chunk of one tensor's 32-bit words) and one copy of the partial sums to
-the host. The plan (the chunk table on the GPU) is built once and rerun for every push, since a
+them (each program sums one chunk of one tensor's 32-bit words, column by column as
+``tensor_checksum`` does, so no word needs a modulo) and one copy of the partial sums to the host. The plan (the chunk table on the GPU) is built once and rerun for every push, since a
 transport sends the same tensors, at the same addresses, push after push.
 
 Where Triton is missing, on a CPU, or for a tensor whose byte size or address is not a multiple of
@@ -20,9 +20,9 @@ from rlcore.sync import tensor_checksum
 
 _P = (1 << 31) - 1  # the modulus of tensor_checksum
 _W = 65521  # its position period
-CHUNK_WORDS = 16 * _W  # a chunk starts at a multiple of _W words, so position = index % _W + 1
-_BLOCK = 2048
-_ITERS = -(-CHUNK_WORDS // _BLOCK)
+_ROWS = 16
+CHUNK_WORDS = _ROWS * _W  # a chunk starts at a multiple of _W words, so position = index % _W + 1
+_BLOCK = 1024
 
 _kernel = None
 
@@ -39,20 +39,25 @@ def _triton_kernel():
         return None
 
     @triton.jit
-    def word_sums(addr_ptr, nwords_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr, W: tl.constexpr,
+    def word_sums(addr_ptr, nwords_ptr, out_ptr, BLOCK: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
                   P: tl.constexpr):
+        # one chunk of ROWS x W words, seen as ROWS rows of W: word r*W + c has position c + 1, so a
+        # column's words are summed first (no modulo per word) and weighted once
         pid = tl.program_id(0)
         base = tl.load(addr_ptr + pid).to(tl.pointer_type(tl.int32))
         n = tl.load(nwords_ptr + pid).to(tl.int32)
         offs = tl.arange(0, BLOCK)
         acc1 = tl.zeros([BLOCK], dtype=tl.int64)
         acc2 = tl.zeros([BLOCK], dtype=tl.int64)
-        for it in range(ITERS):  # a fixed trip count (the chunk's maximum), masked past its end
-            idx = it * BLOCK + offs
-            w = tl.load(base + idx, mask=idx < n, other=0).to(tl.int64)
-            acc1 += w
-            # |w * pos| < 2^47 and a lane adds at most ITERS (512) terms: no overflow
-            acc2 += w * (idx % W + 1).to(tl.int64)
+        for cb in range(0, W, BLOCK):
+            c = cb + offs
+            colsum = tl.zeros([BLOCK], dtype=tl.int64)
+            for r in tl.static_range(ROWS):  # unrolled: ROWS independent loads in flight
+                idx = r * W + c
+                colsum += tl.load(base + idx, mask=(c < W) & (idx < n), other=0).to(tl.int64)
+            acc1 += colsum
+            # |colsum| <= ROWS * 2^31 = 2^35, times c + 1 <= 2^16, over W / BLOCK terms: < 2^58
+            acc2 += colsum * (c + 1).to(tl.int64)
         tl.store(out_ptr + 2 * pid, tl.sum(acc1, axis=0))
         tl.store(out_ptr + 2 * pid + 1, tl.sum(acc2 % P, axis=0))
 
@@ -107,11 +112,11 @@ class ChecksumPlan:
             out[i] = tensor_checksum(self.tensors[i])
         if not self._eligible:
             return out
-        self._kernel[(self._addr.numel(),)](self._addr, self._count, self._out, BLOCK=_BLOCK, ITERS=_ITERS, W=_W, P=_P)
+        self._kernel[(self._addr.numel(),)](self._addr, self._count, self._out, BLOCK=_BLOCK, ROWS=_ROWS, W=_W, P=_P)
         partial = self._out.cpu()
-        sums = torch.zeros(len(self.tensors), 2, dtype=torch.int64).index_add_(0, self._owner, partial)
+        sums = torch.zeros(len(self.tensors), 2, dtype=torch.int64).index_add_(0, self._owner, partial).tolist()
         for i in self._eligible:
-            s1 = int(sums[i, 0]) % _P
-            s2 = int(sums[i, 1]) % _P
+            s1 = sums[i][0] % _P
+            s2 = sums[i][1] % _P
             out[i] = (s1 << 31) | (s2 ^ (self._words[i] & 0x7FFFFFFF))
         return out

@@ -132,7 +132,8 @@ class MappedSender:
         self._exports = exports  # storages no longer named are let go (the receiver drops them too)
         self.exported_total += new
         storages = {ex[0]: ex[1] for ex in exports.values()}
-        return {"tensors": entries, "storages": storages}, new
+        return {"tensors": entries, "storages": storages, "nbytes": sum(e[5] for e in entries),
+                "num_storages": len(storages), "num_blocks": len({block_of(p) for p in storages.values()})}, new
 
     def send(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
         """Lend ``weights`` as ``version``; returns when the receiver committed it (its reads done)."""
@@ -155,16 +156,15 @@ class MappedSender:
             self._signature, self._layout_id = signature, self._layout_id + 1
             self._checksums = None
         send_layout = self._receiver_layout != self._layout_id
+        with phases("settle"):  # every write of the last step complete before anyone reads
+            _synchronize(device)
         sums = None
         if self.verify:
             with phases("checksum"):
                 if self._checksums is None:
                     self._checksums = ChecksumPlan(tensors)
                 sums = self._checksums.compute()
-        with phases("settle"):  # every write of the last step complete before the receiver reads
-            _synchronize(device)
         self._before_publish(tensors)
-        nbytes = sum(e[5] for e in self._layout["tensors"])
         self.state = "lent"
         try:
             with phases("publish"):
@@ -187,11 +187,10 @@ class MappedSender:
         self._receiver_layout = self._layout_id
         _, _, level, checked, receiver_phases = msg
         details = {"level": level, "transport": "mapped", "layout_sent": send_layout, "storages_exported": new,
-                   "storages": len(self._exports),
-                   "blocks": len({block_of(ex[1]) for ex in self._exports.values()}),
+                   "storages": self._layout["num_storages"], "blocks": self._layout["num_blocks"],
                    "checksum_backend": self._checksums.backend if self._checksums else None,
                    "sender_phases": phases.as_dict(), "receiver_phases": receiver_phases}
-        return SyncReport(int(version), len(tensors), 0, nbytes, time.perf_counter() - t0, verified=self.verify,
+        return SyncReport(int(version), len(tensors), 0, self._layout["nbytes"], time.perf_counter() - t0, verified=self.verify,
                           checked=checked, method="transport-mapped", details=details)
 
     def _before_publish(self, tensors: list[torch.Tensor]) -> None:
