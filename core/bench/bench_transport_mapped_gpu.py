@@ -12,8 +12,8 @@ shapes (no generation engine). Per model, in one pair of processes:
 3. the bucket path (``WeightSender`` over ``CudaIpcPlane``, double-buffered, fused fill; last
    session's best configuration per model), 1 warm-up + ``--repeats`` pushes, then every tensor
    compared bitwise with the trainer's;
-4. the mapped path (``MappedSender`` / ``MappedReceiver``) with three copy strategies on the
-   receiver (default: copies >= 16 MiB one by one, the rest fused; all one by one; all fused),
+4. the mapped path (``MappedSender`` / ``MappedReceiver``) with five copy strategies on the
+   receiver (``MAPPED``; default: copies >= 16 MiB one by one, the rest in ``_foreach_copy_``),
    1 first push (layout, IPC opens) + ``--repeats`` pushes each; then verified pushes (new weights
    each time, checksums on both sides); then a push during which the trainer writes one byte
    after its checksum (must fail with the receiver aborted); then a good push and every tensor
@@ -53,7 +53,9 @@ from bench_transport_gpu import ReplicaParams, model_shapes, sync  # noqa: E402
 
 MiB = 1 << 20
 BUCKET = {"dense": (1024, 2), "moe": (512, 2), "moe_flat": (512, 2)}  # best of the last run per model
-MAPPED = [("all_memcpy", 0), ("all_fused", 1 << 62), ("default", 16 * MiB)]  # default last: it goes on verified
+# (name, big_bytes, fused): how the replica copies; the default last, it goes on with the verified pushes
+MAPPED = [("all_memcpy", 0, "foreach"), ("all_foreach", 1 << 62, "foreach"), ("all_triton", 1 << 62, "triton"),
+          ("memcpy16M_triton", 16 * MiB, "triton"), ("default", 16 * MiB, "foreach")]
 
 
 def allocate(shapes, dev, flat: bool, seed: int | None) -> dict[str, torch.Tensor]:
@@ -121,7 +123,7 @@ def rollout_main(conn, result_conn, kind: str, scale: float, device: str) -> Non
                 log.append(("bucket", WeightReceiver(channel, plane, manifest=manifest, timeout=300).serve(replica)))
                 plane.close()
             elif msg[0] == "phase" and msg[1] == "mapped":
-                receiver = MappedReceiver(channel, manifest=manifest, timeout=300, big_bytes=msg[2])
+                receiver = MappedReceiver(channel, manifest=manifest, timeout=300, big_bytes=msg[2], fused=msg[3])
                 log.append(("mapped", receiver.serve(replica)))
                 receiver.close()
             elif msg[0] == "bitwise":
@@ -208,8 +210,8 @@ def trainer_main(conn, result_conn, args: dict) -> None:
         res["d2d_copy"] = {"median_s": statistics.median(t), "GBps": d2d / 1e9}
         src = dst = None  # freed before the pushes
         twins = allocate(shapes, dev, flat=kind.endswith("_flat"), seed=None)
-        for name, big in MAPPED:
-            program = CopyProgram([(twins[n], w) for n, w in weights.items()], big_bytes=big)
+        for name, big, fused in MAPPED:
+            program = CopyProgram([(twins[n], w) for n, w in weights.items()], big_bytes=big, fused=fused)
             t = timed(program.run, dev, 5)
             res[f"in_process_copy_program_{name}"] = {"median_s": statistics.median(t),
                                                       "GBps": nbytes / statistics.median(t) / 1e9, **program.stats()}
@@ -244,8 +246,8 @@ def trainer_main(conn, result_conn, args: dict) -> None:
         bitwise("after_bucket")
 
         res["mapped"] = {}
-        for name, big in MAPPED:
-            conn.send(("phase", "mapped", big))
+        for name, big, fused in MAPPED:
+            conn.send(("phase", "mapped", big, fused))
             sender = MappedSender(channel, verify=False, timeout=300)
             version += 1
             first = sender.send(weights, version)

@@ -206,11 +206,13 @@ class MappedReceiver:
     ``direct_destinations() -> {name: tensor}`` (its own tensors that a received tensor of the same
     name, dtype and shape is copied into byte for byte). Tensors without one are handed to
     ``target.receive_bucket`` as views of the trainer's storage (one bucket per storage), which
-    must copy before returning. ``big_bytes``: copies at least this large go one by one."""
+    must copy before returning. ``big_bytes``: copies at least this large go one by one; ``fused``:
+    how the others go (``"foreach"`` or ``"triton"``, see :class:`~rlcore.transport.CopyProgram`)."""
 
     def __init__(self, channel: Channel, *, manifest: WeightManifest | None = None, timeout: float | None = 600.0,
-                 big_bytes: int = 16 << 20):
+                 big_bytes: int = 16 << 20, fused: str = "foreach"):
         self.channel, self.manifest, self.timeout, self.big_bytes = channel, manifest, timeout, big_bytes
+        self.fused = fused
         self._opened: dict[tuple, torch.UntypedStorage] = {}
         self._layout_id: int | None = None
         self._names: list[str] = []
@@ -277,7 +279,7 @@ class MappedReceiver:
                 else:  # the target's loader copies it (fused or re-laid-out parameters)
                     by_storage.setdefault(src.untyped_storage().data_ptr(), []).append((name, src))
                     checked.append(src)
-            self._program = CopyProgram(pairs, self.big_bytes)
+            self._program = CopyProgram(pairs, self.big_bytes, self.fused)
             self._dst_signature = [d.data_ptr() for d, _ in pairs]
             self._loads = []
             for items in by_storage.values():

@@ -11,7 +11,9 @@ the other process once, opening it there, and the receiver's copy program.
   and destination bytes both follow on from the previous pair's (parameters carved out of one flat
   buffer on both sides) merge into one run; runs are viewed with the widest integer type their
   sizes and addresses allow; runs of at least ``big_bytes`` are copied one by one (a plain
-  device-to-device ``copy_``), the rest with one ``torch._foreach_copy_`` per element width.
+  device-to-device ``copy_``), the rest with one ``torch._foreach_copy_`` per element width, or
+  (``fused="triton"``, CUDA) with one Triton kernel over a table of 8-byte-aligned chunks: one
+  launch for all of them, where ``_foreach_copy_`` launches once per few hundred blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,36 @@ import torch
 from rlcore.transport.protocol import TransportError
 
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+_COPY_BLOCK, _COPY_ITERS = 1024, 64  # a chunk of the Triton copy: 64 x 1024 int64 words (512 KiB)
+
+_copy_kernel = None
+
+
+def triton_copy_kernel():
+    """The batched copy kernel, compiled lazily; ``None`` where Triton cannot be imported."""
+    global _copy_kernel
+    if _copy_kernel is not None:
+        return _copy_kernel
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def copy_chunks(src_ptr, dst_ptr, nwords_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        src = tl.load(src_ptr + pid).to(tl.pointer_type(tl.int64))
+        dst = tl.load(dst_ptr + pid).to(tl.pointer_type(tl.int64))
+        n = tl.load(nwords_ptr + pid).to(tl.int32)
+        offs = tl.arange(0, BLOCK)
+        for it in range(ITERS):
+            idx = it * BLOCK + offs
+            mask = idx < n
+            tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
+
+    _copy_kernel = copy_chunks
+    return _copy_kernel
 
 
 def export_storage(storage: torch.UntypedStorage) -> tuple[tuple, tuple]:
@@ -86,7 +118,10 @@ class CopyProgram:
     """Copies ``pairs`` of ``(destination, source)`` tensors (same dtype, shape, device; both
     contiguous) as few, wide copies; built once for a layout, :meth:`run` every push."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], big_bytes: int = 16 << 20):
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], big_bytes: int = 16 << 20,
+                 fused: str = "foreach"):
+        if fused not in ("foreach", "triton"):
+            raise ValueError(f"fused must be 'foreach' or 'triton', got {fused!r}")
         spans = []  # (src storage, src offset, dst storage, dst offset, nbytes)
         for dst, src in pairs:
             if dst.shape != src.shape or dst.dtype != src.dtype:
@@ -123,13 +158,28 @@ class CopyProgram:
                 s.append(src_v)
         self.groups = list(groups.values())
         self.fused = sum(len(d) for d, _ in self.groups)
+        self.table: tuple[torch.Tensor, ...] | None = None
+        kernel = triton_copy_kernel() if fused == "triton" and torch.int64 in groups else None
+        if kernel is not None and groups[torch.int64][0][0].device.type == "cuda":
+            dsts, srcs = groups.pop(torch.int64)  # the 8-byte runs go through the kernel
+            self.groups = list(groups.values())
+            chunk = _COPY_BLOCK * _COPY_ITERS
+            rows = [(s.data_ptr() + 8 * at, d.data_ptr() + 8 * at, min(chunk, s.numel() - at))
+                    for d, s in zip(dsts, srcs, strict=True) for at in range(0, s.numel(), chunk)]
+            cols = list(zip(*rows, strict=True))
+            self.table = tuple(torch.tensor(c, dtype=torch.int64, device=dsts[0].device) for c in cols)
+            self._keep = (dsts, srcs)  # the table holds raw addresses: keep the views alive
+            self._kernel = kernel
 
     def run(self) -> None:
         for dst, src in self.big:
             dst.copy_(src, non_blocking=True)
         for dsts, srcs in self.groups:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        if self.table is not None:
+            self._kernel[(self.table[0].numel(),)](*self.table, BLOCK=_COPY_BLOCK, ITERS=_COPY_ITERS)
 
     def stats(self) -> dict[str, Any]:
         return {"pairs": self.pairs, "runs": self.runs, "big_copies": len(self.big), "fused_copies": self.fused,
-                "fused_launches": len(self.groups), "bytes": self.bytes}
+                "fused_launches": len(self.groups) + (self.table is not None),
+                "triton_chunks": 0 if self.table is None else self.table[0].numel(), "bytes": self.bytes}
