@@ -13,7 +13,7 @@ shapes (no generation engine). Per model, in one pair of processes:
    session's best configuration per model), 1 warm-up + ``--repeats`` pushes, then every tensor
    compared bitwise with the trainer's;
 4. the mapped path (``MappedSender`` / ``MappedReceiver``) with five copy strategies on the
-   receiver (``MAPPED``; default: copies >= 16 MiB one by one, the rest in ``_foreach_copy_``),
+   receiver (``MAPPED``; default: copies >= 16 MiB one by one, the rest in one Triton launch),
    1 first push (layout, IPC opens) + ``--repeats`` pushes each; then verified pushes (new weights
    each time, checksums on both sides); then a push during which the trainer writes one byte
    after its checksum (must fail with the receiver aborted); then a good push and every tensor
@@ -55,7 +55,7 @@ MiB = 1 << 20
 BUCKET = {"dense": (1024, 2), "moe": (512, 2), "moe_flat": (512, 2)}  # best of the last run per model
 # (name, big_bytes, fused): how the replica copies; the default last, it goes on with the verified pushes
 MAPPED = [("all_memcpy", 0, "foreach"), ("all_foreach", 1 << 62, "foreach"), ("all_triton", 1 << 62, "triton"),
-          ("memcpy16M_triton", 16 * MiB, "triton"), ("default", 16 * MiB, "foreach")]
+          ("memcpy16M_foreach", 16 * MiB, "foreach"), ("default", 16 * MiB, "auto")]
 
 
 def allocate(shapes, dev, flat: bool, seed: int | None) -> dict[str, torch.Tensor]:
@@ -211,6 +211,7 @@ def trainer_main(conn, result_conn, args: dict) -> None:
         src = dst = None  # freed before the pushes
         twins = allocate(shapes, dev, flat=kind.endswith("_flat"), seed=None)
         for name, big, fused in MAPPED:
+            fused = fused if dev.type == "cuda" else "auto"  # no Triton copy on a CPU
             program = CopyProgram([(twins[n], w) for n, w in weights.items()], big_bytes=big, fused=fused)
             t = timed(program.run, dev, 5)
             res[f"in_process_copy_program_{name}"] = {"median_s": statistics.median(t),
@@ -247,7 +248,7 @@ def trainer_main(conn, result_conn, args: dict) -> None:
 
         res["mapped"] = {}
         for name, big, fused in MAPPED:
-            conn.send(("phase", "mapped", big, fused))
+            conn.send(("phase", "mapped", big, fused if dev.type == "cuda" else "auto"))
             sender = MappedSender(channel, verify=False, timeout=300)
             version += 1
             first = sender.send(weights, version)

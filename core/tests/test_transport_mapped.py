@@ -150,6 +150,8 @@ def test_copy_program_merges_adjacent_pairs_and_copies_every_byte():
     assert stats["bytes"] == sum(t.numel() * t.element_size() for t in src.values())
     widths = {d.dtype for d, _ in program.big} | {d[0].dtype for d, _ in program.groups}
     assert torch.int16 in widths  # 14 bytes: int16 view, the others wider
+    with pytest.raises(TransportError, match="needs CUDA tensors and Triton"):
+        CopyProgram(pairs, fused="triton")  # never a silent fallback when the kernel was asked for
 
 
 def test_checksum_plan_equals_tensor_checksum():
@@ -162,8 +164,8 @@ def test_checksum_plan_equals_tensor_checksum():
 
 @needs_cuda
 def test_cuda_ipc_mapped_push_one_handle_per_block_and_bitwise_copies():
-    weights = tm.allocate(tm.SPEC, device="cuda", seed=5)
-    conn, proc = _start(device="cuda")
+    weights = tm.allocate(tm.SPEC, device="cuda:0", seed=5)
+    conn, proc = _start(device="cuda:0")
     sender = RecklessSender(PipeChannel(conn, "rollout"), timeout=120)
     first = sender.send(weights, version=1)
     for t in weights.values():
