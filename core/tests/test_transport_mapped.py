@@ -62,7 +62,7 @@ class RecklessSender(MappedSender):
 
 def test_mapped_push_layout_cache_coalescing_loader_and_a_byte_written_while_lent(file_system_sharing):
     weights = tm.allocate(tm.SPEC, shared=True, seed=1)
-    conn, proc = _start()
+    conn, proc = _start(relocate_after={1: "model.norm.weight"})  # the replica moves a tensor after v1
     sender = RecklessSender(PipeChannel(conn, "rollout"), timeout=60)
     reports = [sender.send(weights, version=1)]
     sender.check_writable()  # the reply came: the optimizer may step
@@ -95,6 +95,8 @@ def test_mapped_push_layout_cache_coalescing_loader_and_a_byte_written_while_len
     # 24 expert views of one flat buffer on both sides: one run; embed, norm, lm_head: one each
     assert program["pairs"] == len(tm.SPEC) - 1 and program["runs"] == 4, program
     assert ok[0]["loader_buckets"] == 1  # the qkv went through the target's loader
+    # the replica's moved tensor is noticed: its copies are planned again, nothing is re-opened
+    assert "plan" in ok[1]["phases"] and "open" not in ok[1]["phases"] and not same.details["layout_sent"]
     assert ok[-1]["opened_total"] == storages + 1  # each storage opened once, the new lm_head too
     assert version == 5 and aborted == 1 and not torn
     assert sums == {n: tensor_checksum(t) for n, t in weights.items()}

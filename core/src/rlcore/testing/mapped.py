@@ -60,8 +60,10 @@ def allocate(spec: list, device: torch.device | str = "cpu", shared: bool = Fals
 
 
 class ParamStore:
-    def __init__(self, spec: list, device: torch.device | str = "cpu", slow_commit: dict[int, float] | None = None):
+    def __init__(self, spec: list, device: torch.device | str = "cpu", slow_commit: dict[int, float] | None = None,
+                 relocate_after: dict[int, str] | None = None):
         self.params = allocate(spec, device)
+        self.relocate_after = dict(relocate_after or {})  # version -> name moved to new memory after it
         self.loader_names = {n for n, _, _, where in spec if where == "loader"}
         self.shapes = {n: s for n, s, _, _ in spec}
         self.version = 0
@@ -92,6 +94,9 @@ class ParamStore:
             self.params[name].copy_(t)
         self._staging = None
         self.version, self.torn = version, False
+        if version in self.relocate_after:  # as an engine that frees and re-allocates its weights
+            name = self.relocate_after[version]
+            self.params[name] = self.params[name].clone()
 
     def abort_update(self) -> None:
         self._staging = None
@@ -103,7 +108,7 @@ class ParamStore:
 
 
 def mapped_receiver_main(conn: Any, spec: list, slow_commit: dict[int, float] | None = None,
-                         timeout: float = 60.0, device: str = "cpu") -> None:
+                         timeout: float = 60.0, device: str = "cpu", relocate_after: dict[int, str] | None = None) -> None:
     """Serve mapped pushes into a :class:`ParamStore` until ``("close",)``, then answer
     ``("result", version, checksums, aborted, torn, summaries)`` (or ``("crash", text)``)."""
     from rlcore.transport import MappedReceiver, PipeChannel
@@ -112,7 +117,7 @@ def mapped_receiver_main(conn: Any, spec: list, slow_commit: dict[int, float] | 
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-        store = ParamStore(spec, device=device, slow_commit=slow_commit)
+        store = ParamStore(spec, device=device, slow_commit=slow_commit, relocate_after=relocate_after)
         summaries = MappedReceiver(PipeChannel(conn, "trainer"), timeout=timeout).serve(store)
         conn.send(("result", store.version, store.weight_checksums(), store.aborted, store.torn, summaries))
     except Exception:  # noqa: BLE001

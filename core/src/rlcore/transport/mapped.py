@@ -150,6 +150,8 @@ class MappedSender:
         if not tensors:
             raise TransportError("a mapped push needs at least one tensor")
         device = self.device or tensors[0].device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         new = 0
         if signature != self._signature:
             with phases("export"):
@@ -222,7 +224,6 @@ class MappedReceiver:
         self._checks: ChecksumPlan | None = None
         self._dst_signature: list[int] = []
         self._sources: list[torch.Tensor] = []
-        self._pairs_dst: list[torch.Tensor] = []
         self.device = torch.device("cpu")
         self.opened_total = 0  # storages opened over this receiver's life
 
@@ -281,7 +282,7 @@ class MappedReceiver:
                     by_storage.setdefault(src.untyped_storage().data_ptr(), []).append((name, src))
                     checked.append(src)
             self._program = CopyProgram(pairs, self.big_bytes, self.fused)
-            self._dst_signature = [d.data_ptr() for d, _ in pairs]
+            self._dst_signature = self._destinations_now(target)
             self._loads = []
             for items in by_storage.values():
                 base = items[0][1].untyped_storage()
@@ -290,7 +291,15 @@ class MappedReceiver:
                                     s.numel() * s.element_size()) for n, s in items]
                 self._loads.append(Bucket(len(self._loads), metas[0].dtype, buf, metas))
             self._checks = ChecksumPlan(checked)
-            self._sources, self._pairs_dst = sources, [d for d, _ in pairs]
+            self._sources = sources
+
+    def _destinations_now(self, target: Any) -> list[int | None]:
+        """Where the target's direct destinations are now (asked every push: an engine that
+        released and re-allocated its weights has them elsewhere, and the plan must follow)."""
+        if not callable(getattr(target, "direct_destinations", None)):
+            return []
+        dests = target.direct_destinations()
+        return [d.data_ptr() if (d := dests.get(n)) is not None else None for n in self._names]
 
     def serve_one(self, target: Any, msg: tuple) -> dict[str, Any]:
         _, version, layout_id, layout, sums = msg
@@ -305,7 +314,7 @@ class MappedReceiver:
             elif layout_id != self._layout_id:
                 raise TransportError(f"protocol error: layout {layout_id} was never sent (this side has "
                                      f"{self._layout_id})")
-            elif [d.data_ptr() for d in self._pairs_dst] != self._dst_signature:
+            elif self._destinations_now(target) != self._dst_signature:
                 self._plan(target, self._sources, phases)  # the target moved its tensors (slept and woke)
             target.begin_update(version)
             begun = True
@@ -346,5 +355,5 @@ class MappedReceiver:
 
     def close(self) -> None:
         self._opened, self._program, self._loads, self._checks = {}, None, [], None
-        self._sources, self._pairs_dst = [], []
+        self._sources = []
         self._layout_id = None
