@@ -13,6 +13,10 @@ Receiver (the rollout process; ``target`` is any :class:`rlcore.types.BucketRece
     from rlcore.transport import PipeChannel, WeightReceiver, receiver_plane_for
     WeightReceiver(PipeChannel(conn, "trainer"), receiver_plane_for("shm")).serve(target)
 
+Colocated on one GPU, :class:`MappedSender` / :class:`MappedReceiver`
+(:mod:`rlcore.transport.mapped`) skip the buckets: the receiver copies straight out of the
+trainer's parameter storages, shared once, while the trainer waits.
+
 Planes (:mod:`rlcore.transport.planes`): ``ShmPlane`` (CPU shared memory), ``CudaIpcPlane`` (a
 GPU shared by both processes), ``DistPlane`` (a ``torch.distributed`` broadcast: gloo on CPU,
 NCCL to disaggregated engines; the caller creates the group). The protocol, the hand-back of
@@ -20,7 +24,10 @@ every buffer and the verification are in :mod:`rlcore.transport.protocol` and
 :class:`WeightSender`; ``docs/transport.md`` has the whole story and what ran where.
 """
 
+from rlcore.transport.checksums import ChecksumPlan
 from rlcore.transport.endpoints import SenderAborted, WeightReceiver, WeightSender, drain
+from rlcore.transport.mapped import MappedReceiver, MappedSender, mapping_refusal
+from rlcore.transport.mapping import CopyProgram
 from rlcore.transport.planes import (
     CudaIpcPlane,
     CudaIpcReceiverPlane,
@@ -44,7 +51,7 @@ from rlcore.transport.protocol import (
 )
 
 __all__ = [
-    "Channel", "ChannelListener", "CudaIpcPlane", "CudaIpcReceiverPlane", "DistPlane", "DistReceiverPlane", "PipeChannel",
+    "Channel", "ChannelListener", "ChecksumPlan", "CopyProgram", "MappedReceiver", "MappedSender", "mapping_refusal", "CudaIpcPlane", "CudaIpcReceiverPlane", "DistPlane", "DistReceiverPlane", "PipeChannel",
     "ReceiverPlane", "SenderAborted", "SenderPlane", "ShmPlane", "ShmReceiverPlane", "SlotLedger", "TransportError",
     "WeightReceiver", "WeightSender", "connect_channel", "drain", "map_segment", "receiver_plane_for", "shm_directory",
 ]
