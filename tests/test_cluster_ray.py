@@ -131,3 +131,53 @@ def test_a_silent_replica_times_out(two_nodes):
         assert time.monotonic() - t0 < 30
     finally:
         ray.kill(silent)
+
+
+#: the writer lends its parameters to replicas on its machine: both ranks and both replicas in one
+#: node's bundles (half a CPU each, so the four fit the 2-CPU simulated node)
+MAPPED = ["sync.name=mapped", "cluster.placement=colocated", "cluster.trainer.resources.num_cpus=0.5",
+          "cluster.rollout.resources.num_cpus=0.5"]
+
+
+def test_mapped_sync_lends_the_writers_parameters_to_colocated_replicas(two_nodes, tmp_path):
+    """``sync.name=mapped``: every push is one copy per replica straight out of the writer's
+    parameters (moved into shared memory at the first push), no bucket, no object store; the
+    replicas hold exactly what was lent (coverage+exact) and the run draws the same samples as
+    the single-process run (same tolerance as above)."""
+    from rlcore.cli import main
+    from rlcore.trainer import Trainer
+
+    out = tmp_path / "mapped"
+    assert main(["train", str(EXAMPLE), *RUN, *RAY, *MAPPED, "cluster.strategy=STRICT_PACK", "--output", str(out)]) == 0
+    Trainer(load_stack(str(EXAMPLE), RUN + ["rollout.seed_per_prompt=true", f"output.dir={tmp_path / 'one'}"])).run()
+    placement = json.loads((out / "cluster.json").read_text())
+    assert len({w["node"] for w in placement["trainer_ranks"] + placement["rollout_replicas"]}) == 1, placement
+    rows, one = read_metrics(out), read_metrics(tmp_path / "one")
+    a, b = [r["reward_mean"] for r in rows], [r["reward_mean"] for r in one]
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    print(f"\nreward mapped {[round(x, 4) for x in a]}\nreward one    {[round(x, 4) for x in b]}\n"
+          f"push ms {[round(1e3 * r['sync_seconds'], 1) for r in rows]}")
+    assert max(diffs) <= 1 / 64 + 1e-9, (a, b)
+    assert sum(d == 0 for d in diffs) >= STEPS - 2, (a, b)
+    assert all(r["sync_verified"] and r["sync_level"] == "coverage+exact" and r["sync_buckets"] == 0
+               for r in rows), rows[-1]  # no bucket: the inproc run above sends several per push
+    assert rows[-1]["weight_version"] == STEPS
+
+
+def test_mapped_sync_refuses_a_replica_on_another_node(two_nodes, tmp_path):
+    """Storages cannot be mapped across hosts: with the ranks spread over the two nodes, replica 1
+    (colocated with rank 1) is on the other node, and the first push says so."""
+    from rlcore.cluster.ray_launch import train_on_ray
+
+    stack = load_stack(str(EXAMPLE), RUN + RAY + MAPPED + ["cluster.strategy=STRICT_SPREAD", f"output.dir={tmp_path}"])
+    with pytest.raises(Exception, match=r"rollout replica 1 runs on Ray node .* parameters can be lent only on one machine"):
+        train_on_ray(stack)
+
+
+def test_mapped_sync_outside_a_colocated_ray_cluster_is_a_config_error():
+    from rlcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"sync.name.*set cluster.backend=ray and cluster.placement=colocated"):
+        load_stack(str(EXAMPLE), ["sync.name=mapped"])
+    with pytest.raises(ConfigError, match=r"sync.name.*cluster.placement=colocated"):
+        load_stack(str(EXAMPLE), [*RAY, "sync.name=mapped"])

@@ -18,7 +18,7 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: from the same config, so they must not need the trainer's engine)
 REPLICA_BACKENDS = ("local",)
 #: weight syncs that feed a fleet of replicas (the fleet is a BucketReceiver and a DiskReceiver)
-FLEET_SYNCS = ("inproc", "disk")
+FLEET_SYNCS = ("inproc", "disk", "mapped")
 #: training engines whose ranks the cluster layer runs, and the parallel dimensions each has:
 #: ``hf`` ranks are data-parallel (each holds the whole model, samples are split over them:
 #: rlcore.cluster.data_parallel); ``megatron`` ranks are tensor/expert-parallel (each holds a
@@ -88,6 +88,7 @@ def _bad(key: str, msg: str) -> ConfigError:
 def check_cluster(cfg: Any) -> None:
     """Config-time checks of ``cluster:`` against the rest of the config (engine, rollout, sync)."""
     c = cfg.cluster
+    check_mapped_sync(cfg)
     if c.backend not in BACKENDS:
         raise _bad("cluster.backend", f"{c.backend!r}; choose one of: {', '.join(BACKENDS)}")
     if c.placement not in PLACEMENTS:
@@ -147,3 +148,25 @@ def resolve_seed_per_prompt(cfg: Any) -> None:
     """``rollout.seed_per_prompt`` unset: on exactly when prompts are split across replicas."""
     if cfg.rollout.seed_per_prompt is None:
         cfg.rollout.seed_per_prompt = bool(cfg.cluster.backend == "ray" and cfg.cluster.rollout.replicas > 1)
+
+
+#: rollout backends a ``sync.name: mapped`` push has been run into (their loader stages a copy)
+MAPPED_BACKENDS = ("local",)
+
+
+def check_mapped_sync(cfg: Any) -> None:
+    """``sync.name: mapped`` lends the writer's parameters to replicas in other processes on its
+    machine (:mod:`rlcore.cluster.mapped_fleet`): Ray, colocated placement, and a replica backend
+    it has run into; the hf engine's export is its parameters (a gathered export has none)."""
+    if str(cfg.sync.name) != "mapped":
+        return
+    c = cfg.cluster
+    if c.backend != "ray" or c.placement != "colocated":
+        raise _bad("sync.name", "'mapped' lends the trainer's parameters to colocated rollout replicas: set "
+                   "cluster.backend=ray and cluster.placement=colocated (in one process use sync.name=inproc)")
+    if str(cfg.engine.name) != "hf":
+        raise _bad("sync.name", f"'mapped' lends the engine's own parameters; engine {cfg.engine.name!r} exports "
+                   f"tensors gathered for the push (use sync.name=inproc)")
+    if str(cfg.rollout.backend) not in MAPPED_BACKENDS:
+        raise _bad("sync.name", f"'mapped' into rollout.backend={cfg.rollout.backend!r} has not been built; it "
+                   f"feeds: {', '.join(MAPPED_BACKENDS)} (use sync.name=inproc)")

@@ -87,6 +87,14 @@ class RolloutReplica:
     def shutdown(self) -> None:
         self.backend.shutdown()
 
+    def mapped_push(self, msg: tuple) -> tuple:
+        """One ``sync.name: mapped`` push: copy out of the writer's lent parameters (its reply)."""
+        if getattr(self, "_mapped", None) is None:
+            from rlcore.cluster.mapped_fleet import ReplicaEndpoint
+
+            self._mapped = ReplicaEndpoint()
+        return self._mapped.serve(self.backend, msg)
+
 
 class RolloutFleet:
     """The replicas as one rollout backend (see the module docstring)."""
@@ -218,3 +226,18 @@ class RolloutFleet:
                 raise WeightSyncError(f"rollout replica {i} holds other weights than replica 0 after the push "
                                       f"({len(bad)} tensors differ, e.g. {bad[:3]})", receiver_version=None)
         return sums[0]
+
+    # ------------------------------------------------- sync.name: mapped (mapped_fleet.py) ---
+
+    def mapped_fleet(self) -> RolloutFleet:
+        """This fleet, for :class:`~rlcore.cluster.mapped_fleet.MappedFleetSync` (reached through
+        the trainer's wrappers of the rollout backend)."""
+        return self
+
+    def where(self) -> list[dict[str, Any]]:
+        """Each replica's process and Ray node."""
+        return self._get([r.where.remote() for r in self.replicas], list(range(len(self.replicas))), "where")
+
+    def note_version(self, version: int) -> None:
+        """A push that reached every replica by another way than this fleet's bucket calls."""
+        self._version = version
