@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.batch import PackedBatch
+from rlcore.cluster.push_memory import MeasuredPush
 from rlcore.ranks import Ranks
 from rlcore.stack import Stack
 from rlcore.trainer import Trainer
@@ -172,7 +173,7 @@ def rank_stack(stack: Stack, ranks: Ranks, rollout: Any = None) -> Stack:
     return replace(stack, rollout_backend=replace(stack.rollout_backend, factory=backend_factory), weight_sync=sync)
 
 
-class DataParallelTrainer(Trainer):
+class DataParallelTrainer(MeasuredPush, Trainer):
     """:class:`~rlcore.trainer.Trainer` over several data-parallel ranks (torch.distributed is
     initialised; see the module docstring). ``rollout``: the writer's rollout backend (a fleet of
     replicas); ``None`` builds the configured one in the writer's process."""

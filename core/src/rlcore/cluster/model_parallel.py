@@ -22,7 +22,6 @@ naming the keys: shards are not resharded.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,13 +30,12 @@ import torch
 import torch.distributed as dist
 
 from rlcore.cluster.data_parallel import rank_stack
+from rlcore.cluster.push_memory import MeasuredPush
 from rlcore.errors import CheckpointError
 from rlcore.ranks import Ranks, on_writer
 from rlcore.run_output import CHECKPOINT_DIR, _sha256, _stem, save_checkpoint
 from rlcore.stack import Stack
 from rlcore.trainer import Trainer
-
-MIB = 1 << 20
 
 #: the config keys of each layout dimension, named by a layout error
 LAYOUT_KEYS = {"tp": "cluster.trainer.tp / megatron.tensor_parallel_size",
@@ -50,59 +48,7 @@ def shard_file(step: int, rank: int, world: int) -> str:
     return f"{_stem(step)}.rank_{rank}-of-{world}.pt"
 
 
-def resident_bytes() -> tuple[int, int]:
-    """This process's resident set size and its private (anonymous) part, in bytes (Linux
-    ``/proc/self/statm``: resident minus shared pages; Ray's object store is shared memory, so
-    a bucket put there counts in the first only). ``(0, 0)`` where the file is missing."""
-    try:
-        with open("/proc/self/statm") as f:
-            fields = f.read().split()
-        page = os.sysconf("SC_PAGE_SIZE")
-        return int(fields[1]) * page, (int(fields[1]) - int(fields[2])) * page
-    except (OSError, ValueError, IndexError):
-        return 0, 0
-
-
-class PeakResident:
-    """The peak resident set size (and its private part) above the values at entry, sampled by a
-    thread every ``interval_s`` and by :meth:`sample` (called where the peak is expected)."""
-
-    def __init__(self, interval_s: float = 0.001):
-        self.interval_s = interval_s
-        self.base = self.peak = (0, 0)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def sample(self) -> None:
-        now = resident_bytes()
-        self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def __enter__(self) -> PeakResident:
-        self.base = self.peak = resident_bytes()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.sample()
-
-    @property
-    def extra_bytes(self) -> int:
-        return self.peak[0] - self.base[0]
-
-    @property
-    def extra_private_bytes(self) -> int:
-        return self.peak[1] - self.base[1]
-
-
-class ModelParallelTrainer(Trainer):
+class ModelParallelTrainer(MeasuredPush, Trainer):
     """:class:`~rlcore.trainer.Trainer` over the model-parallel ranks of one model
     (torch.distributed is initialised; see the module docstring). ``rollout``: the writer's
     rollout backend (a fleet of replicas); ``None`` builds the configured one in the writer."""
@@ -114,7 +60,6 @@ class ModelParallelTrainer(Trainer):
         layout.pop("rank", None)
         layout["world"] = ranks.world
         self.layout = layout
-        self._peak: PeakResident | None = None
 
     # ------------------------------------------------------------------ HF exports ------
 
@@ -122,25 +67,6 @@ class ModelParallelTrainer(Trainer):
         # the export gathers each tensor over the ranks: every rank takes part, the writer writes
         self.engine.save_hf(model_dir)
         self.ranks.barrier()  # written before the writer's rollout reads it
-
-    def _push(self, version: int) -> Any:
-        if not self.ranks.writer:
-            return super()._push(version)
-        with PeakResident() as peak:
-            self._peak = peak
-            try:
-                report = super()._push(version)
-            finally:
-                self._peak = None
-        self.push_metrics["push_peak_extra_rss_mib"] = peak.extra_bytes / MIB
-        self.push_metrics["push_peak_extra_private_mib"] = peak.extra_private_bytes / MIB
-        return report
-
-    def _export_for_push(self) -> Any:
-        for item in super()._export_for_push():
-            if self._peak is not None:  # a gathered full tensor is alive next to the bucket being filled
-                self._peak.sample()
-            yield item
 
     # ----------------------------------------------------------------- checkpoints ------
 
