@@ -90,27 +90,31 @@ def test_grpo_with_two_vllm_replicas_on_two_nodes(two_nodes, tmp_path):
 
 @pytest.fixture(scope="module")
 def fleet(two_nodes, tiny_model_dirs, tmp_path_factory):
-    """Two replicas on different nodes (STRICT_SPREAD), each a vLLM engine with its engine-core
-    process (``vllm.multiprocessing: true``), started from ``dense_a``."""
+    """Two replicas on different nodes (STRICT_SPREAD), started from ``dense_a``: replica 1's
+    vLLM engine runs its engine-core process inside the actor (``vllm.multiprocessing: true``,
+    the one the death test kills), replica 0's runs in the actor's process (faster to start on
+    CI's two cores; the GRPO run above uses that mode for both)."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     out = tmp_path_factory.mktemp("vllm-ray-fleet")
-    stack = load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.rollout.replicas=2",
-                                      "vllm.multiprocessing=true", "sync.bucket_mb=0.0625", f"output.dir={out}"])
-    text = config_yaml(stack.config)
+    texts, stack = [], None
+    for multiprocessing in ("false", "true"):
+        stack = load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.rollout.replicas=2",
+                                          f"vllm.multiprocessing={multiprocessing}", f"output.dir={out}"])
+        texts.append(config_yaml(stack.config))
     pg = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD")
     ray.get(pg.ready(), timeout=120)
     actors = [ray.remote(RolloutReplica).options(
         num_cpus=1, max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=j)).remote(text, j, str(out))
-        for j in range(2)]
+        for j, text in enumerate(texts)]
     t0 = time.perf_counter()
     fleet = RolloutFleet(actors, timeout_s=120)
     fleet.start(str(tiny_model_dirs["dense_a"]), version=0)
     where = ray.get([a.where.remote() for a in actors])
-    print(f"\ntwo vLLM replicas (engine-core processes) started in {time.perf_counter() - t0:.1f} s on nodes "
-          f"{[w['node'][:8] for w in where]}")
+    print(f"\ntwo vLLM replicas (in-process, engine-core process) started in {time.perf_counter() - t0:.1f} s on "
+          f"nodes {[w['node'][:8] for w in where]}")
     assert where[0]["node"] != where[1]["node"]
     try:
         yield fleet, actors, stack
@@ -169,6 +173,7 @@ def test_greedy_equal_across_one_and_two_replicas_and_after_a_push(fleet, tiny_m
 
 def test_a_replica_holding_other_weights_is_named(fleet, tiny_model_dirs):
     from rlcore.sync import iter_buckets
+    from rlcore_vllm.sync import verify_replicas
 
     fleet2, actors, stack = fleet
     sync = _vllm_sync(stack)
@@ -179,6 +184,8 @@ def test_a_replica_holding_other_weights_is_named(fleet, tiny_model_dirs):
         sent.update(bucket.checksums())
     sums = fleet2.replica_checksums(sent)
     assert sums[0] == sent and sums[1] != sent
+    with pytest.raises(WeightSyncError, match=r"rollout replica 1 of 2: \d+ of 27 tensors hold other bytes"):
+        verify_replicas(fleet2, sent, 1)
     # and a partial push is refused in every replica, naming the first
     partial = [(n, t) for n, t in hf_export(tiny_model_dirs["dense_b"]) if "layers.1." not in n]
     with pytest.raises(WeightSyncError, match=r"rollout replica 0 of 2 failed during commit_update: .*partial push"):
@@ -201,7 +208,8 @@ def _engine_core_pids(actor_pid: int) -> list[int]:
 
 
 def test_a_dead_engine_core_or_replica_is_an_error_naming_it(fleet):
-    """Last in the module: it kills the fixture's replicas."""
+    """Last in the module: it kills the fixture's replicas (replica 1's engine-core process, then
+    replica 0's actor)."""
     import psutil
 
     fleet2, actors, _ = fleet
@@ -233,6 +241,6 @@ def test_a_dead_engine_core_or_replica_is_an_error_naming_it(fleet):
     t_actor = time.monotonic() - t0
     print(f"replica 0's actor SIGKILLed: error after {t_actor:.1f} s")
     assert t_actor < 30
-    # its vLLM engine-core process does not outlive it
+    # nothing it started outlives it
     _, alive = psutil.wait_procs(victims, timeout=30)
     assert not alive, [p.cmdline() for p in alive]

@@ -234,12 +234,7 @@ class VLLMWeightSync:
         checks = ["coverage"] if reports and all(r.get("coverage") for r in reports) else []
         if self.verify:
             tv = time.perf_counter()
-            for i, got in enumerate(fleet.replica_checksums(sent.keys())):
-                bad = verify_checksums(sent, got)
-                if bad:
-                    raise WeightSyncError(
-                        f"rollout replica {i} of {n}: {len(bad)} of {len(sent)} tensors hold other bytes than the "
-                        f"trainer sent after the push of version {version} (e.g. {bad[:3]})", receiver_version=None)
+            verify_replicas(fleet, sent, version)
             phases["verify"] = time.perf_counter() - tv
             checks.append("exact")
         details = {"level": verification_level(*checks), "replicas": n,
@@ -359,6 +354,18 @@ class VLLMWeightSync:
             if callable(destroy):
                 destroy()
             self._nccl_group = None
+
+
+def verify_replicas(fleet: Any, sent: dict[str, int], version: int) -> None:
+    """``exact`` for a Ray fleet: every replica's checksums (its workers', of the bytes they
+    loaded) equal the sent ones; the first replica that differs is named."""
+    n = len(fleet.replicas)
+    for i, got in enumerate(fleet.replica_checksums(sent.keys())):
+        bad = verify_checksums(sent, got)
+        if bad:
+            raise WeightSyncError(f"rollout replica {i} of {n}: {len(bad)} of {len(sent)} tensors hold other bytes "
+                                  f"than the trainer sent for version {version} (e.g. {bad[:3]})",
+                                  receiver_version=None)
 
 
 def check_finish_reports(finish: list[dict[str, Any]]) -> None:
