@@ -157,6 +157,12 @@ def test_greedy_equal_across_one_and_two_replicas_and_after_a_push(fleet, tiny_m
     assert [i for i, _ in two] == list(range(len(_prompts())))  # answers in prompt order
     assert _greedy_tokens(one) == two
     assert two == _truncate_at_eos(two, _hf_greedy_tokens(tiny_model_dirs["dense_a"]))
+    # sampled too: vLLM seeds every request (copy i of a prompt with the call's seed + i), so a
+    # prompt's samples do not depend on which replica or batch it lands in
+    sampled = SamplingSettings(n=4, temperature=1.0, max_new_tokens=6, seed=11)
+    by_two = [(s.prompt_index, s.response_ids.tolist()) for s in fleet2.generate(_prompts(), sampled)]
+    by_one = [(s.prompt_index, s.response_ids.tolist()) for s in one.generate(_prompts(), sampled)]
+    assert by_one == by_two and len({tuple(t) for _, t in by_two}) > len(_prompts())
 
     sync = _vllm_sync(stack)
     report = sync.push(hf_export(tiny_model_dirs["dense_b"]), fleet2, 1)
@@ -184,8 +190,9 @@ def test_a_replica_holding_other_weights_is_named(fleet, tiny_model_dirs):
         sent.update(bucket.checksums())
     sums = fleet2.replica_checksums(sent)
     assert sums[0] == sent and sums[1] != sent
-    with pytest.raises(WeightSyncError, match=r"rollout replica 1 of 2: \d+ of 27 tensors hold other bytes"):
+    with pytest.raises(WeightSyncError, match=r"rollout replica 1 of 2: \d+ of 27 tensors hold other bytes") as err:
         verify_replicas(fleet2, sent, 1)
+    print(f"\n{err.value}")
     # and a partial push is refused in every replica, naming the first
     partial = [(n, t) for n, t in hf_export(tiny_model_dirs["dense_b"]) if "layers.1." not in n]
     with pytest.raises(WeightSyncError, match=r"rollout replica 0 of 2 failed during commit_update: .*partial push"):
@@ -241,6 +248,10 @@ def test_a_dead_engine_core_or_replica_is_an_error_naming_it(fleet):
     t_actor = time.monotonic() - t0
     print(f"replica 0's actor SIGKILLed: error after {t_actor:.1f} s")
     assert t_actor < 30
-    # nothing it started outlives it
+    # nothing it started outlives it, and no replica left a bucket segment in /dev/shm
     _, alive = psutil.wait_procs(victims, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+    from rlcore_vllm.shm import shm_directory
+
+    left = [f for f in os.listdir(shm_directory()) if any(f.startswith(f"rlcore-vllm-replica-{p}-") for p in pids)]
+    assert not left, left

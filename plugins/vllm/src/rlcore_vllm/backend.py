@@ -90,6 +90,7 @@ class VLLMBackend:
         #: and whether its workers checksum what they load there (``sync.verify``)
         self.ray_replica = False
         self.push_verify = True
+        self._fleet_receiver: Any = None
         self.engine: OfflineEngine | HTTPEngine | None = None
         self.is_cpu = False
         self.moe: MoEShape | None = None
@@ -157,6 +158,8 @@ class VLLMBackend:
         self._unknown_weights = None
 
     def shutdown(self) -> None:
+        if self._fleet_receiver is not None:
+            self._fleet_receiver.close()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown()
@@ -383,7 +386,8 @@ class VLLMBackend:
         (:mod:`rlcore_vllm.fleet_receiver`; ``rlcore.cluster.fleet`` asks for it)."""
         from rlcore_vllm.fleet_receiver import VLLMFleetReceiver
 
-        return VLLMFleetReceiver(self, verify=self.push_verify)
+        self._fleet_receiver = VLLMFleetReceiver(self, verify=self.push_verify)
+        return self._fleet_receiver
 
 
 def build_backend(ctx: Any) -> VLLMBackend:

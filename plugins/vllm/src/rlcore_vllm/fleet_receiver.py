@@ -40,6 +40,7 @@ class VLLMFleetReceiver:
         self._workers: list[dict[str, Any]] = []
         self._stats: dict[str, Any] = {}
         self._active: int | None = None
+        self._unlinked: set[str] = set()
 
     @property
     def weight_version(self) -> int:
@@ -72,6 +73,11 @@ class VLLMFleetReceiver:
             t2 = time.perf_counter()
             # the workers copied out whatever vLLM's reload still buffers: the segment is free again
             self.pool.release(buf)
+            if seg.path not in self._unlinked:
+                # every worker has it mapped now (and finds it again by path): the name can go, so a
+                # replica killed with SIGKILL leaves nothing behind in /dev/shm
+                os.unlink(seg.path)
+                self._unlinked.add(seg.path)
             for rank, res in enumerate(results):
                 for name, value in res.get("checksums", {}).items():
                     if self._staged.setdefault(name, int(value)) != int(value):

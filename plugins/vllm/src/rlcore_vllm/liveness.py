@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from multiprocessing import connection
 from typing import Any
 
@@ -43,9 +44,14 @@ class EngineCoreWatch:
         if not died or self._stop_r in ready:
             return
         p = died[0]
-        p.join(timeout=1)
-        self.dead = (f"the vLLM engine-core process {p.name} (pid {p.pid}) exited with code {p.exitcode}; "
-                     f"the engine is gone")
+        code = None
+        for _ in range(40):  # vLLM's own monitor may be reaping it at this moment: its code shows up shortly
+            code = p.exitcode
+            if code is not None:
+                break
+            time.sleep(0.05)
+        how = f"exited with code {code}" if code is not None else "exited"
+        self.dead = f"the vLLM engine-core process {p.name} (pid {p.pid}) {how}; the engine is gone"
         self._wake(RuntimeError(self.dead))
 
     def _wake(self, error: Exception) -> None:
