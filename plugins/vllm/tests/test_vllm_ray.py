@@ -69,7 +69,8 @@ def test_grpo_with_two_vllm_replicas_on_two_nodes(two_nodes, tmp_path):
     rows = read_metrics(tmp_path)
     placement = json.loads((tmp_path / "cluster.json").read_text())
     print(f"\nGRPO, 1 trainer rank + 2 vLLM replicas, {steps} steps: {wall:.1f} s in all; rewards "
-          f"{[round(r['reward_mean'], 4) for r in rows]}; sync seconds {[round(r['sync_seconds'], 3) for r in rows]}")
+          f"{[round(r['reward_mean'], 4) for r in rows]}; sync seconds {[round(r['sync_seconds'], 3) for r in rows]}, "
+          f"buckets {[r['sync_buckets'] for r in rows]}")
     assert [r["step"] for r in rows] == list(range(steps))
     assert len(placement["rollout_replicas"]) == 2
     assert len({w["node"] for w in placement["trainer_ranks"] + placement["rollout_replicas"]}) == 2, placement
