@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -126,16 +127,27 @@ class RolloutFleet:
         #: the weight version each replica reported after the last push (checked equal to it)
         self.replica_weight_versions: list[int] = []
 
-    # every remote call goes through here: a dead or silent replica is an error naming it
+    # every remote call goes through here: a dead or silent replica is an error naming it. The
+    # answers are taken as they come (ray.wait), so one replica's failure is reported at once,
+    # not after the replicas before it have finished their shares
     def _get(self, refs: list[Any], indices: list[int], what: str) -> list[Any]:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-        out: list[Any] = []
-        for ref, i in zip(refs, indices, strict=True):
+        waiting = dict(zip(refs, indices, strict=True))
+        done: dict[Any, Any] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                i = min(waiting.values())
+                raise RolloutError(f"rollout replica {i} of {len(self.replicas)} did not answer {what} within "
+                                   f"cluster.rollout.timeout_s={self.timeout_s:g} s")
+            ref = ready[0]
+            i = waiting.pop(ref)
             name = f"rollout replica {i} of {len(self.replicas)}"
             try:
-                out.append(ray.get(ref, timeout=self.timeout_s))
+                done[ref] = ray.get(ref, timeout=self.timeout_s)
             except RayActorError as exc:
                 detail = " ".join(str(exc).split())[:300]
                 raise RolloutError(f"{name} died during {what}: {detail}") from exc
@@ -151,7 +163,7 @@ class RolloutFleet:
                 if isinstance(cause, WeightSyncError):
                     raise WeightSyncError(msg, receiver_version=None) from exc
                 raise RolloutError(msg) from exc
-        return out
+        return [done[ref] for ref in refs]
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         refs = [r.call.remote(method, *args) for r in self.replicas]
