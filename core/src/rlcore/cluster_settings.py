@@ -15,10 +15,14 @@ BACKENDS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: rollout backends whose replicas the cluster layer can run as actors (built inside the actor
-#: from the same config, so they must not need the trainer's engine)
-REPLICA_BACKENDS = ("local",)
-#: weight syncs that feed a fleet of replicas (the fleet is a BucketReceiver and a DiskReceiver)
-FLEET_SYNCS = ("inproc", "disk", "mapped")
+#: from the same config, so they must not need the trainer's engine): the local rollout, and
+#: rlcore-vllm's engine (vLLM is imported only inside the replica actor)
+REPLICA_BACKENDS = ("local", "vllm")
+#: weight syncs that feed a fleet of replicas (the fleet is a BucketReceiver and a DiskReceiver):
+#: core's ``inproc`` / ``disk`` / ``mapped`` (local replicas) and rlcore-vllm's ``vllm`` (its ``shm`` transport:
+#: every replica loads each bucket through its engine's layerwise reload; the plugin refuses the
+#: other transports under Ray)
+FLEET_SYNCS = ("inproc", "disk", "mapped", "vllm")
 #: training engines whose ranks the cluster layer runs, and the parallel dimensions each has:
 #: ``hf`` ranks are data-parallel (each holds the whole model, samples are split over them:
 #: rlcore.cluster.data_parallel); ``megatron`` ranks are tensor/expert-parallel (each holds a

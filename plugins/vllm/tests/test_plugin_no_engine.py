@@ -211,3 +211,98 @@ def test_shared_buckets_are_readable_from_another_process():
 def test_shared_pool_refuses_gpu_buckets():
     with pytest.raises(ValueError, match="device='cpu'"):
         SharedBucketPool().allocate(16, torch.device("meta"))
+
+
+# ------------------------------------------------- vLLM engines as Ray rollout replicas -----
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples")
+RAY_REPLICAS = ["cluster.backend=ray", "cluster.rollout.replicas=2"]
+
+
+def test_vllm_runs_as_ray_replicas_and_what_is_refused():
+    from rlcore.stack import load_stack
+    from rlcore_vllm.settings import choose_transport, runs_as_ray_replicas
+
+    example = os.path.join(EXAMPLES, "vllm_tiny.yaml")
+    cfg = load_stack(example, RAY_REPLICAS).config
+    assert runs_as_ray_replicas(cfg) and cfg.rollout.seed_per_prompt is True
+    assert choose_transport(cfg.vllm, cfg) == "shm"  # the fleet's path, whatever the device
+    assert not runs_as_ray_replicas(load_stack(example).config)
+    for override, key, message in [("vllm.transport=nccl", "vllm.transport", "the 'shm' transport only"),
+                                   ("vllm.mode=http", "vllm.mode", "servers as replicas are not built")]:
+        with pytest.raises(ConfigError, match=message) as err:
+            load_stack(example, [*RAY_REPLICAS, override])
+        assert err.value.key == key
+    with pytest.raises(ConfigError, match="draft's weight version is not carried") as err:
+        load_stack(os.path.join(EXAMPLES, "vllm_tiny_mtp.yaml"), RAY_REPLICAS)
+    assert err.value.key == "vllm.speculative"
+
+
+def test_engine_in_a_ray_replica_uses_no_ray_executor():
+    s = VLLMSettings()
+    assert engine_kwargs(s, "/m", "float32", is_cpu=True, routed_experts=False, transport="shm",
+                         ray_replica=True)["distributed_executor_backend"] == "uni"
+    tp2 = engine_kwargs(VLLMSettings(tensor_parallel_size=2), "/m", "float32", is_cpu=False, routed_experts=False,
+                        transport="shm", ray_replica=True)
+    assert tp2["distributed_executor_backend"] == "mp"  # not "ray", which vLLM picks in a placement group
+    assert "distributed_executor_backend" not in engine_kwargs(s, "/m", "float32", is_cpu=True, routed_experts=False,
+                                                               transport="shm")
+    assert engine_environment(s, cpu_build=True, ray_replica=True)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def _sleep_forever():
+    import time
+
+    time.sleep(3600)
+
+
+def test_engine_core_watch_wakes_waiting_calls_when_the_process_dies():
+    """A real process standing in for vLLM's engine core, and the two places a synchronous vLLM
+    client waits (its output queue and its utility futures)."""
+    import multiprocessing
+    import queue
+    import signal
+    import time
+    import types
+    from concurrent.futures import Future
+
+    from rlcore_vllm.liveness import EngineCoreWatch
+
+    proc = multiprocessing.get_context("spawn").Process(target=_sleep_forever, name="EngineCore_DP0")
+    proc.start()
+    try:
+        client = types.SimpleNamespace(outputs_queue=queue.Queue(), utility_results={1: Future()},
+                                       resources=types.SimpleNamespace(
+                                           engine_manager=types.SimpleNamespace(processes=[proc])))
+        watch = EngineCoreWatch(types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=client)))
+        assert watch.dead is None
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        woken = client.outputs_queue.get(timeout=10)  # what LLM.generate waits on
+        assert time.monotonic() - t0 < 10
+        assert isinstance(woken, RuntimeError) and f"pid {proc.pid}) exited with code -9" in str(woken)
+        with pytest.raises(RuntimeError, match="EngineCore_DP0"):
+            client.utility_results[1].result(timeout=1)  # what collective_rpc waits on
+        assert "exited with code -9" in watch.dead
+        watch.stop()
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def test_engine_core_watch_stop_is_no_death():
+    import multiprocessing
+    import types
+
+    from rlcore_vllm.liveness import EngineCoreWatch
+
+    proc = multiprocessing.get_context("spawn").Process(target=_sleep_forever)
+    proc.start()
+    client = types.SimpleNamespace(resources=types.SimpleNamespace(engine_manager=types.SimpleNamespace(
+        processes=[proc])))
+    watch = EngineCoreWatch(types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=client)))
+    watch.stop()  # a deliberate shutdown: the process ending afterwards is not reported
+    proc.kill()
+    proc.join()
+    assert watch.dead is None
+    assert EngineCoreWatch(types.SimpleNamespace()).processes == []  # in-process engine: nothing to watch

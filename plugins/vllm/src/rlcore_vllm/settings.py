@@ -83,8 +83,9 @@ class VLLMSettings:
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 
-def check_settings(settings: Any) -> None:
-    """Value checks omegaconf's types cannot express; errors name the key."""
+def check_settings(settings: Any, config: Any = None) -> None:
+    """Value checks omegaconf's types cannot express; errors name the key. With the whole
+    ``config``: what vLLM engines as Ray rollout replicas can run (:func:`check_ray_replicas`)."""
     if settings.mode not in MODES:
         raise ConfigError(f"bad value for config key 'vllm.mode': {settings.mode!r}; choose one of: {', '.join(MODES)}",
                           key="vllm.mode")
@@ -109,13 +110,44 @@ def check_settings(settings: Any) -> None:
         if arg in (settings.engine_args or {}):
             raise ConfigError(f"vllm.engine_args sets {arg!r}, which rlcore sets itself from {setting}",
                               key=f"vllm.engine_args.{arg}")
+    if config is not None:
+        check_ray_replicas(settings, config)
+
+
+def runs_as_ray_replicas(config: Any) -> bool:
+    """Whether ``rollout.backend: vllm`` runs as Ray rollout replicas (``cluster.backend: ray``)."""
+    cluster = config.get("cluster") if hasattr(config, "get") else None
+    return cluster is not None and str(cluster.get("backend", "local")) == "ray" \
+        and str(config.rollout.backend) == "vllm"
+
+
+def check_ray_replicas(settings: Any, config: Any) -> None:
+    """vLLM engines as Ray rollout replicas (``rlcore.cluster.fleet``): weights reach every
+    replica through the fleet and the ``shm`` worker path only; what is not built for replicas
+    yet is refused here, naming the key, instead of running half-wired."""
+    if not runs_as_ray_replicas(config):
+        return
+    if settings.transport not in ("auto", "shm"):
+        raise ConfigError(f"bad value for config key 'vllm.transport': {settings.transport!r} with "
+                          f"cluster.backend=ray; vLLM rollout replicas receive weights through the Ray fleet and "
+                          f"the 'shm' transport only (set 'shm' or 'auto')", key="vllm.transport")
+    if settings.mode != "offline":
+        raise ConfigError("bad value for config key 'vllm.mode': 'http' with cluster.backend=ray; vLLM rollout "
+                          "replicas run offline engines in their actors (servers as replicas are not built)",
+                          key="vllm.mode")
+    if settings.speculative:
+        raise ConfigError("bad value for config key 'vllm.speculative' with cluster.backend=ray: the draft's "
+                          "weight version is not carried through the Ray fleet yet; run MTP speculation with "
+                          "cluster.backend=local", key="vllm.speculative")
 
 
 def choose_transport(settings: Any, config: Any = None) -> str:
-    """``vllm.transport`` resolved: ``auto`` is ``ipc`` when the trainer runs on a GPU and the engine
-    is offline (colocated), else ``shm``."""
+    """``vllm.transport`` resolved: ``auto`` is ``shm`` for Ray rollout replicas; otherwise ``ipc``
+    when the trainer runs on a GPU and the engine is offline (colocated), else ``shm``."""
     if settings.transport != "auto":
         return settings.transport
+    if config is not None and runs_as_ray_replicas(config):
+        return "shm"  # replicas: the Ray fleet's path (check_ray_replicas)
     device = str(config.engine.device) if config is not None else "cpu"
     if settings.mode == "offline" and device in ("cuda", "auto"):
         import torch

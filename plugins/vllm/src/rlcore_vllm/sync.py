@@ -72,6 +72,8 @@ class VLLMWeightSync:
 
     def push(self, weights: Iterable[tuple[str, Any]], target: Any, version: int) -> SyncReport:
         if not isinstance(target, VLLMBackend):
+            if callable(getattr(target, "replica_checksums", None)):  # a Ray fleet of vLLM replicas
+                return self._push_fleet(weights, target, version)
             raise WeightSyncError(f"sync 'vllm' feeds only the 'vllm' rollout backend, got {type(target).__name__}")
         before = target.weight_version
         t0 = time.perf_counter()
@@ -174,16 +176,7 @@ class VLLMWeightSync:
         if mismatched:
             raise RuntimeError(f"{len(mismatched)} tensor(s) arrived in the worker with other bytes than sent "
                                f"(e.g. {sorted(set(mismatched))[:3]})")
-        not_sent = [f for f in finish if f.get("num_not_sent")]
-        if not_sent:
-            f = not_sent[0]
-            raise RuntimeError(f"partial push: {f['num_not_sent']} of the {f['num_manifest']} tensors the vLLM engine "
-                               f"holds did not arrive (e.g. {f['not_sent'][:5]}); layers that got them keep older "
-                               f"weights")
-        missing = [f for f in finish if f.get("num_missing")]
-        if missing:
-            raise RuntimeError(f"the push did not reach {missing[0]['num_missing']} of {missing[0]['num_params']} vLLM "
-                               f"parameters (e.g. {missing[0]['missing'][:5]}); they keep older weights")
+        check_finish_reports(finish)
         draft = draft_details(finish, target, version, skip_draft)
         checks = (["coverage"] if all(w.get("coverage") for w in workers) else []) + (["exact"] if self.verify else [])
         details = {**draft, "workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
@@ -191,6 +184,64 @@ class VLLMWeightSync:
                    "checks": checks, "tied_refreshed": sorted({n for f in finish for n in f.get("refreshed", [])}),
                    "shm_resident_bytes": pool.resident_bytes, "moe_fix": any(w.get("moe_fix") for w in workers)}
         return (len(sent) if self.verify else 0), details
+
+    # ------------------------------------------------------- Ray rollout replicas -----
+
+    def _push_fleet(self, weights, fleet, version: int) -> SyncReport:
+        """Into a :class:`~rlcore.cluster.fleet.RolloutFleet` of vLLM replicas (``cluster.backend:
+        ray``): core buckets, each ``ray.put`` once by the fleet and loaded by every replica's
+        engine through the ``shm`` worker path (:mod:`rlcore_vllm.fleet_receiver`); all replicas
+        finish (commit) together. Verified per replica: ``coverage`` in each replica's workers,
+        ``exact`` here, every replica's checksums against the sent ones; a mismatch names the
+        replica. Every replica must report the pushed version."""
+        if self.transport != "shm":
+            raise WeightSyncError(f"vllm.transport {self.transport!r} cannot feed Ray rollout replicas (only 'shm' "
+                                  f"does, through the fleet)", receiver_version=None)
+        t0 = time.perf_counter()
+        sent: dict[str, int] = {}
+        stats = {"bytes": 0, "tensors": 0, "buckets": 0}
+        phases = dict.fromkeys(("fill", "checksum", "send", "commit", "verify"), 0.0)
+        n = len(fleet.replicas)
+        fleet.begin_update(version)
+        try:
+            buckets = iter_buckets(weights, self.bucket_bytes, device="cpu")
+            while True:
+                tf = time.perf_counter()
+                bucket = next(buckets, None)
+                phases["fill"] += time.perf_counter() - tf
+                if bucket is None:
+                    break
+                if self.verify:
+                    tc = time.perf_counter()
+                    sent.update(bucket.checksums())
+                    phases["checksum"] += time.perf_counter() - tc
+                ts = time.perf_counter()
+                fleet.receive_bucket(bucket)  # waits only when two buckets are still in flight
+                phases["send"] += time.perf_counter() - ts
+                stats["bytes"] += bucket.nbytes
+                stats["tensors"] += len(bucket.metas)
+                stats["buckets"] += 1
+            tc = time.perf_counter()
+            fleet.commit_update(version)  # every replica staged every bucket, then all finish
+            phases["commit"] = time.perf_counter() - tc
+        except Exception as exc:
+            fleet.abort_update()
+            raise WeightSyncError(
+                f"vllm push of version {version} into {n} Ray rollout replica(s) failed after {stats['buckets']} "
+                f"bucket(s): {type(exc).__name__}: {exc}. The replicas may hold a mix of versions; they refuse to "
+                f"generate until a push succeeds", receiver_version=None) from exc
+        reports = [r or {} for r in fleet.commit_reports]
+        checks = ["coverage"] if reports and all(r.get("coverage") for r in reports) else []
+        if self.verify:
+            tv = time.perf_counter()
+            verify_replicas(fleet, sent, version)
+            phases["verify"] = time.perf_counter() - tv
+            checks.append("exact")
+        details = {"level": verification_level(*checks), "replicas": n,
+                   "replica_versions": list(fleet.replica_weight_versions), "phases": phases,
+                   "replica_seconds": [r.get("seconds", {}) for r in reports]}
+        return SyncReport(version, stats["tensors"], stats["buckets"], stats["bytes"], time.perf_counter() - t0,
+                          verified=self.verify, checked=len(sent) * n, method="vllm-fleet-shm", details=details)
 
     # ----------------------------------------------------------- native (GPU only) -----
 
@@ -303,6 +354,33 @@ class VLLMWeightSync:
             if callable(destroy):
                 destroy()
             self._nccl_group = None
+
+
+def verify_replicas(fleet: Any, sent: dict[str, int], version: int) -> None:
+    """``exact`` for a Ray fleet: every replica's checksums (its workers', of the bytes they
+    loaded) equal the sent ones; the first replica that differs is named."""
+    n = len(fleet.replicas)
+    for i, got in enumerate(fleet.replica_checksums(sent.keys())):
+        bad = verify_checksums(sent, got)
+        if bad:
+            raise WeightSyncError(f"rollout replica {i} of {n}: {len(bad)} of {len(sent)} tensors hold other bytes "
+                                  f"than the trainer sent for version {version} (e.g. {bad[:3]})",
+                                  receiver_version=None)
+
+
+def check_finish_reports(finish: list[dict[str, Any]]) -> None:
+    """Coverage at the end of a shm push, from every worker's ``rlcore_finish_update`` report:
+    every tensor of the engine's checkpoint arrived and every vLLM parameter was reached."""
+    not_sent = [f for f in finish if f.get("num_not_sent")]
+    if not_sent:
+        f = not_sent[0]
+        raise RuntimeError(f"partial push: {f['num_not_sent']} of the {f['num_manifest']} tensors the vLLM engine "
+                           f"holds did not arrive (e.g. {f['not_sent'][:5]}); layers that got them keep older "
+                           f"weights")
+    missing = [f for f in finish if f.get("num_missing")]
+    if missing:
+        raise RuntimeError(f"the push did not reach {missing[0]['num_missing']} of {missing[0]['num_params']} vLLM "
+                           f"parameters (e.g. {missing[0]['missing'][:5]}); they keep older weights")
 
 
 def draft_details(finish: list[dict[str, Any]], target: VLLMBackend, version: int, skip: bool) -> dict[str, Any]:

@@ -1,0 +1,137 @@
+"""A vLLM engine as a Ray rollout replica's weight receiver (``VLLMBackend.fleet_receiver()``).
+
+Under ``cluster.backend: ray`` the writer trainer rank pushes into a
+:class:`~rlcore.cluster.fleet.RolloutFleet`: each bucket is ``ray.put`` once, and every replica
+hands it to this receiver, which copies it into a shared-memory segment of its own
+(:class:`~rlcore_vllm.shm.SharedBucketPool`) and has rlcore's worker extension load it through
+vLLM's layerwise reload: the worker path of the in-process ``shm`` push (:mod:`rlcore_vllm.sync`),
+with the same name/shape checks before loading. The worker checksums every tensor from the bytes
+it loads; those checksums are this replica's ``weight_checksums``, which the trainer compares with
+what it sent (``exact``, per replica). The workers' finish reports give ``coverage``
+(:func:`~rlcore_vllm.sync.check_finish_reports`): a partial push fails in the replica that got it.
+
+Unlike the local rollout, which stages a whole copy and swaps it in, a vLLM engine loads each
+bucket as it arrives (its model refuses to compute until the push finishes), so a push that fails
+or is aborted leaves the replica refusing to generate until a later push succeeds
+(:meth:`~rlcore_vllm.backend.VLLMBackend.fail_push`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from rlcore.sync import Bucket
+
+from rlcore_vllm.shm import SharedBucketPool
+from rlcore_vllm.sync import bucket_request, check_finish_reports
+
+
+class VLLMFleetReceiver:
+    """See the module docstring. ``verify``: have the workers checksum what they load."""
+
+    def __init__(self, backend: Any, verify: bool = True):
+        self.backend = backend
+        self.verify = bool(verify)
+        self.pool: SharedBucketPool | None = None
+        self._checksums: dict[str, int] = {}  # what the engine holds after the last complete push
+        self._staged: dict[str, int] = {}
+        self._workers: list[dict[str, Any]] = []
+        self._stats: dict[str, Any] = {}
+        self._active: int | None = None
+        self._unlinked: set[str] = set()
+
+    @property
+    def weight_version(self) -> int:
+        return self.backend.weight_version
+
+    def begin_update(self, version: int) -> None:
+        self.backend.begin_push(version)
+        self._active = int(version)
+        self._staged = {}
+        self._stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": dict.fromkeys(("copy", "load"), 0.0)}
+        try:
+            self._workers = self.backend.rpc("rlcore_begin_update", {"version": int(version), "skip_draft": False})
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def receive_bucket(self, bucket: Bucket) -> None:
+        if self._active is None:
+            raise RuntimeError("receive_bucket outside begin_update/commit_update")
+        try:
+            if self.pool is None:
+                self.pool = SharedBucketPool(prefix="rlcore-vllm-replica")
+            t0 = time.perf_counter()
+            buf = self.pool.allocate(bucket.nbytes, "cpu")
+            buf.copy_(bucket.buffer)  # out of Ray's object store into the segment the workers map
+            seg = self.pool.segment_of(buf)
+            t1 = time.perf_counter()
+            results = self.backend.rpc("rlcore_load_bucket", bucket_request(bucket, seg.path, seg.capacity,
+                                                                            self.verify))
+            t2 = time.perf_counter()
+            # the workers copied out whatever vLLM's reload still buffers: the segment is free again
+            self.pool.release(buf)
+            if seg.path not in self._unlinked:
+                # every worker has it mapped now (and finds it again by path): the name can go, so a
+                # replica killed with SIGKILL leaves nothing behind in /dev/shm
+                os.unlink(seg.path)
+                self._unlinked.add(seg.path)
+            for rank, res in enumerate(results):
+                for name, value in res.get("checksums", {}).items():
+                    if self._staged.setdefault(name, int(value)) != int(value):
+                        raise RuntimeError(f"vLLM worker {rank} loaded other bytes for {name!r} than worker 0")
+            self._stats["seconds"]["copy"] += t1 - t0
+            self._stats["seconds"]["load"] += t2 - t1
+            self._stats["buckets"] += 1
+            self._stats["tensors"] += len(bucket.metas)
+            self._stats["bytes"] += bucket.nbytes
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def commit_update(self, version: int) -> dict[str, Any]:
+        if self._active is None:
+            raise RuntimeError("commit_update without begin_update")
+        try:
+            t0 = time.perf_counter()
+            finish = self.backend.rpc("rlcore_finish_update", {"version": int(version)})
+            check_finish_reports(finish)
+            self._stats["seconds"]["finish"] = time.perf_counter() - t0
+        except BaseException as exc:
+            self._fail(exc, finish_ran=True)
+            raise
+        self.backend.commit_push(version)
+        self._active = None
+        self._checksums = dict(self._staged)
+        return {"version": self.backend.weight_version, "pid": os.getpid(), "workers": len(self._workers),
+                "coverage": bool(self._workers) and all(w.get("coverage") for w in self._workers),
+                "exact": self.verify, **self._stats}
+
+    def abort_update(self) -> None:
+        if self._active is not None:
+            self._fail(RuntimeError("aborted by the trainer"))
+
+    def weight_checksums(self, names: Any = None) -> dict[str, int]:
+        """Checksums the workers computed of the bytes they loaded in the last complete push."""
+        if names is None:
+            return dict(self._checksums)
+        return {n: self._checksums[n] for n in names if n in self._checksums}
+
+    def _fail(self, exc: BaseException, finish_ran: bool = False) -> None:
+        """End the push in the workers and mark the engine's weights unknown."""
+        self._active = None
+        if self.pool is not None:
+            self.pool.release_all()
+        if not finish_ran:
+            try:
+                self.backend.rpc("rlcore_abort_update", {})
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+        self.backend.fail_push(f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
