@@ -160,7 +160,7 @@ MAPPED_BACKENDS = ("local",)
 
 def check_mapped_sync(cfg: Any) -> None:
     """``sync.name: mapped`` lends the writer's parameters to replicas in other processes on its
-    machine (:mod:`rlcore.cluster.mapped_fleet`): Ray, colocated placement, and a replica backend
+    machine (:mod:`rlcore.mapped_sync`): Ray, colocated placement, and a replica backend
     it has run into; the hf engine's export is its parameters (a gathered export has none)."""
     if str(cfg.sync.name) != "mapped":
         return

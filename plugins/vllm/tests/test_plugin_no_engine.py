@@ -26,7 +26,7 @@ from rlcore_vllm.platform import (
 )
 from rlcore_vllm.settings import VLLMSettings, check_settings
 from rlcore_vllm.shm import SharedBucketPool, map_segment
-from rlcore_vllm.sync import bucket_request
+from rlcore_vllm.bucket_requests import bucket_request
 
 
 def test_plugin_import_loads_neither_vllm_nor_torch():

@@ -139,8 +139,8 @@ def test_interrupted_push_never_serves_a_mix_of_versions(tiny_model_dirs):
     """A trainer killed mid-push sends begin and some buckets, then nothing: the engine must not
     compute with half-loaded weights. On main it served them (a mix of versions A and B)."""
     from rlcore.sync import iter_buckets
+    from rlcore_vllm.bucket_requests import bucket_request
     from rlcore_vllm.shm import SharedBucketPool
-    from rlcore_vllm.sync import bucket_request
 
     a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
     weights = hf_export(b)

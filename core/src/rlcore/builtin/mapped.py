@@ -8,7 +8,7 @@ __all__ = ["PLUGIN_API", "weight_sync"]
 
 
 def _build(ctx):
-    from rlcore.cluster.mapped_fleet import build_mapped
+    from rlcore.mapped_sync import build_mapped
 
     return build_mapped(ctx)
 

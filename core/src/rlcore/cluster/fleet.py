@@ -127,7 +127,7 @@ class RolloutReplica:
     def mapped_push(self, msg: tuple) -> tuple:
         """One ``sync.name: mapped`` push: copy out of the writer's lent parameters (its reply)."""
         if getattr(self, "_mapped", None) is None:
-            from rlcore.cluster.mapped_fleet import ReplicaEndpoint
+            from rlcore.mapped_sync import ReplicaEndpoint
 
             self._mapped = ReplicaEndpoint()
         return self._mapped.serve(self.receiver, msg)
@@ -312,10 +312,10 @@ class RolloutFleet:
         refs = [r.weight_version.remote() for r in self.replicas]
         return self._get(refs, list(range(len(refs))), "weight_version")
 
-    # ------------------------------------------------- sync.name: mapped (mapped_fleet.py) ---
+    # ------------------------------------------------- sync.name: mapped (rlcore/mapped_sync.py) ---
 
     def mapped_fleet(self) -> RolloutFleet:
-        """This fleet, for :class:`~rlcore.cluster.mapped_fleet.MappedFleetSync` (reached through
+        """This fleet, for :class:`~rlcore.mapped_sync.MappedFleetSync` (reached through
         the trainer's wrappers of the rollout backend)."""
         return self
 

@@ -8,7 +8,7 @@ vLLM's layerwise reload: the worker path of the in-process ``shm`` push (:mod:`r
 with the same name/shape checks before loading. The worker checksums every tensor from the bytes
 it loads; those checksums are this replica's ``weight_checksums``, which the trainer compares with
 what it sent (``exact``, per replica). The workers' finish reports give ``coverage``
-(:func:`~rlcore_vllm.sync.check_finish_reports`): a partial push fails in the replica that got it.
+(:func:`~rlcore_vllm.bucket_requests.check_finish_reports`): a partial push fails in the replica that got it.
 
 Unlike the local rollout, which stages a whole copy and swaps it in, a vLLM engine loads each
 bucket as it arrives (its model refuses to compute until the push finishes), so a push that fails
@@ -24,8 +24,8 @@ from typing import Any
 
 from rlcore.sync import Bucket
 
+from rlcore_vllm.bucket_requests import bucket_request, check_finish_reports
 from rlcore_vllm.shm import SharedBucketPool
-from rlcore_vllm.sync import bucket_request, check_finish_reports
 
 
 class VLLMFleetReceiver:

@@ -34,6 +34,7 @@ from rlcore.types import SyncReport
 
 from rlcore_vllm import native
 from rlcore_vllm.backend import VLLMBackend
+from rlcore_vllm.bucket_requests import bucket_request, check_finish_reports
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
 from rlcore_vllm.shm import SharedBucketPool
 from rlcore_vllm.speculative import check_draft_current, skips_draft
@@ -41,16 +42,6 @@ from rlcore_vllm.speculative import check_draft_current, skips_draft
 MB = 1 << 20
 #: probe tolerance of the native transports' log-prob check, by serving dtype
 PROBE_ATOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
-
-
-def bucket_request(bucket: Bucket, path: str, capacity: int, verify: bool) -> dict[str, Any]:
-    """The JSON request of ``rlcore_load_bucket`` for a bucket in a shared segment."""
-    return {
-        "path": path,
-        "capacity": int(capacity),
-        "verify": bool(verify),
-        "tensors": [[m.name, native.dtype_name(m.dtype), list(m.shape), m.offset, m.nbytes] for m in bucket.metas],
-    }
 
 
 class VLLMWeightSync:
@@ -366,21 +357,6 @@ def verify_replicas(fleet: Any, sent: dict[str, int], version: int) -> None:
             raise WeightSyncError(f"rollout replica {i} of {n}: {len(bad)} of {len(sent)} tensors hold other bytes "
                                   f"than the trainer sent for version {version} (e.g. {bad[:3]})",
                                   receiver_version=None)
-
-
-def check_finish_reports(finish: list[dict[str, Any]]) -> None:
-    """Coverage at the end of a shm push, from every worker's ``rlcore_finish_update`` report:
-    every tensor of the engine's checkpoint arrived and every vLLM parameter was reached."""
-    not_sent = [f for f in finish if f.get("num_not_sent")]
-    if not_sent:
-        f = not_sent[0]
-        raise RuntimeError(f"partial push: {f['num_not_sent']} of the {f['num_manifest']} tensors the vLLM engine "
-                           f"holds did not arrive (e.g. {f['not_sent'][:5]}); layers that got them keep older "
-                           f"weights")
-    missing = [f for f in finish if f.get("num_missing")]
-    if missing:
-        raise RuntimeError(f"the push did not reach {missing[0]['num_missing']} of {missing[0]['num_params']} vLLM "
-                           f"parameters (e.g. {missing[0]['missing'][:5]}); they keep older weights")
 
 
 def draft_details(finish: list[dict[str, Any]], target: VLLMBackend, version: int, skip: bool) -> dict[str, Any]:
