@@ -24,6 +24,7 @@ import torch
 
 from rlcore import __version__, guards
 from rlcore.algorithms import objective as objmod
+from rlcore.algorithms.advantages import shaped_rewards
 from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
@@ -321,7 +322,7 @@ class Trainer:
                 ))
                 native = self._native_logprobs(mb, ctx, engine, hw) if req.native_logprobs else None
                 results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn, native))
-                for plugin, res in results:
+                for _plugin, res in results:
                     for k, v in res.metrics.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
                         counts[k] = counts.get(k, 0.0) + 1
@@ -467,19 +468,13 @@ class Trainer:
         def per_sample(x: torch.Tensor) -> list[torch.Tensor]:
             return list(torch.split(x[mask].detach().float().cpu(), counts))
 
-        token_rewards = [torch.zeros(n) for n in counts]
-        for tr, r in zip(token_rewards, rewards):
-            if tr.numel():
-                tr[-1] = r
-        seq_rewards = torch.tensor(rewards, dtype=torch.float32)
         out: dict[str, float] = {}
+        penalty = None
         if a.kl_in == "reward" and a.kl_coef > 0:
             penalty = per_sample(-float(a.kl_coef) * kl_penalty(batch.fields[RECOMPUTED], batch.fields["ref_logprobs"],
                                                                  a.kl_estimator))
-            token_rewards = [tr + p for tr, p in zip(token_rewards, penalty)]
-            if not self.algorithm.token_level_rewards:  # outcome estimators see the summed penalty
-                seq_rewards = seq_rewards + torch.tensor([float(p.sum()) for p in penalty])
             out["kl_reward_penalty"] = float(sum(float(p.sum()) for p in penalty)) / max(len(penalty), 1)
+        token_rewards, seq_rewards = shaped_rewards(rewards, counts, penalty, self.algorithm.token_level_rewards)
         inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
                              token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]))
         adv = self.algorithm.advantages(inp)

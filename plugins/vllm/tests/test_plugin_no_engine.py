@@ -17,6 +17,7 @@ from rlcore.sync import iter_buckets
 from rlcore.testing.imports import modules_loaded_by
 from rlcore.types import Cap, SamplingSettings
 from rlcore_vllm.backend import VLLMBackend, sampling_kwargs
+from rlcore_vllm.bucket_requests import bucket_request
 from rlcore_vllm.engines import engine_environment, engine_kwargs, serve_command
 from rlcore_vllm.platform import (
     CPU_LIMITS,
@@ -26,7 +27,6 @@ from rlcore_vllm.platform import (
 )
 from rlcore_vllm.settings import VLLMSettings, check_settings
 from rlcore_vllm.shm import SharedBucketPool, map_segment
-from rlcore_vllm.bucket_requests import bucket_request
 
 
 def test_plugin_import_loads_neither_vllm_nor_torch():

@@ -17,6 +17,24 @@ from rlcore.algorithms.spec import AdvantageInput
 STD_MODES = ("population", "unbiased", "none")
 
 
+def shaped_rewards(rewards: list[float], counts: list[int], penalty: list[torch.Tensor] | None,
+                   token_level: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The rewards an advantage estimator sees: per token (each sample's reward on its last
+    response token) and per sample. ``penalty``: a per-token KL penalty in the reward (one
+    ``[n_i]`` tensor per sample), added per token, and summed into the per-sample reward for
+    outcome estimators (``token_level`` false)."""
+    token_rewards = [torch.zeros(n) for n in counts]
+    for tr, r in zip(token_rewards, rewards, strict=True):
+        if tr.numel():
+            tr[-1] = r
+    seq_rewards = torch.tensor(rewards, dtype=torch.float32)
+    if penalty is not None:
+        token_rewards = [tr + p for tr, p in zip(token_rewards, penalty, strict=True)]
+        if not token_level:
+            seq_rewards = seq_rewards + torch.tensor([float(p.sum()) for p in penalty])
+    return token_rewards, seq_rewards
+
+
 def _broadcast(per_sample: torch.Tensor, inp: AdvantageInput) -> list[torch.Tensor]:
     return [torch.full((n,), float(a)) for a, n in zip(per_sample.tolist(), inp.response_lengths, strict=False)]
 
