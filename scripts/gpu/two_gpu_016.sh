@@ -35,7 +35,7 @@ for part in ${PARTS:-d2d tp_train logprobs ep_mtp_train sync_big fused_tp_train}
   log "=== part $part (limit ${LIMIT[$part]:-90} s)"
   timeout -k 5 "${LIMIT[$part]:-90}" python3 plugins/megatron/bench/two_gpu.py --part "$part" --out "$WORK/$part" \
     --results "$OUT/$part.json" --device cuda --steps "${STEPS:-4}" --rank-timeout "$(( ${LIMIT[$part]:-90} - 5 ))" \
-    2>&1 | grep -v -e '^\s*warnings.warn' -e 'Warning:' >> "$OUT/log.txt"
+    2>&1 | grep -v -e '^\s*warnings.warn' -e 'Warning:' | tee -a "$OUT/log.txt"
   rc=${PIPESTATUS[0]}
   log "=== part $part rc=$rc in $(( $(date +%s) - p0 )) s"
   [ -s "$OUT/$part.json" ] || echo "{\"part\": \"$part\", \"errors\": [\"no result: rc=$rc (124 = timed out)\"]}" > "$OUT/$part.json"
