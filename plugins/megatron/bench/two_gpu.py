@@ -55,8 +55,8 @@ DENSE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
          "intermediate_size": 512}
 MOE_MTP = {"arch": "qwen3_moe", "hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
            "head_dim": 64, "num_experts": 8, "topk": 2, "moe_intermediate_size": 128, "mtp_layers": 1}
-#: ~541 M parameters: 1.08 GB in bf16 (the vocabulary is the task's, tiny)
-BIG = {"hidden_size": 2048, "num_layers": 12, "num_heads": 16, "num_kv_heads": 4, "head_dim": 128,
+#: ~362 M parameters: 0.72 GB in bf16 (the vocabulary is the task's, tiny)
+BIG = {"hidden_size": 2048, "num_layers": 8, "num_heads": 16, "num_kv_heads": 4, "head_dim": 128,
        "intermediate_size": 5632}
 BIG_CPU = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
            "intermediate_size": 512}
@@ -110,6 +110,11 @@ def spawn(target: Any, world: int, device: str, args: tuple, timeout_s: float = 
 
 
 def _guarded(target: Any, rank: int, world: int, port: int, q: Any, *args: Any) -> None:
+    dump_s = float(os.environ.get("TWO_GPU_DUMP_S", "0") or 0)
+    if dump_s > 0:  # a rank still running then prints every thread's stack (where a hang waits)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(dump_s, exit=False)
     try:
         out = target(rank, world, port, *args)
         q.put({"rank": rank, **(out or {})})
