@@ -7,7 +7,8 @@
 # WITHOUT Ray (Ray's wheel is over what can be sent to the machine): two spawned processes, one GPU
 # each through CUDA_VISIBLE_DEVICES. megatron-core 0.19.x and omegaconf come as wheels in $WHL
 # (see scripts/gpu/megatron_019.sh for the pip download lines).
-# Every part runs in its own process under `timeout`; one failing part does not stop the others;
+# Every part runs in its own process under `timeout` (each rank dumps its stacks 12 s before the
+# limit); one failing part does not stop the others;
 # each writes $OUT/<part>.json as it finishes, the log is $OUT/log.txt.
 #   PARTS_A (run side by side, limit LIMIT_A s), then sync_big (LIMIT_BIG) and d2d (LIMIT_D2D) alone; STEPS (default 3) training steps per training part.
 set -uo pipefail
@@ -55,9 +56,9 @@ PY
 # the tiny parts run side by side (their step timings share the GPUs: see the doc); the sync
 # measurement runs alone after them
 for part in ${PARTS_A:-tp_train logprobs ep_mtp_train fused_tp_train}; do
-  run_part "$part" "${LIMIT_A:-80}" &
+  run_part "$part" "${LIMIT_A:-150}" &
 done
 wait
-run_part sync_big "${LIMIT_BIG:-60}"
-run_part d2d "${LIMIT_D2D:-30}"
+run_part sync_big "${LIMIT_BIG:-150}"
+run_part d2d "${LIMIT_D2D:-45}"
 log "total: $(( $(date +%s) - t0 )) s"

@@ -252,6 +252,9 @@ def part_logprobs(args: argparse.Namespace) -> dict:
             r0 = next((g for g in got if g["rank"] == 0), None)
             if r0 is not None:
                 runs[size] = r0
+                out.setdefault("worlds", {})[f"{name} {dim}={size}"] = r0
+            # written after every world: a part stopped at its time limit keeps what finished
+            Path(args.results).write_text(json.dumps(dict(out, part="logprobs", partial=True), default=str))
         if 1 in runs and 2 in runs:
             a = torch.tensor(runs[1]["logprobs"], dtype=torch.float64)
             b = torch.tensor(runs[2]["logprobs"], dtype=torch.float64)
@@ -441,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-timeout", type=float, default=240)
     args = p.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
         res = PARTS[args.part](args)
