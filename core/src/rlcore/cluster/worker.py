@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -69,13 +71,39 @@ def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: A
         from rlcore.cluster.data_parallel import DataParallelTrainer as RankTrainer
     else:
         from rlcore.cluster.model_parallel import ModelParallelTrainer as RankTrainer
-    init_distributed(rank, world, master, str(cfg.engine.device), float(cfg.cluster.timeout_s))
+    backend = init_distributed(rank, world, master, str(cfg.engine.device), float(cfg.cluster.timeout_s))
+    failed = False
     try:
         trainer = RankTrainer(stack, TorchRanks(), rollout=rollout, resume=resume, overwrite=overwrite,
                               allow_config_change=allow_config_change)
         return trainer.run()
+    except BaseException:
+        failed = True
+        # said before the teardown: under NCCL the other ranks' collectives can keep it waiting
+        print(f"rlcore trainer rank {rank} of {world} failed:", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        raise
     finally:
-        dist.destroy_process_group()
+        close_distributed(backend, failed)
+
+
+def close_distributed(backend: str, failed: bool) -> None:
+    """Leave the process group. A failed NCCL rank aborts its communicators instead: a graceful
+    destroy waits for the collectives it left in flight, which the other ranks never complete
+    (seen on two GPUs: the failing rank hung in ``destroy_process_group`` and its error was lost)."""
+    import torch.distributed as dist
+
+    if failed and backend == "nccl":
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            try:
+                abort()
+                return
+            except Exception as exc:  # noqa: BLE001 - an experimental torch API; the destroy below still runs
+                print(f"aborting the NCCL process group failed ({type(exc).__name__}: {exc}); destroying it",
+                      file=sys.stderr)
+    dist.destroy_process_group()
 
 
 def config_yaml(cfg: Any) -> str:

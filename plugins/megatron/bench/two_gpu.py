@@ -1,0 +1,474 @@
+"""rlcore-megatron's tensor/expert-parallel ranks on two GPUs (issue 16; scripts/gpu/two_gpu_016.sh
+runs every part on the 2x H200 machine, docs/benchmarks/two_gpu.md records what came back).
+
+A benchmark script, not part of the ``rlcore_megatron`` package. Ray's wheel is over what the GPU
+machine can be sent, so the ranks are started WITHOUT Ray: two processes from
+``torch.multiprocessing`` (spawn), each with its own ``CUDA_VISIBLE_DEVICES`` (so
+``rlcore.cluster.worker.init_distributed``'s device 0 is its own GPU), each calling the worker code
+the Ray actors call, ``rlcore.cluster.worker.run_rank`` (NCCL on CUDA, gloo on CPU), which builds
+``rlcore.cluster.model_parallel.ModelParallelTrainer``. The writer (rank 0) holds the local
+rollout; every push gathers the TP/EP shards tensor by tensor over the trainer group (NCCL) and
+streams them bucket by bucket into it (inproc sync, verified coverage+exact).
+
+The only thing added to the worker path is measurement: ``ModelParallelTrainer`` is replaced in
+its module by a subclass whose ``_push`` reads the GPU allocator's peak around each push (every
+rank) and which, after the run, times one more export drain (the NCCL gather alone).
+
+Parts (``--part``), each independent, each writing one JSON file (``--results``):
+
+* ``d2d``: a device-to-device copy GPU0 -> GPU1 (one process, both GPUs visible) and an NCCL
+  all-gather between the two ranks, the speeds the sync is compared with;
+* ``logprobs``: per-token log-probs (fp32) of the dense tiny model at TP=2 vs TP=1 and of the MoE at
+  EP=2 vs EP=1, max abs difference, as ``plugins/megatron/tests/test_parallel.py`` on CPU;
+* ``tp_train``: GRPO with TP=2 on a dense model (local rollout, reference head);
+* ``ep_mtp_train``: GRPO with EP=2 on a MoE with one MTP layer, ``plugins: [megatron, mtp]``;
+* ``fused_tp_train``: GRPO with TP=2 and the fused head, the vocabulary sharded over the two ranks;
+* ``sync_big``: a dense ~1.1 GB bf16 model at TP=2, two steps: the push's GB/s, its per-rank peak
+  extra GPU memory against the bucket and the model size, and the gather-only export time.
+
+Usage: ``python plugins/megatron/bench/two_gpu.py --part tp_train --out DIR --results FILE
+[--device cuda|cpu] [--steps N]`` (``--device cpu`` runs the same code with gloo on tiny sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "examples" / "megatron_tiny.yaml"
+GIB = 1 << 30
+MIB = 1 << 20
+
+RUN = ["output.progress=false", "output.tensorboard=false", "output.plot=false", "output.checkpoint_every=0",
+       "training.lr=0.001"]
+DENSE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
+         "intermediate_size": 512}
+MOE_MTP = {"arch": "qwen3_moe", "hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+           "head_dim": 64, "num_experts": 8, "topk": 2, "moe_intermediate_size": 128, "mtp_layers": 1}
+#: ~362 M parameters: 0.72 GB in bf16 (the vocabulary is the task's, tiny)
+BIG = {"hidden_size": 2048, "num_layers": 8, "num_heads": 16, "num_kv_heads": 4, "head_dim": 128,
+       "intermediate_size": 5632}
+BIG_CPU = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
+           "intermediate_size": 512}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(target: Any, world: int, device: str, args: tuple, timeout_s: float = 600,
+          visible: list[str] | None = None) -> tuple[list[dict], list[str]]:
+    """``world`` processes running ``target(rank, world, port, queue, *args)``; each gets its own
+    GPU through ``CUDA_VISIBLE_DEVICES`` (``visible[rank]``, default its rank) on CUDA. Returns
+    what the ranks put on the queue and the errors."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    procs = []
+    try:
+        for r in range(world):
+            if device == "cuda":  # the child reads its environment at start: one GPU each
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible[r] if visible else str(r)
+            p = ctx.Process(target=_guarded, args=(target, r, world, port, q, *args))
+            p.start()
+            procs.append(p)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    results: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            results.append(q.get(timeout=1.0))
+        except Exception:  # noqa: BLE001 - queue.Empty: look whether every rank died
+            if all(not p.is_alive() for p in procs) and q.empty():
+                break
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    errors += [f"rank {i} exit code {p.exitcode}" for i, p in enumerate(procs) if p.exitcode not in (0, None)]
+    return [r for r in results if "error" not in r], errors
+
+
+def _guarded(target: Any, rank: int, world: int, port: int, q: Any, *args: Any) -> None:
+    dump_s = float(os.environ.get("TWO_GPU_DUMP_S", "0") or 0)
+    if dump_s > 0:  # a rank still running then prints every thread's stack (where a hang waits)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(dump_s, exit=False)
+    try:
+        out = target(rank, world, port, *args)
+        q.put({"rank": rank, **(out or {})})
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then re-raised
+        q.put({"rank": rank, "error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"})
+        raise
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------- d2d -----
+
+def _copy_between_gpus(rank: int, world: int, port: int) -> dict:
+    """GPU0 -> GPU1 copies of 1 GiB through PyTorch (one process, both GPUs visible)."""
+    n = GIB
+    a = torch.empty(n, dtype=torch.uint8, device="cuda:0").fill_(7)
+    b = torch.empty(n, dtype=torch.uint8, device="cuda:1")
+    peer = torch.cuda.can_device_access_peer(0, 1)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    dt = (time.perf_counter() - t0) / reps
+    assert bool((b[:16] == 7).all())
+    return {"peer_access": peer, "bytes": n, "seconds": dt, "GBps": n / dt / 1e9,
+            "gpus": [torch.cuda.get_device_name(0), torch.cuda.get_device_name(1)]}
+
+
+def _nccl_all_gather(rank: int, world: int, port: int, device: str, mib: int) -> dict:
+    import torch.distributed as dist
+
+    from rlcore.cluster.worker import init_distributed
+
+    backend = init_distributed(rank, world, f"127.0.0.1:{port}", device, 120)
+    dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    try:
+        part = torch.full((mib * MIB // 2,), float(rank), dtype=torch.bfloat16, device=dev)
+        full = torch.empty(world * part.numel(), dtype=part.dtype, device=dev)
+        for _ in range(3):
+            dist.all_gather_into_tensor(full, part)
+        _sync(dev.type)
+        reps = 10
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_gather_into_tensor(full, part)
+        _sync(dev.type)
+        dt = (time.perf_counter() - t0) / reps
+        ok = bool(full[part.numel():].eq(1).all()) and bool(full[:part.numel()].eq(0).all())
+        # each rank receives (world-1) shards: the algorithm bandwidth over the link
+        return {"backend": backend, "shard_bytes": part.numel() * 2, "seconds": dt, "correct": ok,
+                "received_GBps": (world - 1) * part.numel() * 2 / dt / 1e9,
+                "output_GBps": full.numel() * 2 / dt / 1e9}
+    finally:
+        dist.destroy_process_group()
+
+
+def part_d2d(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    if args.device == "cuda":
+        got, err = spawn(_copy_between_gpus, 1, "cuda", (), visible=["0,1"], timeout_s=120)
+        out["copy_gpu0_to_gpu1"] = got[0] if got else {"errors": err}
+    else:
+        out["copy_gpu0_to_gpu1"] = {"skipped": "no GPUs (cpu dry run)"}
+    got, err = spawn(_nccl_all_gather, 2, args.device, (args.device, 256 if args.device == "cuda" else 4),
+                     timeout_s=180)
+    out["all_gather_2_ranks"] = sorted(got, key=lambda g: g["rank"]) if got else {"errors": err}
+    out["errors"] = err
+    return out
+
+
+# -------------------------------------------------------------------------- logprobs -----
+
+SEQS = [[3, 4, 5, 13, 6, 2], [7, 7, 13], [10, 9, 8, 7, 6, 13, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]
+
+
+def _logprob_rank(rank: int, world: int, port: int, device: str, model_dir: str, tp: int, ep: int) -> dict:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from rlcore.batch import PackedBatch
+    from rlcore.cluster.worker import init_distributed
+    from rlcore.heads import reference_logprobs
+    from rlcore.types import HeadInput
+    from rlcore_megatron.engine import HFSource, MegatronEngine
+    from rlcore_megatron.settings import MegatronSettings
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    init_distributed(rank, world, f"127.0.0.1:{port}", device, 120)
+    try:
+        engine = MegatronEngine(HFSource.from_dir(model_dir),
+                                MegatronSettings(tensor_parallel_size=tp, expert_parallel_size=ep), device=device)
+        batch = PackedBatch.pack(SEQS, [1] * len(SEQS)).to(engine.device)
+        engine.setup_optimizer(SimpleNamespace(lr=1e-2, betas=[0.9, 0.99], weight_decay=0.0))
+        engine.train(True)
+        engine.zero_grad()
+        out = engine.forward(batch)
+        hw = engine.head()
+        lp = reference_logprobs(HeadInput(hidden=out.hidden, weight=hw.weight, labels=batch.labels(),
+                                          vocab=hw.vocab, loss_mask=batch.loss_mask)).logprobs
+        loss = -(lp * torch.linspace(0.5, 1.5, lp.numel(), device=lp.device)).sum() / batch.num_loss_tokens
+        loss.backward()
+        norm = engine.optimizer_step(grad_clip=0.0)
+        return {"logprobs": lp.detach().float().cpu().tolist(), "grad_norm": float(norm),
+                "layout": {k: v for k, v in engine.parallel_layout().items()},
+                "attention_path": engine.attention_path}
+    finally:
+        dist.destroy_process_group()
+
+
+def part_logprobs(args: argparse.Namespace) -> dict:
+    from rlcore.testing.models import make_model_dir
+
+    out: dict = {"errors": []}
+    work = Path(args.out)
+    dense = make_model_dir(work / "dense_hf", "qwen2", **DENSE)
+    moe = make_model_dir(work / "moe_hf", "qwen3_moe", **{k: v for k, v in MOE_MTP.items()
+                                                          if k not in ("arch", "mtp_layers")})
+    for name, model_dir, dim in (("dense_tp", dense, "tp"), ("moe_ep", moe, "ep")):
+        runs = {}
+        for size in (1, 2):
+            tp, ep = (size, 1) if dim == "tp" else (1, size)
+            got, err = spawn(_logprob_rank, size, args.device, (args.device, str(model_dir), tp, ep), timeout_s=180)
+            out["errors"] += [f"{name} {dim}={size}: {e}" for e in err]
+            r0 = next((g for g in got if g["rank"] == 0), None)
+            if r0 is not None:
+                runs[size] = r0
+                out.setdefault("worlds", {})[f"{name} {dim}={size}"] = r0
+            # written after every world: a part stopped at its time limit keeps what finished
+            Path(args.results).write_text(json.dumps(dict(out, part="logprobs", partial=True), default=str))
+        if 1 in runs and 2 in runs:
+            a = torch.tensor(runs[1]["logprobs"], dtype=torch.float64)
+            b = torch.tensor(runs[2]["logprobs"], dtype=torch.float64)
+            out[name] = {"tokens": a.numel(), "max_abs_logprob_diff": float((a - b).abs().max()),
+                         "grad_norm": {f"{dim}=1": runs[1]["grad_norm"], f"{dim}=2": runs[2]["grad_norm"]},
+                         "grad_norm_rel_diff": abs(runs[1]["grad_norm"] - runs[2]["grad_norm"]) / runs[1]["grad_norm"],
+                         "layout_2": runs[2]["layout"], "attention_path": runs[2]["attention_path"]}
+    return out
+
+
+# ------------------------------------------------------------------------ training -------
+
+def _measured_trainer(base: type, q_info: dict) -> type:
+    """The worker's trainer with GPU-memory and export-time readings added (nothing else changes)."""
+
+    class MeasuredTrainer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: Any, **kw: Any):
+            super().__init__(*a, **kw)
+            hw = self.engine.head()
+            self._device = next(iter(self.engine.parameters())).device
+            group = hw.vocab.group
+            q_info["head"] = {"rows_here": int(hw.weight.shape[0]), "vocab_start": int(hw.vocab.start),
+                              "vocab_end": int(hw.vocab.end), "vocab_size": int(hw.vocab.vocab_size),
+                              "sharded_over": torch.distributed.get_world_size(group) if group is not None else 1}
+            q_info["forward_fn"] = {"name": str(self.cfg.forward.name), "type": type(self.forward_fn).__module__ + "."
+                                    + type(self.forward_fn).__qualname__}
+            q_info["layout"] = dict(self.layout)
+            q_info["device"] = str(self._device)
+            q_info["model_bytes_here"] = sum(p.numel() * p.element_size() for p in self.engine.parameters())
+            calls = q_info["head_calls"] = {"total": 0, "vocab_sharded": 0, "with_fused_loss": 0}
+            head_fn = self.forward_fn
+
+            def counted_head(inp: Any) -> Any:  # the run's head, called as it is; only counted
+                calls["total"] += 1
+                calls["vocab_sharded"] += int(inp.vocab is not None and inp.vocab.group is not None)
+                calls["with_fused_loss"] += int(getattr(inp, "loss", None) is not None)
+                if callable(getattr(head_fn, "kernels_for", None)):  # rlcore-fused: which backend serves it
+                    calls["kernels"] = type(head_fn.kernels_for(inp.hidden.device)).__name__
+                return head_fn(inp)
+
+            self.forward_fn = counted_head
+            q_info["pushes"] = []
+
+        def _push(self, version: int) -> Any:
+            cuda = self._device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+                base_alloc = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            report = super()._push(version)
+            if cuda:
+                torch.cuda.synchronize()
+            row = {"version": version, "seconds": time.perf_counter() - t0, "bytes": int(report.bytes),
+                   "buckets": int(report.num_buckets)}
+            if cuda:
+                row.update(allocated_before=base_alloc, peak_extra_bytes=torch.cuda.max_memory_allocated() - base_alloc,
+                           allocated_after=torch.cuda.memory_allocated())
+            q_info["pushes"].append(row)
+            return report
+
+        def run(self) -> Any:
+            summary = super().run()
+            # the gather alone: one more export drained by every rank (no bucket, no rollout)
+            torch.distributed.barrier()
+            if self._device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            total = 0
+            for _name, t in self.engine.export_hf_weights():
+                total += t.numel() * t.element_size()
+            if self._device.type == "cuda":
+                torch.cuda.synchronize()
+            q_info["export_only"] = {"bytes": total, "seconds": time.perf_counter() - t0}
+            return summary
+
+    return MeasuredTrainer
+
+
+def _train_rank(rank: int, world: int, port: int, overrides: list[str]) -> dict:
+    import rlcore.cluster.model_parallel as model_parallel
+    from rlcore.cluster.worker import config_yaml, run_rank
+    from rlcore.stack import load_stack
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    info: dict = {}
+    model_parallel.ModelParallelTrainer = _measured_trainer(model_parallel.ModelParallelTrainer, info)
+    stack = load_stack(str(EXAMPLE), overrides)
+    t0 = time.perf_counter()
+    summary = run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}", overwrite=True)
+    info["run_seconds"] = time.perf_counter() - t0
+    info["completed"] = bool(summary.get("completed")) if isinstance(summary, dict) else None
+    return info
+
+
+PHASES = ("generate_seconds", "train_seconds", "sync_seconds", "step_seconds")
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def train_part(args: argparse.Namespace, name: str, overrides: list[str]) -> dict:
+    out_dir = Path(args.out) / name
+    ov = RUN + [f"engine.device={args.device}", f"output.dir={out_dir}"] + overrides
+    t0 = time.perf_counter()
+    got, err = spawn(_train_rank, 2, args.device, (ov,), timeout_s=float(args.rank_timeout))
+    res: dict = {"overrides": ov, "wall_seconds": time.perf_counter() - t0, "errors": err,
+                 "ranks": sorted(got, key=lambda g: g["rank"])}
+    metrics = out_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    res["metrics"] = rows
+    if rows:
+        later = rows[1:] or rows  # the first step pays for compilation and allocator warm-up
+        res["summary"] = {
+            "steps": len(rows),
+            "reward": [round(r.get("reward_mean", float("nan")), 4) for r in rows],
+            "median_after_first": {k: _median([r.get(k) for r in later]) for k in PHASES},
+            "first_step": {k: rows[0].get(k) for k in PHASES},
+            "sync_bytes": rows[-1].get("sync_bytes"), "sync_buckets": rows[-1].get("sync_buckets"),
+            "sync_GBps_median": _median([r["sync_bytes"] / r["sync_seconds"] / 1e9 for r in later
+                                         if r.get("sync_seconds")]),
+            "sync_all_verified": all(r.get("sync_verified") for r in rows),
+            "sync_levels": sorted({str(r.get("sync_level")) for r in rows}),
+            "logprob_mismatch_max": max(r.get("logprob_mismatch_max", 0.0) for r in rows),
+            "weight_version": rows[-1].get("weight_version"),
+            "extra": {k: rows[-1][k] for k in rows[-1] if k.startswith(("loss/", "mtp/", "push_"))},
+        }
+    for g in res["ranks"]:
+        pushes = g.get("pushes") or []
+        peaks = [p["peak_extra_bytes"] for p in pushes if "peak_extra_bytes" in p]
+        if peaks:
+            g["peak_extra_push_MiB_max"] = max(peaks) / MIB
+        if g.get("export_only", {}).get("seconds"):
+            e = g["export_only"]
+            g["export_only"]["GBps"] = e["bytes"] / e["seconds"] / 1e9
+    return res
+
+
+def part_tp_train(args: argparse.Namespace) -> dict:
+    tiny = [f"engine.model.tiny.{k}={v}" for k, v in DENSE.items()]
+    return train_part(args, "tp_train", tiny + ["megatron.tensor_parallel_size=2", f"training.steps={args.steps}",
+                                                 "rollout.n=8", "data.prompts_per_step=16", "sync.bucket_mb=1"])
+
+
+def part_ep_mtp_train(args: argparse.Namespace) -> dict:
+    tiny = [f"engine.model.tiny.{k}={v}" for k, v in MOE_MTP.items()]
+    return train_part(args, "ep_mtp_train", tiny + [
+        "plugins=[megatron,mtp]", "megatron.expert_parallel_size=2", "megatron.export_mtp=false",
+        f"training.steps={args.steps}", "rollout.n=8", "data.prompts_per_step=16", "sync.bucket_mb=1"])
+
+
+def part_fused_tp_train(args: argparse.Namespace) -> dict:
+    tiny = [f"engine.model.tiny.{k}={v}" for k, v in DENSE.items()]
+    return train_part(args, "fused_tp_train", tiny + [
+        "plugins=[megatron,fused]", "forward.name=fused", "megatron.tensor_parallel_size=2",
+        # 300 ids (the task's words and unused ones) pad to 512 over TP=2: both ranks hold real rows
+        "engine.model.tiny.vocab_size=300",
+        f"training.steps={args.steps}", "rollout.n=8", "data.prompts_per_step=16", "sync.bucket_mb=1"])
+
+
+def part_sync_big(args: argparse.Namespace) -> dict:
+    big = BIG if args.device == "cuda" else BIG_CPU
+    bucket = 256 if args.device == "cuda" else 0.25
+    tiny = [f"engine.model.tiny.{k}={v}" for k, v in big.items()]
+    dtype = args.big_dtype
+    res = train_part(args, "sync_big", tiny + [
+        f"engine.model.dtype={dtype}", "megatron.tensor_parallel_size=2", "training.steps=2", "rollout.n=4",
+        "data.prompts_per_step=4", f"sync.bucket_mb={bucket}", "engine.model.tiny.init_std=0.02"])
+    res["bucket_MiB"] = bucket
+    return res
+
+
+PARTS = {"d2d": part_d2d, "logprobs": part_logprobs, "tp_train": part_tp_train, "ep_mtp_train": part_ep_mtp_train,
+         "fused_tp_train": part_fused_tp_train, "sync_big": part_sync_big}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", required=True, choices=sorted(PARTS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--results", required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--big-dtype", default="bfloat16", help="sync_big's model dtype")
+    p.add_argument("--rank-timeout", type=float, default=240)
+    args = p.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        res = PARTS[args.part](args)
+        rc = 0 if not res.get("errors") else 1
+    except Exception as exc:  # noqa: BLE001 - the part's failure is its result
+        res = {"errors": [f"{type(exc).__name__}: {exc}", traceback.format_exc()[-3000:]]}
+        rc = 1
+    res.update(part=args.part, device=args.device, part_seconds=time.perf_counter() - t0,
+               python=sys.version.split()[0], torch=torch.__version__)
+    try:
+        import megatron.core as mc
+
+        res["megatron_core"] = mc.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps(res, indent=1, default=str))
+    brief = {k: v for k, v in res.items() if k not in ("metrics", "ranks", "overrides")}
+    print(json.dumps(brief, indent=1, default=str)[:6000], flush=True)
+    for g in res.get("ranks", []):
+        print(f"rank {g.get('rank')}: peak extra push MiB {g.get('peak_extra_push_MiB_max')}, "
+              f"export-only {g.get('export_only')}, head {g.get('head')}, forward {g.get('forward_fn')}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
