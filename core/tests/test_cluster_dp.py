@@ -167,3 +167,50 @@ def test_shares_and_bundles():
     assert plan_bundles(c) == ([{"CPU": 1.0, "GPU": 0.5}] * 2 + [{"CPU": 1.0, "GPU": 0.5}] * 2, [0, 1], [2, 3])
     c.placement = "colocated"
     assert plan_bundles(c) == ([{"CPU": 2.0, "GPU": 1.0}] * 2, [0, 1], [0, 1])
+
+
+def test_the_writers_wrapped_rollout_is_a_receiver_however_python_checks_protocols():
+    """The writer rank pushes into :class:`SampleBroadcast`, which forwards every other method to
+    the backend it wraps. Python 3.12's ``isinstance`` on a runtime-checkable protocol looks
+    members up statically and misses forwarded ones (a TP=2 run on the GPU machine's 3.12 failed
+    with "inproc sync needs a BucketReceiver backend, got SampleBroadcast"); the syncs ask
+    :func:`rlcore.types.implements`, which looks them up as a call does."""
+    import inspect
+
+    from rlcore.cluster.data_parallel import SampleBroadcast
+    from rlcore.ranks import SINGLE
+    from rlcore.types import BucketReceiver, DiskReceiver, implements
+    from rlcore.weight_sync import InprocSync
+
+    class Receiver:
+        def __init__(self):
+            self.version, self.staged, self.held = 0, {}, {}
+
+        weight_version = property(lambda self: self.version)
+
+        def begin_update(self, version):
+            self.staged = {}
+
+        def receive_bucket(self, bucket):
+            self.staged.update({n: t.clone() for n, t in bucket.tensors()})
+
+        def commit_update(self, version):
+            self.held, self.version = self.staged, version
+
+        def abort_update(self):
+            self.staged = {}
+
+        def weight_checksums(self, names=None):
+            from rlcore.sync import tensor_checksum
+
+            return {n: tensor_checksum(t) for n, t in self.held.items() if names is None or n in names}
+
+    wrapped = SampleBroadcast(SINGLE, Receiver())
+    static = [n for n in ("begin_update", "receive_bucket", "commit_update", "abort_update", "weight_checksums")
+              if not callable(inspect.getattr_static(wrapped, n, None))]
+    assert static, "SampleBroadcast now defines the receiver methods itself: this test no longer shows the case"
+    assert implements(wrapped, BucketReceiver) and not implements(wrapped, DiskReceiver)
+    assert not implements(SampleBroadcast(SINGLE, object()), BucketReceiver)
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    report = InprocSync(1 << 20).push([("w", w)], wrapped, 1)
+    assert report.verified and wrapped.inner.version == 1 and torch.equal(wrapped.inner.held["w"], w)

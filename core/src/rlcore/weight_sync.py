@@ -20,7 +20,7 @@ import torch
 
 from rlcore.errors import WeightSyncError
 from rlcore.sync import Bucket, iter_buckets, verification_level, verify_checksums
-from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport
+from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport, implements
 
 MB = 1 << 20
 
@@ -81,7 +81,7 @@ class InprocSync:
         self.verify = verify
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: RolloutBackend, version: int) -> SyncReport:
-        if not isinstance(target, BucketReceiver):
+        if not implements(target, BucketReceiver):
             raise WeightSyncError(f"inproc sync needs a BucketReceiver backend, got {type(target).__name__}")
         t0 = time.perf_counter()
         before = target.weight_version
@@ -120,7 +120,7 @@ class DiskSync:
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: RolloutBackend, version: int) -> SyncReport:
         from safetensors.torch import save_file
 
-        if not isinstance(target, DiskReceiver):
+        if not implements(target, DiskReceiver):
             raise WeightSyncError(f"disk sync needs a DiskReceiver backend, got {type(target).__name__}")
         t0 = time.perf_counter()
         before = target.weight_version

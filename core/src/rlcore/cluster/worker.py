@@ -60,7 +60,6 @@ def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: A
     The engine decides the kind of ranks (:data:`rlcore.cluster_settings.ENGINE_DIMS`): data
     parallel (``hf``: samples split, gradients summed) or model parallel (``megatron``: every
     rank the same samples, the engine's collectives)."""
-    import torch.distributed as dist
 
     from rlcore.cluster_settings import ENGINE_DIMS
     from rlcore.ranks import TorchRanks

@@ -71,6 +71,7 @@ from rlcore.types.rollout import (
     SamplingSettings,
     SyncReport,
     WeightSync,
+    implements,
 )
 
 __all__ = [
@@ -85,6 +86,6 @@ __all__ = [
     # chains
     "ForwardRequest", "ModelOutput", "PostprocessResult", "StepContext",
     # rollout and weight sync
-    "SamplingSettings", "Prompt", "Sample", "MemoryTag", "RolloutBackend", "BucketReceiver",
+    "SamplingSettings", "Prompt", "Sample", "MemoryTag", "RolloutBackend", "BucketReceiver", "implements",
     "DiskReceiver", "SyncReport", "WeightSync",
 ]

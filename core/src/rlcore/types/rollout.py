@@ -140,6 +140,16 @@ class DiskReceiver(Protocol):
     def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, int]: ...
 
 
+def implements(obj: Any, protocol: type) -> bool:
+    """Whether ``obj`` has every public method of ``protocol``, looked up as a call looks it up
+    (through ``__getattr__``, so a wrapper that forwards to the backend it wraps counts).
+    ``isinstance`` against a runtime-checkable protocol looks members up statically from Python
+    3.12 on (``inspect.getattr_static``) and misses forwarded methods: on 3.12 the trainer ranks'
+    wrapper of the rollout fleet was refused as "not a BucketReceiver" (found on the GPU machine)."""
+    names = [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    return all(callable(getattr(obj, n, None)) for n in names)
+
+
 # --------------------------------------------------------------------------------------------
 # Weight sync
 # --------------------------------------------------------------------------------------------
