@@ -109,6 +109,7 @@ def test_the_cpu_build_refuses_routed_experts_and_says_why(tiny_model_dirs, monk
 
 def test_offline_request_outputs_decode_to_replayable_routes(mixed_moe):
     from rlcore_vllm.engines import OfflineEngine
+    from rlcore_vllm.liveness import EngineCoreWatch
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 
@@ -121,6 +122,8 @@ def test_offline_request_outputs_decode_to_replayable_routes(mixed_moe):
             for i, (p, r, routes) in enumerate(zip(PROMPTS, RESPONSES, truth, strict=True))]
     offline = OfflineEngine.__new__(OfflineEngine)
     offline.llm = _LLM(outs)
+    offline.in_process = True
+    offline.watch = EngineCoreWatch(offline.llm)  # a stand-in LLM has no engine-core process: nothing to watch
     samples = _backend(model_dir, offline).generate([Prompt(ids=p, index=i) for i, p in enumerate(PROMPTS)],
                                                     SamplingSettings(return_routed_experts=True, max_new_tokens=3))
     _check_samples(samples, engine, truth)
