@@ -159,10 +159,16 @@ class MappedFleetSync:
         if self._sender is None or fleet is not self._fleet:
             torch.multiprocessing.set_sharing_strategy("file_system")
             self._check_same_machine(fleet)
-            self._sender = MappedSender(FleetChannel(fleet), verify=self.verify, timeout=self.timeout_s)
+            # the transport's own checksum pass is left out: the checksums below are taken before the
+            # lend and compared with what every replica committed, which also catches a write
+            # during the lend that reached a replica (one that did not is harmless)
+            self._sender = MappedSender(FleetChannel(fleet), verify=False, timeout=self.timeout_s)
             self._fleet = fleet
         pairs = self._lendable(weights)
         before = fleet.weight_version
+        tally = _Tally(self.verify, shapes=[(n, tuple(t.shape)) for n, t in pairs], ntensors=len(pairs))
+        if self.verify:
+            tally.sent = {n: tensor_checksum(t) for n, t in pairs}
         try:
             report = self._sender.send(pairs, version)
         except (TransportError, WeightSyncError) as exc:
@@ -170,10 +176,7 @@ class MappedFleetSync:
                                   f"{before}", receiver_version=before) from exc
         fleet.note_version(version)
         # what every replica holds now, against what was lent (and the replicas against each other)
-        tally = _Tally(self.verify, shapes=[(n, tuple(t.shape)) for n, t in pairs], nbytes=report.bytes,
-                       ntensors=len(pairs))
-        if self.verify:
-            tally.sent = {n: tensor_checksum(t) for n, t in pairs}
+        tally.nbytes = report.bytes
         checked, level = _verify(fleet, tally, version, "mapped")
         details = dict(report.details, level=level)
         return SyncReport(version, len(pairs), 0, report.bytes, time.perf_counter() - t0, verified=self.verify,
