@@ -39,16 +39,10 @@ RAY = ["sync.bucket_mb=0.25", "cluster.backend=ray", "cluster.trainer.dp=2", "cl
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
+    from rlcore.testing.ray_cluster import simulated_ray_nodes
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
+    with simulated_ray_nodes(2, 2) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_two_ranks_two_replicas_on_two_nodes_match_one_process(two_nodes, tmp_path):

@@ -42,16 +42,10 @@ RAY = ["sync.bucket_mb=0.25", "cluster.backend=ray", "cluster.rollout.replicas=2
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
+    from rlcore.testing.ray_cluster import simulated_ray_nodes
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
+    with simulated_ray_nodes(2, 2) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.parametrize("model,dim", [("dense", "tp"), ("moe", "ep")])

@@ -44,16 +44,10 @@ GREEDY = SamplingSettings(n=1, temperature=0.0, max_new_tokens=6, seed=3)
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
+    from rlcore.testing.ray_cluster import simulated_ray_nodes
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS})
-    cluster.add_node(num_cpus=NODE_CPUS)
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
+    with simulated_ray_nodes(2, NODE_CPUS) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_grpo_with_two_vllm_replicas_on_two_nodes(two_nodes, tmp_path):

@@ -82,6 +82,17 @@ def plan_bundles(c: Any) -> tuple[list[dict[str, float]], list[int], list[int]]:
     return bundles, list(range(world)), [world + j for j in range(replicas)]
 
 
+def start_local_nodes(nodes: int, cpus_per_node: float) -> Any:
+    """A Ray cluster of ``nodes`` simulated nodes on this machine (``ray.cluster_utils.Cluster``),
+    not yet joined; ``.shutdown()`` stops it."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=cpus_per_node)
+    return cluster
+
+
 class _Cluster:
     """The Ray connection this run made (and the local cluster it started, if any)."""
 
@@ -92,11 +103,7 @@ class _Cluster:
         if c.address:
             ray.init(address=c.address, log_to_driver=True)
         elif c.local_nodes > 1:
-            from ray.cluster_utils import Cluster
-
-            self.local = Cluster(initialize_head=True, head_node_args={"num_cpus": c.local_node_cpus})
-            for _ in range(int(c.local_nodes) - 1):
-                self.local.add_node(num_cpus=c.local_node_cpus)
+            self.local = start_local_nodes(int(c.local_nodes), float(c.local_node_cpus))
             ray.init(address=self.local.address, log_to_driver=True)
         else:
             ray.init(include_dashboard=False, log_to_driver=True)
