@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rlcore.errors import RolloutError, WeightSyncError
-from rlcore.sync import tensor_checksum
+from rlcore.sync import tensor_checksum, verification_level
 from rlcore.transport.protocol import TransportError
 from rlcore.types import SyncReport
 
@@ -96,20 +96,21 @@ class FleetChannel:
             raise TransportError("protocol error: nothing was sent to the replicas")
         try:
             replies = self.fleet._get(refs, list(range(len(refs))), "a mapped push")
-        except RolloutError as exc:  # a dead replica's reads died with it; a silent one may still read
-            raise TransportError(f"{exc}" + ("" if "died" in str(exc) else " (the receiver did not answer)")) from exc
+        except RolloutError as exc:  # the fleet's error says which replica died or did not answer
+            raise TransportError(str(exc)) from exc
         failed = [f"replica {i}: {r[1]}" for i, r in enumerate(replies) if r[0] == "error"]
         if failed:
             return ("error", "; ".join(failed))
         version = {r[1] for r in replies}
         if len(version) != 1:
             return ("error", f"the replicas committed different versions {sorted(version)}")
-        levels = sorted({r[2] for r in replies}, key=len)
+        # the checks every replica passed (``"coverage+exact"`` -> {coverage, exact}; ``"none"`` -> {})
+        passed = set.intersection(*({c for c in r[2].split("+") if c != "none"} for r in replies))
         phases: dict[str, float] = {}
         for r in replies:  # the slowest replica's time per phase
             for k, v in r[4].items():
                 phases[k] = max(phases.get(k, 0.0), float(v))
-        return ("mapped", replies[0][1], levels[0], min(int(r[3]) for r in replies), phases)
+        return ("mapped", replies[0][1], verification_level(*passed), min(int(r[3]) for r in replies), phases)
 
 
 class MappedFleetSync:

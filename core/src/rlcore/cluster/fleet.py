@@ -90,6 +90,7 @@ class RolloutReplica:
         make_receiver = getattr(self.backend, "fleet_receiver", None)
         self.receiver = make_receiver() if callable(make_receiver) else self.backend
         self._dir = tempfile.mkdtemp(prefix=f"rlcore-replica{index}-")
+        self._mapped: Any = None  # the sync.name=mapped endpoint, made at the first mapped push
 
     def where(self) -> dict[str, Any]:
         import ray
@@ -126,7 +127,7 @@ class RolloutReplica:
 
     def mapped_push(self, msg: tuple) -> tuple:
         """One ``sync.name: mapped`` push: copy out of the writer's lent parameters (its reply)."""
-        if getattr(self, "_mapped", None) is None:
+        if self._mapped is None:
             from rlcore.mapped_sync import ReplicaEndpoint
 
             self._mapped = ReplicaEndpoint()
