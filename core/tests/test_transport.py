@@ -32,20 +32,7 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _start_receiver(**kwargs):
-    parent, child = CTX.Pipe()
-    proc = CTX.Process(target=tt.receiver_main, args=(child,), kwargs=kwargs, daemon=True)
-    proc.start()
-    child.close()
-    return parent, proc
-
-
-def _finish(conn, proc) -> tuple:
-    conn.send(("close",))
-    assert conn.poll(60), "the receiver did not answer"
-    res = conn.recv()
-    proc.join(30)
-    assert res[0] == "result", res[1] if res[0] == "crash" else res
-    return res
+    return tt.start_receiver_process(tt.receiver_main, **kwargs)
 
 
 def test_shm_push_round_trip_versions_pieces_and_levels():
@@ -55,7 +42,7 @@ def test_shm_push_round_trip_versions_pieces_and_levels():
     try:
         reports = [sender.send(iter(_weights(v)), version=v) for v in (1, 2)]
     finally:
-        res = _finish(conn, proc)
+        res = tt.finish_receiver_process(conn, proc)
         sender.close()
     _, version, sums, aborted, summaries = res
     assert version == 2 and aborted == 0
@@ -93,7 +80,7 @@ def test_slow_receiver_never_reads_a_reused_buffer():
         with pytest.raises(WeightSyncError, match="arrived with other bytes than sent"):
             sender.send(iter(weights), version=2)
     finally:
-        res = _finish(conn, proc)
+        res = tt.finish_receiver_process(conn, proc)
         sender.close()
     _, version, sums, aborted, summaries = res
     assert version == 1 and aborted == 1, "the corrupted push was aborted; version 1 stays"

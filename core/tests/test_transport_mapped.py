@@ -8,16 +8,13 @@ the lease after a timeout, and refusals. The CUDA handles themselves need a GPU:
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 import torch.multiprocessing as tmp
 from rlcore.sync import tensor_checksum
 from rlcore.testing import mapped as tm
+from rlcore.testing import transport as tt
 from rlcore.transport import ChecksumPlan, CopyProgram, MappedSender, PipeChannel, TransportError
-
-CTX = mp.get_context("spawn")
 
 
 @pytest.fixture
@@ -33,20 +30,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC 
 
 
 def _start(**kwargs):
-    parent, child = CTX.Pipe()
-    proc = CTX.Process(target=tm.mapped_receiver_main, args=(child, tm.SPEC), kwargs=kwargs, daemon=True)
-    proc.start()
-    child.close()
-    return parent, proc
-
-
-def _finish(conn, proc) -> tuple:
-    conn.send(("close",))
-    assert conn.poll(60), "the receiver did not answer"
-    res = conn.recv()
-    proc.join(30)
-    assert res[0] == "result", res[1] if res[0] == "crash" else res
-    return res
+    return tt.start_receiver_process(tm.mapped_receiver_main, tm.SPEC, **kwargs)
 
 
 class RecklessSender(MappedSender):
@@ -78,7 +62,7 @@ def test_mapped_push_layout_cache_coalescing_loader_and_a_byte_written_while_len
     assert sender.state == "idle"  # the error reply certifies that the receiver's reads are over
     sender.corrupt = False
     reports.append(sender.send(weights, version=5))  # the changed byte, now under its own checksum
-    _, version, sums, aborted, torn, summaries = _finish(conn, proc)
+    _, version, sums, aborted, torn, summaries = tt.finish_receiver_process(conn, proc)
 
     first, same, replaced, last = reports
     storages = 1 + 1 + 3  # one flat bf16 buffer, the qkv, embed, norm, lm_head
@@ -119,7 +103,7 @@ def test_a_push_that_times_out_keeps_the_parameters_locked_until_reclaimed(file_
     sender.check_writable()
     rep = sender.send(weights, version=3)
     assert rep.details["layout_sent"] and rep.details["storages_exported"] == 0  # re-sent, nothing re-shared
-    _, version, sums, aborted, torn, _ = _finish(conn, proc)
+    _, version, sums, aborted, torn, _ = tt.finish_receiver_process(conn, proc)
     assert version == 3 and aborted == 0 and sums == {n: tensor_checksum(t) for n, t in weights.items()}
 
 
@@ -178,7 +162,7 @@ def test_cuda_ipc_mapped_push_one_handle_per_block_and_bitwise_copies():
         sender.send(weights, version=3)
     sender.corrupt = False
     sender.send(weights, version=4)
-    _, version, sums, aborted, torn, summaries = _finish(conn, proc)
+    _, version, sums, aborted, torn, summaries = tt.finish_receiver_process(conn, proc)
     assert first.details["layout_sent"] and not second.details["layout_sent"]
     assert first.details["blocks"] <= first.details["storages"] == 5
     assert first.details["checksum_backend"] in ("triton", "per-tensor")

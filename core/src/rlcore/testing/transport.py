@@ -113,6 +113,31 @@ def receiver_main(conn: Any, plane_kind: str, manifest_shapes: dict | None = Non
         raise
 
 
+def start_receiver_process(main: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Spawn ``main(conn, *args, **kwargs)`` (a receiver entry point such as :func:`receiver_main`
+    or :func:`rlcore.testing.mapped.mapped_receiver_main`); returns this side's end of the pipe and
+    the process."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=main, args=(child, *args), kwargs=kwargs, daemon=True)
+    proc.start()
+    child.close()
+    return parent, proc
+
+
+def finish_receiver_process(conn: Any, proc: Any) -> tuple:
+    """Tell a receiver started by :func:`start_receiver_process` to close; its ``("result", ...)``
+    answer (an ``AssertionError`` if it crashed or did not answer within 60 s)."""
+    conn.send(("close",))
+    assert conn.poll(60), "the receiver did not answer"
+    res = conn.recv()
+    proc.join(30)
+    assert res[0] == "result", res[1] if res[0] == "crash" else res
+    return res
+
+
 def peak_rss_reset() -> bool:
     """Reset this process's peak RSS (``VmHWM``); False where the kernel does not allow it."""
     try:
