@@ -23,3 +23,20 @@ def simulated_ray_nodes(nodes: int = 2, cpus_per_node: float = 2.0) -> Iterator[
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def assert_reward_curves_agree(rows: list[dict], one_rows: list[dict], *, samples_per_step: int,
+                               identical_at_least: int, first_step_equal: bool = False) -> tuple[list, list]:
+    """A multi-process run's reward curve against the single-process run of the same seed
+    (``metrics.jsonl`` rows): at most one flipped sample in any step (``1 / samples_per_step`` of a
+    step's mean reward) and at least ``identical_at_least`` steps identical; ``first_step_equal``:
+    step 0 must be identical too (same initial weights, same samples). The tolerance is argued in
+    docs/scale.md. Returns both curves."""
+    a = [r["reward_mean"] for r in rows]
+    b = [r["reward_mean"] for r in one_rows]
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    if first_step_equal:
+        assert diffs[0] == 0, (a, b)
+    assert max(diffs) <= 1 / samples_per_step + 1e-9, (a, b)
+    assert sum(d == 0 for d in diffs) >= identical_at_least, (a, b)
+    return a, b
