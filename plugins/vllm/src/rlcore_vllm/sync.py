@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rlcore.errors import WeightSyncError
@@ -42,6 +42,18 @@ from rlcore_vllm.speculative import check_draft_current, skips_draft
 MB = 1 << 20
 #: probe tolerance of the native transports' log-prob check, by serving dtype
 PROBE_ATOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
+
+
+def timed(items: Iterable[Any], phases: dict[str, float], key: str) -> Iterator[Any]:
+    """``items``, adding the time spent producing each (filling a bucket) to ``phases[key]``."""
+    it = iter(items)
+    while True:
+        t0 = time.perf_counter()
+        item = next(it, None)
+        phases[key] += time.perf_counter() - t0
+        if item is None:
+            return
+        yield item
 
 
 class VLLMWeightSync:
@@ -127,13 +139,8 @@ class VLLMWeightSync:
         pending_copies = 0
         t_load = 0.0
         try:
-            buckets = iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=pool.allocate)
-            while True:
-                tf = time.perf_counter()
-                bucket = next(buckets, None)
-                phases["fill"] += time.perf_counter() - tf
-                if bucket is None:
-                    break
+            for bucket in timed(iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=pool.allocate),
+                                phases, "fill"):
                 seg = pool.segment_of(bucket.buffer)
                 if self.verify:
                     tc = time.perf_counter()
@@ -195,13 +202,7 @@ class VLLMWeightSync:
         n = len(fleet.replicas)
         fleet.begin_update(version)
         try:
-            buckets = iter_buckets(weights, self.bucket_bytes, device="cpu")
-            while True:
-                tf = time.perf_counter()
-                bucket = next(buckets, None)
-                phases["fill"] += time.perf_counter() - tf
-                if bucket is None:
-                    break
+            for bucket in timed(iter_buckets(weights, self.bucket_bytes, device="cpu"), phases, "fill"):
                 if self.verify:
                     tc = time.perf_counter()
                     sent.update(bucket.checksums())
