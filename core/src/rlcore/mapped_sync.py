@@ -59,7 +59,6 @@ class ReplicaEndpoint:
     def __init__(self) -> None:
         from rlcore.transport import MappedReceiver
 
-        torch.multiprocessing.set_sharing_strategy("file_system")  # CPU storages are opened by name
         self.box = ReplyBox()
         self.receiver = MappedReceiver(self.box)
 
