@@ -23,8 +23,9 @@ Parts (``--part``), each independent, each writing one JSON file (``--results``)
 * ``tp_train``: GRPO with TP=2 on a dense model (local rollout, reference head);
 * ``ep_mtp_train``: GRPO with EP=2 on a MoE with one MTP layer, ``plugins: [megatron, mtp]``;
 * ``fused_tp_train``: GRPO with TP=2 and the fused head, the vocabulary sharded over the two ranks;
-* ``sync_big``: a dense ~1.1 GB bf16 model at TP=2, two steps: the push's GB/s, its per-rank peak
-  extra GPU memory against the bucket and the model size, and the gather-only export time.
+* ``sync_big``: a dense 0.72 GB bf16 model (362 M parameters) at TP=2, three steps, 64 MiB buckets: the
+  push's GB/s, its per-rank peak extra GPU memory against the bucket and the model size, and the
+  gather-only export time.
 
 Usage: ``python plugins/megatron/bench/two_gpu.py --part tp_train --out DIR --results FILE
 [--device cuda|cpu] [--steps N]`` (``--device cpu`` runs the same code with gloo on tiny sizes).
@@ -419,11 +420,11 @@ def part_fused_tp_train(args: argparse.Namespace) -> dict:
 
 def part_sync_big(args: argparse.Namespace) -> dict:
     big = BIG if args.device == "cuda" else BIG_CPU
-    bucket = 256 if args.device == "cuda" else 0.25
+    bucket = 64 if args.device == "cuda" else 0.25  # two buckets (128 MiB) << the model (690 MiB)
     tiny = [f"engine.model.tiny.{k}={v}" for k, v in big.items()]
     dtype = args.big_dtype
     res = train_part(args, "sync_big", tiny + [
-        f"engine.model.dtype={dtype}", "megatron.tensor_parallel_size=2", "training.steps=2", "rollout.n=4",
+        f"engine.model.dtype={dtype}", "megatron.tensor_parallel_size=2", "training.steps=3", "rollout.n=4",
         "data.prompts_per_step=4", f"sync.bucket_mb={bucket}", "engine.model.tiny.init_std=0.02"])
     res["bucket_MiB"] = bucket
     return res
