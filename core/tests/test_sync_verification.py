@@ -141,3 +141,92 @@ def test_metrics_and_progress_line_state_the_level(tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert rows[0]["sync_level"] == "coverage+exact" and rows[0]["sync_verified"]
     assert "✓ coverage+exact v1" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- rollout.local_update: in_place
+
+def _in_place(model_dir) -> LocalRollout:
+    b = LocalRollout(seed=0, update="in_place")
+    b.start(str(model_dir), version=0)
+    return b
+
+
+def test_in_place_push_lands_the_same_weights_as_a_staged_one(dirs):
+    """In place, a push needs no copy of the model (its extra memory is its buckets: the two-GPU
+    run in docs/benchmarks/two_gpu.md measures it) and lands exactly what a staged push lands."""
+    staged, in_place = _started(dirs["a"]), _in_place(dirs["a"])
+    weights = hf_export(dirs["b"])
+    for backend in (staged, in_place):
+        report = InprocSync(bucket_bytes=64 * 1024).push(weights, backend, 1)
+        assert report.details.get("level") == "coverage+exact" and report.num_buckets > 1
+        assert backend.weight_version == 1 and not backend.holds_unknown_weights
+    assert in_place.weight_checksums() == staged.weight_checksums()
+    from rlcore.types import Prompt, SamplingSettings
+
+    out = in_place.generate([Prompt([3, 4, 5], 0)], SamplingSettings(n=2, temperature=1.0, max_new_tokens=3))
+    assert len(out) == 2 and all(s.weight_version == 1 for s in out)
+
+
+def test_in_place_partial_push_leaves_unknown_weights_and_refuses_to_generate(dirs):
+    """Part of a failed in-place push has landed: the rollout must not sample from the mix; it says
+    so, refuses to generate, and a complete push makes it whole again."""
+    from rlcore.errors import RolloutError
+    from rlcore.types import Prompt, SamplingSettings
+
+    backend = _in_place(dirs["a"])
+    weights = hf_export(dirs["b"])
+    partial = [(n, t) for n, t in weights if n != "model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(WeightSyncError, match=r"partial push.*k_proj.*unknown weights") as info:
+        InprocSync(bucket_bytes=64 * 1024).push(partial, backend, 1)
+    assert info.value.receiver_version is None and backend.holds_unknown_weights
+    with pytest.raises(RolloutError, match=r"unknown weights .*version 1"):
+        backend.generate([Prompt([3, 4, 5], 0)], SamplingSettings(n=1, max_new_tokens=2))
+    InprocSync(bucket_bytes=64 * 1024).push(weights, backend, 2)
+    assert backend.weight_version == 2 and not backend.holds_unknown_weights
+    assert backend.weight_checksums() == _in_place(dirs["b"]).weight_checksums()
+    assert len(backend.generate([Prompt([3, 4, 5], 0)], SamplingSettings(n=1, max_new_tokens=2))) == 1
+
+
+def test_in_place_push_failing_mid_stream_names_the_unknown_weights(dirs):
+    """A push whose weight stream raises after a bucket landed: the sync's error says the receiver
+    holds unknown weights (not "stays on version 0", which was true only when staged)."""
+    backend = _in_place(dirs["a"])
+
+    def broken():
+        for i, item in enumerate(hf_export(dirs["b"])):
+            if i == 8:
+                raise RuntimeError("gather lost a rank")
+            yield item
+
+    with pytest.raises(WeightSyncError, match=r"gather lost a rank.*unknown weights") as info:
+        InprocSync(bucket_bytes=4 * 1024).push(broken(), backend, 1)
+    assert info.value.receiver_version is None and backend.holds_unknown_weights
+
+
+def test_staged_push_failing_mid_stream_keeps_serving_the_old_version(dirs):
+    backend = _started(dirs["a"])
+    before = backend.weight_checksums()
+
+    def broken():
+        for i, item in enumerate(hf_export(dirs["b"])):
+            if i == 8:
+                raise RuntimeError("gather lost a rank")
+            yield item
+
+    with pytest.raises(WeightSyncError, match=r"stays on version 0") as info:
+        InprocSync(bucket_bytes=4 * 1024).push(broken(), backend, 1)
+    assert info.value.receiver_version == 0 and not backend.holds_unknown_weights
+    assert backend.weight_checksums() == before
+
+
+def test_local_update_is_checked_by_name():
+    from rlcore.errors import ConfigError
+    from rlcore.stack import load_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.local_update.*in_place") as info:
+        load_config(None, ["rollout.local_update=inplace"])
+    assert info.value.key == "rollout.local_update"
+    with pytest.raises(ConfigError, match=r"rollout\.local_update='in_place'.*'vllm'") as info:
+        load_config(None, ["rollout.local_update=in_place", "rollout.backend=vllm"])
+    assert info.value.key == "rollout.local_update"
+    assert load_config(None, ["rollout.local_update=in_place"])[0].rollout.local_update == "in_place"

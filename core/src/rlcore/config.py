@@ -85,7 +85,12 @@ class RolloutConfig:
     ``seed_per_prompt``: each prompt's samples draw
     from a seed of their own (the step's seed and the prompt's index), so they do not depend on
     which prompts share a call, nor on how prompts are split across rollout replicas (local
-    backend); unset, on exactly when ``cluster.rollout.replicas`` > 1."""
+    backend); unset, on exactly when ``cluster.rollout.replicas`` > 1.
+    ``local_update`` (``local`` backend): ``staged`` (default) holds a push's whole new version
+    apart and swaps it in at commit, so a failed push leaves the old version serving, at the cost
+    of one more copy of the model on the rollout's device; ``in_place`` copies each bucket into the
+    live weights as it arrives (no copy of the model: a push's extra memory is its buckets), and
+    a push that fails part way leaves the rollout refusing to generate until a push completes."""
 
     backend: str = "local"
     n: int = 8
@@ -98,6 +103,7 @@ class RolloutConfig:
     seed: int | None = None
     draft_depths: int = 0
     seed_per_prompt: bool | None = None
+    local_update: str = "staged"
 
 
 @dataclass
@@ -388,6 +394,7 @@ def _known_keys(base: DictConfig, parent: str) -> list[str]:
 
 _CHOICES = {
     "rollout.release_kv_cache": ("auto", "always", "never"),
+    "rollout.local_update": ("staged", "in_place"),
     "algorithm.loss_agg": (*LOSS_AGGREGATIONS, "auto"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "algorithm.kl_in": ("loss", "reward"),
@@ -414,6 +421,14 @@ def _check_draft(cfg: DictConfig) -> None:
                           key="rollout.draft_depths")
 
 
+def _check_local_update(cfg: DictConfig) -> None:
+    if cfg.rollout.local_update != "staged" and cfg.rollout.backend != "local":
+        raise ConfigError(
+            f"rollout.local_update={cfg.rollout.local_update!r} sets how the local rollout loads a push; "
+            f"rollout.backend is {cfg.rollout.backend!r}, which loads pushes its own way: leave it at 'staged'",
+            key="rollout.local_update")
+
+
 def _check_values(cfg: DictConfig) -> None:
     for key, choices in _CHOICES.items():
         val = OmegaConf.select(cfg, key)
@@ -430,6 +445,7 @@ def _check_values(cfg: DictConfig) -> None:
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("bad value for config key 'rollout.top_p': must be in (0, 1]", key="rollout.top_p")
     _check_draft(cfg)
+    _check_local_update(cfg)
     for key in ("data.task", "data.reward"):
         val = OmegaConf.select(cfg, key)
         if ":" not in val:

@@ -96,12 +96,26 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
+#: ``rollout.local_update``: see :class:`LocalRollout`
+UPDATE_MODES = ("staged", "in_place")
+#: what an in-place push records per landed tensor (its bytes are already in the live weights)
+_LANDED = torch.empty(0)
+
+
 class LocalRollout:
     """See module docstring."""
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0, draft_depths: int = 0,
-                 seed_per_prompt: bool = False):
+                 seed_per_prompt: bool = False, update: str = "staged"):
+        if update not in UPDATE_MODES:
+            raise RolloutError(f"rollout.local_update must be one of {UPDATE_MODES}, got {update!r}")
         self.device = torch.device(device)
+        #: how a push lands (``rollout.local_update``): ``staged`` holds the whole new version apart
+        #: and swaps it in at commit (one more copy of the model on this device, the old version
+        #: survives a failed push); ``in_place`` copies each bucket into the live weights as it
+        #: arrives (no copy of the model; a failed push leaves the weights unknown and generate()
+        #: refuses until a complete push commits)
+        self.update = update
         #: every row samples from its own seed (see :func:`row_uniforms`), not one generator per call
         self.seed_per_prompt = seed_per_prompt
         self.dtype = getattr(torch, dtype)
@@ -115,6 +129,7 @@ class LocalRollout:
         self._kv_released = False
         self._staging: dict[str, torch.Tensor] | None = None
         self._staging_version: int | None = None
+        self._unknown_weights: str | None = None
         self.eos_token_id: int | None = None
         self.draft_depths = int(draft_depths)
         self._draft_version: int | None = None
@@ -210,6 +225,9 @@ class LocalRollout:
             raise RolloutError("local rollout's KV cache is released; resume_memory({'kv_cache'}) first")
         if self._staging is not None:
             raise RolloutError("local rollout is in the middle of a weight update")
+        if self._unknown_weights is not None:
+            raise RolloutError(f"local rollout holds unknown weights ({self._unknown_weights}); a complete weight "
+                               f"push is needed before it can generate again")
         dev = self.device
         seqs = [p for p in prompts for _ in range(params.n)]
         N = len(seqs)
@@ -363,18 +381,37 @@ class LocalRollout:
     def receive_bucket(self, bucket: Bucket) -> None:
         if self._staging is None:
             raise WeightSyncError("receive_bucket() outside begin_update()/commit_update()", self._version)
-        for name, view in bucket.tensors():
+        tensors = list(bucket.tensors())
+        for name, view in tensors:  # the whole bucket is checked before any of it lands
             self._check_tensor(name, view)
-            self._staging[name] = view.to(self.device, copy=True)
+        if self.update == "in_place":
+            if tensors:  # from here on the live weights mix versions until the push commits
+                self._unknown_weights = f"the push of version {self._staging_version} did not complete"
+            with torch.no_grad():
+                for name, view in tensors:
+                    self._views[name].copy_(view)
+                    self._staging[name] = _LANDED
+        else:
+            for name, view in tensors:
+                self._staging[name] = view.to(self.device, copy=True)
 
     def commit_update(self, version: int) -> None:
         if self._staging is None or self._staging_version != version:
             raise WeightSyncError(f"commit_update({version}) without a matching begin_update", self._version)
-        self._check_complete(self._staging, version)
-        with torch.no_grad():
-            for name, t in self._staging.items():
-                self._views[name].copy_(t)
+        try:
+            self._check_complete(self._staging, version)
+        except WeightSyncError as exc:
+            if self._unknown_weights is not None:  # in place: what did land cannot be taken back
+                self._staging, self._staging_version = None, None
+                raise WeightSyncError(f"{exc}; the weights that did land were written in place, so the local "
+                                      f"rollout now holds unknown weights", receiver_version=None) from exc
+            raise
+        if self.update != "in_place":
+            with torch.no_grad():
+                for name, t in self._staging.items():
+                    self._views[name].copy_(t)
         self._version = version
+        self._unknown_weights = None
         self._mark_draft(self._staging, version)
         self._staging = None
         self._staging_version = None
@@ -382,6 +419,11 @@ class LocalRollout:
     def abort_update(self) -> None:
         self._staging = None
         self._staging_version = None
+
+    @property
+    def holds_unknown_weights(self) -> bool:
+        """True after an in-place push failed part way (generate() refuses until one commits)."""
+        return self._unknown_weights is not None
 
     def load_from_disk(self, model_dir: str, version: int) -> None:
         from safetensors.torch import load_file
@@ -399,6 +441,7 @@ class LocalRollout:
             for name, t in staged.items():
                 self._views[name].copy_(t.to(self.device))
         self._version = version
+        self._unknown_weights = None
         self._mark_draft(staged, version)
 
     def _mark_draft(self, names: Iterable[str], version: int) -> None:
@@ -420,7 +463,7 @@ def build_local_rollout(ctx: Any) -> LocalRollout:
     device = run_device(ctx)
     return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=base_seed(cfg),
                         draft_depths=int(cfg.rollout.draft_depths),
-                        seed_per_prompt=bool(cfg.rollout.seed_per_prompt))
+                        seed_per_prompt=bool(cfg.rollout.seed_per_prompt), update=str(cfg.rollout.local_update))
 
 
 def _cache_bytes(past: Any) -> int:

@@ -93,10 +93,15 @@ class InprocSync:
             target.commit_update(version)
         except Exception as exc:
             target.abort_update()
+            if getattr(target, "holds_unknown_weights", False):  # it loads in place: part of the push landed
+                where, now = ("it loaded part of the push in place and holds unknown weights until a push "
+                              "completes"), None
+            else:
+                where, now = f"the receiver stays on version {target.weight_version}", before
             raise WeightSyncError(
                 f"inproc push of version {version} failed after {tally.nbuckets} bucket(s): "
-                f"{type(exc).__name__}: {exc}; the receiver stays on version {target.weight_version}",
-                receiver_version=before,
+                f"{type(exc).__name__}: {exc}; {where}",
+                receiver_version=now,
             ) from exc
         checked, level = _verify(target, tally, version, "inproc")
         return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
