@@ -10,7 +10,8 @@
 # Every part runs in its own process under `timeout` (each rank dumps its stacks 12 s before the
 # limit); one failing part does not stop the others;
 # each writes $OUT/<part>.json as it finishes, the log is $OUT/log.txt.
-#   PARTS_A (run side by side, limit LIMIT_A s), then sync_big (LIMIT_BIG) and d2d (LIMIT_D2D) alone; STEPS (default 3) training steps per training part.
+#   PARTS_A (run side by side, limit LIMIT_A s), then PARTS_B one after another (the sync measurements, each
+#   alone, limit LIMIT_BIG s each) and d2d (LIMIT_D2D) alone; STEPS (default 3) training steps per tiny part.
 set -uo pipefail
 OUT="${OUT:-runs/two-gpu}"
 WORK="${WORK:-/tmp/rlcore-two-gpu}"
@@ -54,11 +55,13 @@ PY
   fi
 }
 # the tiny parts run side by side (their step timings share the GPUs: see the doc); the sync
-# measurement runs alone after them
+# measurements run alone after them
 for part in ${PARTS_A:-tp_train logprobs ep_mtp_train fused_tp_train}; do
   run_part "$part" "${LIMIT_A:-150}" &
 done
 wait
-run_part sync_big "${LIMIT_BIG:-150}"
+for part in ${PARTS_B:-sync_big sync_big_in_place sync_big_unverified}; do
+  run_part "$part" "${LIMIT_BIG:-150}"
+done
 run_part d2d "${LIMIT_D2D:-45}"
 log "total: $(( $(date +%s) - t0 )) s"

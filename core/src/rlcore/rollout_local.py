@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 
+from rlcore.checksums import ChecksumPlan
 from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.platforms import run_device
 from rlcore.rollout_seeds import CallSeeds, base_seed
 from rlcore.rollout_speculative import DraftStats, generate_one
-from rlcore.sync import Bucket, WeightManifest, tensor_checksum
+from rlcore.sync import Bucket, WeightManifest
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
 LOCAL_CAPABILITIES = frozenset(
@@ -130,6 +131,7 @@ class LocalRollout:
         self._staging: dict[str, torch.Tensor] | None = None
         self._staging_version: int | None = None
         self._unknown_weights: str | None = None
+        self._checksum_plan: tuple[tuple[str, ...], ChecksumPlan] | None = None
         self.eos_token_id: int | None = None
         self.draft_depths = int(draft_depths)
         self._draft_version: int | None = None
@@ -153,6 +155,7 @@ class LocalRollout:
         self.seam = RouterSeam(self.model)
         self._views = checkpoint_views(self.model)
         self._manifest = None
+        self._checksum_plan = None
         self._version = version
         self.eos_token_id = self.model.config.eos_token_id
         if self.draft_depths:
@@ -171,6 +174,7 @@ class LocalRollout:
         self.model = None
         self._views = {}
         self._manifest = None
+        self._checksum_plan = None
 
     @property
     def weight_version(self) -> int:
@@ -454,8 +458,13 @@ class LocalRollout:
                 self._draft_version = version
 
     def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, int]:
-        names = list(self._views) if names is None else list(names)
-        return {n: tensor_checksum(self._views[n]) for n in names if n in self._views}
+        names = [n for n in (self._views if names is None else names) if n in self._views]
+        key = tuple(names)
+        if self._checksum_plan is None or self._checksum_plan[0] != key:
+            # the views stay at their addresses between pushes: the plan is built once (on a GPU one
+            # kernel and one wait for every tensor, not a few kernels and a wait each)
+            self._checksum_plan = (key, ChecksumPlan([self._views[n] for n in names]))
+        return dict(zip(names, self._checksum_plan[1].compute(), strict=True))
 
 
 def build_local_rollout(ctx: Any) -> LocalRollout:

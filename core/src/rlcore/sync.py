@@ -7,9 +7,9 @@ offset aligned to ``align_bytes``, a tensor never split (one larger than a bucke
 and tensors sharing a ``keep_together`` key never split across buckets. Only one bucket per dtype
 is open at a time, so memory stays at about ``bucket_bytes`` × dtypes whatever the model size.
 
-:func:`tensor_checksum` is a 62-bit checksum of a tensor's raw bytes computed with torch integer
-ops, so a CUDA sender and a CPU (or other-process) receiver get the same number (about 650 MB/s
-on one core of the CI machine).
+:func:`tensor_checksum` (:mod:`rlcore.checksums`, imported here for the callers that have always
+found it here) is a 62-bit checksum of a tensor's raw bytes; a bucket's checksums are computed
+together (:class:`~rlcore.checksums.ChecksumPlan`: on a GPU one kernel and one wait per bucket).
 """
 
 from __future__ import annotations
@@ -23,48 +23,8 @@ from pathlib import Path
 
 import torch
 
+from rlcore.checksums import ChecksumPlan, tensor_checksum  # noqa: F401 - tensor_checksum: re-exported
 from rlcore.errors import BucketError, WeightSyncError
-
-_P = (1 << 31) - 1  # Mersenne prime
-_W = 65521  # position weights cycle with this period (largest prime below 2^16)
-
-
-def tensor_checksum(t: torch.Tensor) -> int:
-    """A position-weighted checksum of the tensor's bytes (dtype-agnostic, device-agnostic).
-
-    Over the 32-bit words ``w_i`` of the raw bytes (zero-padded to a multiple of 4):
-    ``s1 = Σ w_i mod P`` and ``s2 = Σ w_i · ((i mod 65521) + 1) mod P`` with ``P = 2^31 - 1``,
-    packed into one int together with the word count. Exact integer arithmetic, so a CUDA
-    sender and a CPU receiver agree; order-sensitive; one pass over memory: the words are viewed
-    as ``[rows, 65521]`` and summed per column in int64 (no partial sum can overflow), then the
-    65521 column sums are weighted.
-    """
-    flat = t.detach().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-    pad = (-raw.numel()) % 4
-    if pad:
-        raw = torch.cat([raw, raw.new_zeros(pad)])
-    elif raw.storage_offset() % 4:  # a 2-byte tensor at offset 2 of a bucket: int32 view needs 4
-        raw = raw.clone()
-    words = raw.view(torch.int32)
-    n = words.numel()
-    if n < _W:  # one partial row: the same sums without the 65521-wide column pass (small tensors)
-        w64 = words.to(torch.int64)
-        s1 = int(w64.sum()) % _P
-        s2 = int(((w64 % _P) * torch.arange(1, n + 1, dtype=torch.int64, device=w64.device)).sum()) % _P
-        return (s1 << 31) | (s2 ^ (n & 0x7FFFFFFF))
-    full = n - n % _W
-    if full:
-        colsum = words[:full].view(-1, _W).sum(dim=0, dtype=torch.int64)
-    else:
-        colsum = torch.zeros(_W, dtype=torch.int64, device=words.device)
-    tail = words[full:]
-    if tail.numel():
-        colsum[: tail.numel()] += tail.to(torch.int64)
-    s1 = int(colsum.sum()) % _P
-    weights = torch.arange(1, _W + 1, dtype=torch.int64, device=colsum.device)
-    s2 = int(((colsum % _P) * weights).sum()) % _P
-    return (s1 << 31) | (s2 ^ (n & 0x7FFFFFFF))
 
 
 @dataclass(frozen=True)
@@ -111,7 +71,10 @@ class Bucket:
             yield m.name, self.view(m)
 
     def checksums(self) -> dict[str, int]:
-        return {name: tensor_checksum(t) for name, t in self.tensors()}
+        """:func:`tensor_checksum` of each tensor, computed together (on a GPU: one kernel for the
+        bucket and one wait, not a few kernels and a wait per tensor)."""
+        named = list(self.tensors())
+        return dict(zip((n for n, _ in named), ChecksumPlan([t for _, t in named]).compute(), strict=True))
 
 
 Allocator = Callable[[int, torch.device], torch.Tensor]

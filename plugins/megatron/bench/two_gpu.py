@@ -25,7 +25,8 @@ Parts (``--part``), each independent, each writing one JSON file (``--results``)
 * ``fused_tp_train``: GRPO with TP=2 and the fused head, the vocabulary sharded over the two ranks;
 * ``sync_big``: a dense 0.72 GB bf16 model (362 M parameters) at TP=2, three steps, 64 MiB buckets: the
   push's GB/s, its per-rank peak extra GPU memory against the bucket and the model size, and the
-  gather-only export time.
+  gather-only export time; ``sync_big_in_place`` the same with ``rollout.local_update=in_place``
+  (no staged copy of the model on the writer), ``sync_big_unverified`` in place without checksums.
 
 Usage: ``python plugins/megatron/bench/two_gpu.py --part tp_train --out DIR --results FILE
 [--device cuda|cpu] [--steps N]`` (``--device cpu`` runs the same code with gloo on tiny sizes).
@@ -418,20 +419,37 @@ def part_fused_tp_train(args: argparse.Namespace) -> dict:
         f"training.steps={args.steps}", "rollout.n=8", "data.prompts_per_step=16", "sync.bucket_mb=1"])
 
 
-def part_sync_big(args: argparse.Namespace) -> dict:
+def _sync_big(args: argparse.Namespace, name: str, variant: list[str]) -> dict:
     big = BIG if args.device == "cuda" else BIG_CPU
     bucket = 64 if args.device == "cuda" else 0.25  # two buckets (128 MiB) << the model (690 MiB)
     tiny = [f"engine.model.tiny.{k}={v}" for k, v in big.items()]
     dtype = args.big_dtype
-    res = train_part(args, "sync_big", tiny + [
+    res = train_part(args, name, tiny + [
         f"engine.model.dtype={dtype}", "megatron.tensor_parallel_size=2", "training.steps=3", "rollout.n=4",
-        "data.prompts_per_step=4", f"sync.bucket_mb={bucket}", "engine.model.tiny.init_std=0.02"])
+        "data.prompts_per_step=4", f"sync.bucket_mb={bucket}", "engine.model.tiny.init_std=0.02"] + variant)
     res["bucket_MiB"] = bucket
+    res["variant"] = variant
     return res
 
 
+def part_sync_big(args: argparse.Namespace) -> dict:
+    """The local rollout staged (default): the whole new version is held apart until commit."""
+    return _sync_big(args, "sync_big", [])
+
+
+def part_sync_big_in_place(args: argparse.Namespace) -> dict:
+    """``rollout.local_update=in_place``: each bucket lands in the live weights (no model copy)."""
+    return _sync_big(args, "sync_big_in_place", ["rollout.local_update=in_place"])
+
+
+def part_sync_big_unverified(args: argparse.Namespace) -> dict:
+    """In place and ``sync.verify=false``: what the checksums (``exact``) cost on top of coverage."""
+    return _sync_big(args, "sync_big_unverified", ["rollout.local_update=in_place", "sync.verify=false"])
+
+
 PARTS = {"d2d": part_d2d, "logprobs": part_logprobs, "tp_train": part_tp_train, "ep_mtp_train": part_ep_mtp_train,
-         "fused_tp_train": part_fused_tp_train, "sync_big": part_sync_big}
+         "fused_tp_train": part_fused_tp_train, "sync_big": part_sync_big,
+         "sync_big_in_place": part_sync_big_in_place, "sync_big_unverified": part_sync_big_unverified}
 
 
 def main(argv: list[str] | None = None) -> int:

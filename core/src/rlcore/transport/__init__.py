@@ -24,7 +24,7 @@ every buffer and the verification are in :mod:`rlcore.transport.protocol` and
 :class:`WeightSender`; ``docs/transport.md`` has the whole story and what ran where.
 """
 
-from rlcore.transport.checksums import ChecksumPlan
+from rlcore.checksums import ChecksumPlan
 from rlcore.transport.endpoints import SenderAborted, WeightReceiver, WeightSender, drain
 from rlcore.transport.mapped import MappedReceiver, MappedSender, mapping_refusal
 from rlcore.transport.mapping import CopyProgram

@@ -26,7 +26,7 @@ fails). ``state`` is ``"lent"`` meanwhile; a push that times out leaves it ``"un
 device, so that every write of the last step is complete before the receiver reads.
 
 **Verification** (``verify``): the sender's checksum of every tensor (one kernel for all,
-:class:`~rlcore.transport.checksums.ChecksumPlan`) is compared with the receiver's checksum of
+:class:`~rlcore.checksums.ChecksumPlan`) is compared with the receiver's checksum of
 what it now holds (``exact``); the receiver checks names and shapes against its manifest when a
 layout arrives (``coverage``: the layout id proves that names and shapes did not change since).
 
@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
+from rlcore.checksums import ChecksumPlan
 from rlcore.errors import WeightSyncError
 from rlcore.sync import Bucket, TensorMeta, WeightManifest, verification_level
-from rlcore.transport.checksums import ChecksumPlan
 from rlcore.transport.mapping import CopyProgram, block_of, export_storage, open_storage, typed_view
 from rlcore.transport.protocol import Channel, Phases, TransportError, dtype_name, dtype_of
 from rlcore.types import SyncReport
