@@ -26,7 +26,8 @@ Parts (``--part``), each independent, each writing one JSON file (``--results``)
 * ``sync_big``: a dense 0.72 GB bf16 model (362 M parameters) at TP=2, three steps, 64 MiB buckets: the
   push's GB/s, its per-rank peak extra GPU memory against the bucket and the model size, and the
   gather-only export time; ``sync_big_in_place`` the same with ``rollout.local_update=in_place``
-  (no staged copy of the model on the writer), ``sync_big_unverified`` in place without checksums.
+  (no staged copy of the model on the writer), ``sync_big_unverified`` in place without checksums,
+  ``sync_big_breakdown`` in place with every phase of the push timed (a GPU sync after each).
 
 Usage: ``python plugins/megatron/bench/two_gpu.py --part tp_train --out DIR --results FILE
 [--device cuda|cpu] [--steps N]`` (``--device cpu`` runs the same code with gloo on tiny sizes).
@@ -156,7 +157,6 @@ def _copy_between_gpus(rank: int, world: int, port: int) -> dict:
 
 def _nccl_all_gather(rank: int, world: int, port: int, device: str, mib: int) -> dict:
     import torch.distributed as dist
-
     from rlcore.cluster.worker import init_distributed
 
     backend = init_distributed(rank, world, f"127.0.0.1:{port}", device, 120)
@@ -205,7 +205,6 @@ def _logprob_rank(rank: int, world: int, port: int, device: str, model_dir: str,
     from types import SimpleNamespace
 
     import torch.distributed as dist
-
     from rlcore.batch import PackedBatch
     from rlcore.cluster.worker import init_distributed
     from rlcore.heads import reference_logprobs
@@ -300,8 +299,26 @@ def _measured_trainer(base: type, q_info: dict) -> type:
             self.forward_fn = counted_head
             q_info["pushes"] = []
 
+        def _export_for_push(self) -> Any:
+            if not BREAKDOWN:
+                yield from super()._export_for_push()
+                return
+            stream = super()._export_for_push()
+            while True:  # the time to produce each tensor (the NCCL gather), GPU included
+                t0 = time.perf_counter()
+                try:
+                    item = next(stream)
+                except StopIteration:
+                    break
+                _sync(self._device.type)
+                _PHASES["export_gather"] += time.perf_counter() - t0
+                yield item
+
         def _push(self, version: int) -> Any:
             cuda = self._device.type == "cuda"
+            if BREAKDOWN:
+                _timed_receiver(self.backend, self._device.type)
+                _PHASES.update(dict.fromkeys(_PHASES, 0.0))
             if cuda:
                 torch.cuda.synchronize()
                 base_alloc = torch.cuda.memory_allocated()
@@ -312,6 +329,9 @@ def _measured_trainer(base: type, q_info: dict) -> type:
                 torch.cuda.synchronize()
             row = {"version": version, "seconds": time.perf_counter() - t0, "bytes": int(report.bytes),
                    "buckets": int(report.num_buckets)}
+            if BREAKDOWN:
+                row["phases"] = dict(_PHASES)
+                row["phases"]["rest"] = row["seconds"] - sum(_PHASES.values())
             if cuda:
                 row.update(allocated_before=base_alloc, peak_extra_bytes=torch.cuda.max_memory_allocated() - base_alloc,
                            allocated_after=torch.cuda.memory_allocated())
@@ -334,6 +354,38 @@ def _measured_trainer(base: type, q_info: dict) -> type:
             return summary
 
     return MeasuredTrainer
+
+
+#: ``--breakdown``: every phase of a push is timed (with a GPU synchronisation after each, so the
+#: push is slower than without: the phases say where its time goes, not how fast it is)
+BREAKDOWN = os.environ.get("TWO_GPU_BREAKDOWN") == "1"
+_PHASES = {"export_gather": 0.0, "sender_checksums": 0.0, "receive_bucket": 0.0, "commit": 0.0,
+           "receiver_checksums": 0.0}
+
+
+def _timed(fn: Any, phase: str, device: str) -> Any:
+    def run(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        _sync(device)
+        _PHASES[phase] += time.perf_counter() - t0
+        return out
+
+    run.timed = True  # type: ignore[attr-defined]
+    return run
+
+
+def _timed_receiver(backend: Any, device: str) -> None:
+    """Time the writer's rollout (the receiver) and the sender's bucket checksums, once per process."""
+    from rlcore.sync import Bucket
+
+    inner = getattr(backend, "inner", None)
+    if inner is not None and not getattr(inner.receive_bucket, "timed", False):
+        inner.receive_bucket = _timed(inner.receive_bucket, "receive_bucket", device)
+        inner.commit_update = _timed(inner.commit_update, "commit", device)
+        inner.weight_checksums = _timed(inner.weight_checksums, "receiver_checksums", device)
+    if not getattr(Bucket.checksums, "timed", False):
+        Bucket.checksums = _timed(Bucket.checksums, "sender_checksums", device)
 
 
 def _train_rank(rank: int, world: int, port: int, overrides: list[str]) -> dict:
@@ -442,6 +494,12 @@ def part_sync_big_in_place(args: argparse.Namespace) -> dict:
     return _sync_big(args, "sync_big_in_place", ["rollout.local_update=in_place"])
 
 
+def part_sync_big_breakdown(args: argparse.Namespace) -> dict:
+    """In place and verified, every phase of the push timed (``TWO_GPU_BREAKDOWN=1`` in the ranks)."""
+    os.environ["TWO_GPU_BREAKDOWN"] = "1"  # the spawned ranks inherit it
+    return _sync_big(args, "sync_big_breakdown", ["rollout.local_update=in_place"])
+
+
 def part_sync_big_unverified(args: argparse.Namespace) -> dict:
     """In place and ``sync.verify=false``: what the checksums (``exact``) cost on top of coverage."""
     return _sync_big(args, "sync_big_unverified", ["rollout.local_update=in_place", "sync.verify=false"])
@@ -449,7 +507,8 @@ def part_sync_big_unverified(args: argparse.Namespace) -> dict:
 
 PARTS = {"d2d": part_d2d, "logprobs": part_logprobs, "tp_train": part_tp_train, "ep_mtp_train": part_ep_mtp_train,
          "fused_tp_train": part_fused_tp_train, "sync_big": part_sync_big,
-         "sync_big_in_place": part_sync_big_in_place, "sync_big_unverified": part_sync_big_unverified}
+         "sync_big_in_place": part_sync_big_in_place, "sync_big_unverified": part_sync_big_unverified,
+         "sync_big_breakdown": part_sync_big_breakdown}
 
 
 def main(argv: list[str] | None = None) -> int:
