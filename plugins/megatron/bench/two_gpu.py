@@ -336,6 +336,20 @@ def _measured_trainer(base: type, q_info: dict) -> type:
                 row.update(allocated_before=base_alloc, peak_extra_bytes=torch.cuda.max_memory_allocated() - base_alloc,
                            allocated_after=torch.cuda.memory_allocated())
             q_info["pushes"].append(row)
+            if version == int(self.cfg.training.steps):  # after the timed last push
+                inner = getattr(self.backend, "inner", None)
+                if inner is not None and hasattr(inner, "_views"):  # the writer's local rollout
+                    # the batched checksums (one kernel) the pushes were verified with, against the
+                    # per-tensor reference on every tensor the rollout holds
+                    from rlcore.checksums import ChecksumPlan, tensor_checksum
+
+                    views = list(inner._views.values())
+                    plan = ChecksumPlan(views)
+                    batched = plan.launch().collect()
+                    reference = [tensor_checksum(v) for v in views]
+                    q_info["checksum_plan_check"] = {
+                        "tensors": len(views), "backend": plan.backend, "equal": batched == reference,
+                        "differ": sum(a != b for a, b in zip(batched, reference, strict=True))}
             return report
 
         def run(self) -> Any:
