@@ -27,7 +27,8 @@ Parts (``--part``), each independent, each writing one JSON file (``--results``)
   push's GB/s, its per-rank peak extra GPU memory against the bucket and the model size, and the
   gather-only export time; ``sync_big_in_place`` the same with ``rollout.local_update=in_place``
   (no staged copy of the model on the writer), ``sync_big_unverified`` in place without checksums,
-  ``sync_big_breakdown`` in place with every phase of the push timed (a GPU sync after each).
+  ``sync_big_breakdown`` in place with every phase of the push timed (a GPU sync after each),
+  ``sync_large_in_place`` in place on 3x the layers (2.2 GB).
 
 Usage: ``python plugins/megatron/bench/two_gpu.py --part tp_train --out DIR --results FILE
 [--device cuda|cpu] [--steps N]`` (``--device cpu`` runs the same code with gloo on tiny sizes).
@@ -485,8 +486,10 @@ def part_fused_tp_train(args: argparse.Namespace) -> dict:
         f"training.steps={args.steps}", "rollout.n=8", "data.prompts_per_step=16", "sync.bucket_mb=1"])
 
 
-def _sync_big(args: argparse.Namespace, name: str, variant: list[str]) -> dict:
-    big = BIG if args.device == "cuda" else BIG_CPU
+def _sync_big(args: argparse.Namespace, name: str, variant: list[str], layers: int | None = None) -> dict:
+    big = dict(BIG if args.device == "cuda" else BIG_CPU)
+    if layers:
+        big["num_layers"] = layers
     bucket = 64 if args.device == "cuda" else 0.25  # two buckets (128 MiB) << the model (690 MiB)
     tiny = [f"engine.model.tiny.{k}={v}" for k, v in big.items()]
     dtype = args.big_dtype
@@ -508,6 +511,12 @@ def part_sync_big_in_place(args: argparse.Namespace) -> dict:
     return _sync_big(args, "sync_big_in_place", ["rollout.local_update=in_place"])
 
 
+def part_sync_large_in_place(args: argparse.Namespace) -> dict:
+    """In place, 3x the layers (24 on the GPU: 1.08 B parameters, 2.2 GB in bf16)."""
+    return _sync_big(args, "sync_large_in_place", ["rollout.local_update=in_place"],
+                     layers=3 * (BIG if args.device == "cuda" else BIG_CPU)["num_layers"])
+
+
 def part_sync_big_breakdown(args: argparse.Namespace) -> dict:
     """In place and verified, every phase of the push timed (``TWO_GPU_BREAKDOWN=1`` in the ranks)."""
     os.environ["TWO_GPU_BREAKDOWN"] = "1"  # the spawned ranks inherit it
@@ -522,7 +531,7 @@ def part_sync_big_unverified(args: argparse.Namespace) -> dict:
 PARTS = {"d2d": part_d2d, "logprobs": part_logprobs, "tp_train": part_tp_train, "ep_mtp_train": part_ep_mtp_train,
          "fused_tp_train": part_fused_tp_train, "sync_big": part_sync_big,
          "sync_big_in_place": part_sync_big_in_place, "sync_big_unverified": part_sync_big_unverified,
-         "sync_big_breakdown": part_sync_big_breakdown}
+         "sync_big_breakdown": part_sync_big_breakdown, "sync_large_in_place": part_sync_large_in_place}
 
 
 def main(argv: list[str] | None = None) -> int:
