@@ -119,8 +119,6 @@ class ChecksumPlan:
     def __init__(self, tensors: list[torch.Tensor], use_triton: bool | None = None):
         self.tensors = list(tensors)
         self.fallback: list[int] = []  # indices computed with tensor_checksum
-        self._fallback_values: dict[int, int] = {}
-        self._partial: torch.Tensor | None = None
         eligible: list[int] = []
         device = self.tensors[0].device if self.tensors else torch.device("cpu")
         kernel = _triton_kernel() if device.type == "cuda" and use_triton is not False else None
@@ -152,35 +150,14 @@ class ChecksumPlan:
 
     def compute(self) -> list[int]:
         """The checksums, in the order of ``tensors`` (waits for the GPU once)."""
-        self.launch()
-        return self.collect()
-
-    def launch(self) -> ChecksumPlan:
-        """Start the computation without waiting for the GPU (the kernel is queued behind whatever
-        writes the tensors, on the current stream); :meth:`collect` waits and returns the values.
-        The tensors' memory may be freed and reused after this: the kernel runs first in stream
-        order. Tensors the kernel cannot take are checksummed here, on the host's time."""
-        self._fallback_values = {i: tensor_checksum(self.tensors[i]) for i in self.fallback}
-        self._partial = None
-        if self._eligible:
-            self._kernel[(self._addr.numel(),)](self._addr, self._count, self._out, BLOCK=_BLOCK, ROWS=_ROWS, W=_W,
-                                                P=_P)
-            # the copy to the host is queued too; collect() waits for it
-            self._partial = torch.empty(self._out.shape, dtype=self._out.dtype, pin_memory=True)
-            self._partial.copy_(self._out, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
-        return self
-
-    def collect(self) -> list[int]:
-        """The checksums of the last :meth:`launch`, in the order of ``tensors``."""
         out: list[int] = [0] * len(self.tensors)
-        for i, v in self._fallback_values.items():
-            out[i] = v
-        if self._partial is None:
+        for i in self.fallback:
+            out[i] = tensor_checksum(self.tensors[i])
+        if not self._eligible:
             return out
-        self._done.synchronize()
-        sums = torch.zeros(len(self.tensors), 2, dtype=torch.int64).index_add_(0, self._owner, self._partial).tolist()
+        self._kernel[(self._addr.numel(),)](self._addr, self._count, self._out, BLOCK=_BLOCK, ROWS=_ROWS, W=_W, P=_P)
+        partial = self._out.cpu()
+        sums = torch.zeros(len(self.tensors), 2, dtype=torch.int64).index_add_(0, self._owner, partial).tolist()
         for i in self._eligible:
             s1 = sums[i][0] % _P
             s2 = sums[i][1] % _P

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from rlcore.checksums import ChecksumPlan
 from rlcore.errors import WeightSyncError
 from rlcore.sync import Bucket, iter_buckets, verification_level, verify_checksums
 from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport, implements
@@ -36,26 +35,16 @@ class _Tally:
     nbytes: int = 0
     ntensors: int = 0
     nbuckets: int = 0
-    #: checksums queued on the device per bucket, read by :meth:`collect`
-    pending: list[tuple[list[str], ChecksumPlan]] = field(default_factory=list)
 
     def buckets(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
         for bucket in iter_buckets(weights, bucket_bytes):
-            if self.verify:  # queued on the GPU, collected at verification: no wait per bucket
-                named = list(bucket.tensors())
-                self.pending.append(([n for n, _ in named], ChecksumPlan([t for _, t in named]).launch()))
+            if self.verify:
+                self.sent.update(bucket.checksums())
             self.shapes += [(m.name, m.shape) for m in bucket.metas]
             yield bucket
             self.nbytes += bucket.nbytes
             self.ntensors += len(bucket.metas)
             self.nbuckets += 1
-
-    def collect(self) -> dict[str, int]:
-        """The sent checksums, the queued ones included (waits for them)."""
-        for names, plan in self.pending:
-            self.sent.update(zip(names, plan.collect(), strict=True))
-        self.pending.clear()
-        return self.sent
 
 
 def _verify(target: Any, tally: _Tally, version: int, method: str) -> tuple[int, str]:
@@ -71,7 +60,7 @@ def _verify(target: Any, tally: _Tally, version: int, method: str) -> tuple[int,
         checks.append("coverage")
     if not tally.verify:
         return 0, verification_level(*checks)
-    sent = tally.collect()
+    sent = tally.sent
     got = target.weight_checksums(sent.keys())
     bad = verify_checksums(sent, got)
     if bad:

@@ -346,7 +346,7 @@ def _measured_trainer(base: type, q_info: dict) -> type:
 
                     views = list(inner._views.values())
                     plan = ChecksumPlan(views)
-                    batched = plan.launch().collect()
+                    batched = plan.compute()
                     reference = [tensor_checksum(v) for v in views]
                     q_info["checksum_plan_check"] = {
                         "tensors": len(views), "backend": plan.backend, "equal": batched == reference,
