@@ -24,7 +24,7 @@ export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 t0=$(date +%s)
 log() { echo "$*" | tee -a "$OUT/log.txt"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
   ./core ./plugins/megatron ./plugins/fused ./plugins/mtp
 export PYTHONPATH=/tmp/site
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m
