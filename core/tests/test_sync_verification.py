@@ -187,34 +187,28 @@ def test_in_place_partial_push_leaves_unknown_weights_and_refuses_to_generate(di
     assert len(backend.generate([Prompt([3, 4, 5], 0)], SamplingSettings(n=1, max_new_tokens=2))) == 1
 
 
+def _export_failing_after(model_dir, n: int):
+    """The export of ``model_dir`` that raises after ``n`` tensors (a trainer rank lost mid-push)."""
+    for i, item in enumerate(hf_export(model_dir)):
+        if i == n:
+            raise RuntimeError("gather lost a rank")
+        yield item
+
+
 def test_in_place_push_failing_mid_stream_names_the_unknown_weights(dirs):
     """A push whose weight stream raises after a bucket landed: the sync's error says the receiver
     holds unknown weights (not "stays on version 0", which was true only when staged)."""
     backend = _in_place(dirs["a"])
-
-    def broken():
-        for i, item in enumerate(hf_export(dirs["b"])):
-            if i == 8:
-                raise RuntimeError("gather lost a rank")
-            yield item
-
     with pytest.raises(WeightSyncError, match=r"gather lost a rank.*unknown weights") as info:
-        InprocSync(bucket_bytes=4 * 1024).push(broken(), backend, 1)
+        InprocSync(bucket_bytes=4 * 1024).push(_export_failing_after(dirs["b"], 8), backend, 1)
     assert info.value.receiver_version is None and backend.holds_unknown_weights
 
 
 def test_staged_push_failing_mid_stream_keeps_serving_the_old_version(dirs):
     backend = _started(dirs["a"])
     before = backend.weight_checksums()
-
-    def broken():
-        for i, item in enumerate(hf_export(dirs["b"])):
-            if i == 8:
-                raise RuntimeError("gather lost a rank")
-            yield item
-
     with pytest.raises(WeightSyncError, match=r"stays on version 0") as info:
-        InprocSync(bucket_bytes=4 * 1024).push(broken(), backend, 1)
+        InprocSync(bucket_bytes=4 * 1024).push(_export_failing_after(dirs["b"], 8), backend, 1)
     assert info.value.receiver_version == 0 and not backend.holds_unknown_weights
     assert backend.weight_checksums() == before
 
