@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlcore.errors import ConfigError
-from rlcore.types import Platform, PlatformSpec
+from rlcore.types import Platform, PlatformSpec, implements
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported only when a device is resolved
     import torch
@@ -130,7 +130,7 @@ def resolve_device(device: str, platforms: Mapping[str, PlatformSpec] | None = N
     (an index is kept as given: ``npu:1``; ``npu`` means the platform's current device)."""
     spec = spec or select_platform(device, platforms, select=select)
     platform = spec.factory(ctx)
-    if not isinstance(platform, Platform):
+    if not implements(platform, Platform):
         raise TypeError(f"platform {spec.name!r} ({spec.source()}): its factory returned {type(platform).__name__}, "
                         f"not a Platform (device, device_count, set_device, synchronize, dist_backend)")
     _ACTIVE[spec.device_type] = platform

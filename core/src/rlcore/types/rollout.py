@@ -145,9 +145,13 @@ def implements(obj: Any, protocol: type) -> bool:
     (through ``__getattr__``, so a wrapper that forwards to the backend it wraps counts).
     ``isinstance`` against a runtime-checkable protocol looks members up statically from Python
     3.12 on (``inspect.getattr_static``) and misses forwarded methods: on 3.12 the trainer ranks'
-    wrapper of the rollout fleet was refused as "not a BucketReceiver" (found on the GPU machine)."""
-    names = [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
-    return all(callable(getattr(obj, n, None)) for n in names)
+    wrapper of the rollout fleet was refused as "not a BucketReceiver" (found on the GPU machine).
+    Annotated data members (``Platform.device_type``) must be present too, as ``isinstance`` asks.
+    A test fails when code in core or a plugin uses ``isinstance`` against a runtime-checkable
+    protocol (``core/tests/test_protocol_checks.py``)."""
+    methods = [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    data = [n for n in getattr(protocol, "__annotations__", {}) if not n.startswith("_")]  # e.g. Platform.device_type
+    return all(callable(getattr(obj, n, None)) for n in methods) and all(hasattr(obj, n) for n in data)
 
 
 # --------------------------------------------------------------------------------------------
