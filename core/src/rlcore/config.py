@@ -72,6 +72,10 @@ class ForwardConfig:
     chunk_tokens: int = 2048
 
 
+#: ``rollout.local_update``: how the local rollout loads a push (see :class:`RolloutConfig`)
+LOCAL_UPDATE_MODES = ("staged", "in_place")
+
+
 @dataclass
 class RolloutConfig:
     """``release_kv_cache``: ``auto`` releases the KV cache around every weight push when the
@@ -394,7 +398,7 @@ def _known_keys(base: DictConfig, parent: str) -> list[str]:
 
 _CHOICES = {
     "rollout.release_kv_cache": ("auto", "always", "never"),
-    "rollout.local_update": ("staged", "in_place"),
+    "rollout.local_update": LOCAL_UPDATE_MODES,
     "algorithm.loss_agg": (*LOSS_AGGREGATIONS, "auto"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "algorithm.kl_in": ("loss", "reward"),

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from rlcore.checksums import ChecksumPlan
+from rlcore.config import LOCAL_UPDATE_MODES
 from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import RolloutError, WeightSyncError
@@ -97,19 +98,13 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
-#: ``rollout.local_update``: see :class:`LocalRollout`
-UPDATE_MODES = ("staged", "in_place")
-#: what an in-place push records per landed tensor (its bytes are already in the live weights)
-_LANDED = torch.empty(0)
-
-
 class LocalRollout:
     """See module docstring."""
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0, draft_depths: int = 0,
                  seed_per_prompt: bool = False, update: str = "staged"):
-        if update not in UPDATE_MODES:
-            raise RolloutError(f"rollout.local_update must be one of {UPDATE_MODES}, got {update!r}")
+        if update not in LOCAL_UPDATE_MODES:
+            raise RolloutError(f"rollout.local_update must be one of {LOCAL_UPDATE_MODES}, got {update!r}")
         self.device = torch.device(device)
         #: how a push lands (``rollout.local_update``): ``staged`` holds the whole new version apart
         #: and swaps it in at commit (one more copy of the model on this device, the old version
@@ -394,7 +389,7 @@ class LocalRollout:
             with torch.no_grad():
                 for name, view in tensors:
                     self._views[name].copy_(view)
-                    self._staging[name] = _LANDED
+                    self._staging[name] = self._views[name]  # landed: the live weight holds it
         else:
             for name, view in tensors:
                 self._staging[name] = view.to(self.device, copy=True)

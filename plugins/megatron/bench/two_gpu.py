@@ -486,10 +486,9 @@ def part_fused_tp_train(args: argparse.Namespace) -> dict:
         f"training.steps={args.steps}", "rollout.n=8", "data.prompts_per_step=16", "sync.bucket_mb=1"])
 
 
-def _sync_big(args: argparse.Namespace, name: str, variant: list[str], layers: int | None = None) -> dict:
+def _sync_big(args: argparse.Namespace, name: str, variant: list[str], layers_factor: int = 1) -> dict:
     big = dict(BIG if args.device == "cuda" else BIG_CPU)
-    if layers:
-        big["num_layers"] = layers
+    big["num_layers"] *= layers_factor
     bucket = 64 if args.device == "cuda" else 0.25  # two buckets (128 MiB) << the model (690 MiB)
     tiny = [f"engine.model.tiny.{k}={v}" for k, v in big.items()]
     dtype = args.big_dtype
@@ -513,8 +512,7 @@ def part_sync_big_in_place(args: argparse.Namespace) -> dict:
 
 def part_sync_large_in_place(args: argparse.Namespace) -> dict:
     """In place, 3x the layers (24 on the GPU: 1.08 B parameters, 2.2 GB in bf16)."""
-    return _sync_big(args, "sync_large_in_place", ["rollout.local_update=in_place"],
-                     layers=3 * (BIG if args.device == "cuda" else BIG_CPU)["num_layers"])
+    return _sync_big(args, "sync_large_in_place", ["rollout.local_update=in_place"], layers_factor=3)
 
 
 def part_sync_big_breakdown(args: argparse.Namespace) -> dict:
