@@ -23,6 +23,7 @@ from omegaconf import errors as oc_errors
 from rlcore.algorithms.spec import LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
 from rlcore.errors import ConfigError
+from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
 
 
 @dataclass
@@ -70,10 +71,6 @@ class ForwardConfig:
 
     name: str = "reference"
     chunk_tokens: int = 2048
-
-
-#: ``rollout.local_update``: how the local rollout loads a push (see :class:`RolloutConfig`)
-LOCAL_UPDATE_MODES = ("staged", "in_place")
 
 
 @dataclass
@@ -408,31 +405,6 @@ _CHOICES = {
 }
 
 
-def _check_draft(cfg: DictConfig) -> None:
-    depths = cfg.rollout.draft_depths
-    if not depths:
-        return
-    if cfg.rollout.backend != "local":
-        raise ConfigError(
-            f"rollout.draft_depths={depths} drafts with MTP layers in the local rollout only; rollout.backend is "
-            f"{cfg.rollout.backend!r}, which has its own speculative settings", key="rollout.draft_depths")
-    if cfg.rollout.return_routed_experts:
-        raise ConfigError("rollout.draft_depths (speculative local rollout) cannot return routed experts",
-                          key="rollout.draft_depths")
-    model = cfg.engine.model
-    if cfg.engine.name == "hf" and not model.path and depths > model.tiny.mtp_layers:
-        raise ConfigError(f"rollout.draft_depths={depths} but engine.model.tiny.mtp_layers={model.tiny.mtp_layers}",
-                          key="rollout.draft_depths")
-
-
-def _check_local_update(cfg: DictConfig) -> None:
-    if cfg.rollout.local_update != "staged" and cfg.rollout.backend != "local":
-        raise ConfigError(
-            f"rollout.local_update={cfg.rollout.local_update!r} sets how the local rollout loads a push; "
-            f"rollout.backend is {cfg.rollout.backend!r}, which loads pushes its own way: leave it at 'staged'",
-            key="rollout.local_update")
-
-
 def _check_values(cfg: DictConfig) -> None:
     for key, choices in _CHOICES.items():
         val = OmegaConf.select(cfg, key)
@@ -448,8 +420,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError("bad value for config key 'rollout.temperature': must be >= 0", key="rollout.temperature")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("bad value for config key 'rollout.top_p': must be in (0, 1]", key="rollout.top_p")
-    _check_draft(cfg)
-    _check_local_update(cfg)
+    check_local_rollout(cfg)
     for key in ("data.task", "data.reward"):
         val = OmegaConf.select(cfg, key)
         if ":" not in val:

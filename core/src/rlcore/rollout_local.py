@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from rlcore.checksums import ChecksumPlan
-from rlcore.config import LOCAL_UPDATE_MODES
 from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.platforms import run_device
 from rlcore.rollout_seeds import CallSeeds, base_seed
+from rlcore.rollout_settings import LOCAL_UPDATE_MODES
 from rlcore.rollout_speculative import DraftStats, generate_one
 from rlcore.sync import Bucket, WeightManifest
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings

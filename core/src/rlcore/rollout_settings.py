@@ -1,0 +1,43 @@
+"""Config checks of the settings only the ``local`` rollout backend reads (``rollout.draft_depths``,
+``rollout.local_update``), kept apart from :mod:`rlcore.config` as :mod:`rlcore.cluster_settings`
+is: each names the key it refuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcore.errors import ConfigError
+
+#: ``rollout.local_update``: how the local rollout loads a push (see :class:`rlcore.config.RolloutConfig`)
+LOCAL_UPDATE_MODES = ("staged", "in_place")
+
+
+def check_local_rollout(cfg: Any) -> None:
+    """Refuse local-rollout settings that another backend would ignore, or that cannot hold."""
+    _check_draft(cfg)
+    _check_local_update(cfg)
+
+
+def _check_draft(cfg: Any) -> None:
+    depths = cfg.rollout.draft_depths
+    if not depths:
+        return
+    if cfg.rollout.backend != "local":
+        raise ConfigError(
+            f"rollout.draft_depths={depths} drafts with MTP layers in the local rollout only; rollout.backend is "
+            f"{cfg.rollout.backend!r}, which has its own speculative settings", key="rollout.draft_depths")
+    if cfg.rollout.return_routed_experts:
+        raise ConfigError("rollout.draft_depths (speculative local rollout) cannot return routed experts",
+                          key="rollout.draft_depths")
+    model = cfg.engine.model
+    if cfg.engine.name == "hf" and not model.path and depths > model.tiny.mtp_layers:
+        raise ConfigError(f"rollout.draft_depths={depths} but engine.model.tiny.mtp_layers={model.tiny.mtp_layers}",
+                          key="rollout.draft_depths")
+
+
+def _check_local_update(cfg: Any) -> None:
+    if cfg.rollout.local_update != "staged" and cfg.rollout.backend != "local":
+        raise ConfigError(
+            f"rollout.local_update={cfg.rollout.local_update!r} sets how the local rollout loads a push; "
+            f"rollout.backend is {cfg.rollout.backend!r}, which loads pushes its own way: leave it at 'staged'",
+            key="rollout.local_update")
