@@ -274,6 +274,12 @@ def _stem(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def checkpoint_hf_dir(out_dir: Path, step: int) -> Path:
+    """The Hugging Face export of the checkpoint of ``step``: ``checkpoints/step-<8 digits>-hf``
+    (pruned together with that step's state file and record)."""
+    return Path(out_dir) / CHECKPOINT_DIR / f"{_stem(step)}-hf"
+
+
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     """``(step, record path)`` of every checkpoint with a commit record, oldest first."""
     d = Path(out_dir) / CHECKPOINT_DIR
