@@ -18,19 +18,36 @@ def _golden():
     return mod
 
 
+#: functions of the sampled tokens only (a multiple of 1/samples, a count)
+DISCRETE_KEYS = ("reward_mean", "response_len", "clipfrac")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["token-mean", "seq-mean-token-mean+kl"])
 def test_default_reproduces_the_trainer_before_the_algorithm_hook(tmp_path, case):
+    """The stored numbers were written on one machine; CI may run on another x86-64 CPU whose
+    torch kernels vectorise differently (AVX2 vs AVX-512 sum in another order), so they are
+    compared with a tolerance, never bit for bit:
+
+    * the sampled trajectory (which tokens were drawn, hence rewards, lengths and the clip
+      count) must be identical: a float difference of ~1e-7 flips a draw only when the uniform
+      number lands within it of a cumulative-probability edge, and it did not under any of
+      torch's CPU kernel levels (``ATEN_CPU_CAPABILITY=default|avx2|avx512``);
+    * continuous values within ``rel=5e-5, abs=1e-6``: the worst differences measured across those
+      three kernel levels (2026-11-27) were loss 6e-8 absolute (a near-cancelling mean of O(1)
+      terms), grad norm 3.4e-6 relative, entropy 2.4e-6, ratio 7e-8 (on AVX2 the no-grad and the
+      training forward use different kernels, so even the first ratio is 0.99999993): the
+      bounds are about 15x above.
+    """
     g = _golden()
     want = json.loads(g.GOLDEN.read_text())[case]
     got = g.run_case(g.CASES[case], tmp_path)
     assert len(got) == len(want)
-    for step, (a, b) in enumerate(zip(got, want, strict=False)):
-        if case == "token-mean":  # the same floating-point operations: bit for bit
-            assert a == b, f"step {step}"
-        else:  # seq-mean-token-mean now weighs each token by 1/(seqs·tokens): rounding only
-            for k in g.KEYS:
-                assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-8), f"step {step} {k}"
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for k in DISCRETE_KEYS:
+            assert a[k] == b[k], f"step {step} {k}: the sampled trajectory differs ({a[k]} != {b[k]})"
+        for k in sorted(set(g.KEYS) - set(DISCRETE_KEYS)):
+            assert a[k] == pytest.approx(b[k], rel=5e-5, abs=1e-6), f"step {step} {k}"
 
 
 @pytest.mark.slow

@@ -96,7 +96,9 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(tmp_path):
     assert [r["step"] for r in read_metrics(two)] == [0, 1]
     a, b = _final_params(one), _final_params(two)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 2e-5
-    assert read_metrics(one)[1]["reward_mean"] == read_metrics(two)[1]["reward_mean"]
+    # weights up to 2e-5 apart sample the same tokens but for a draw on a probability edge: at most
+    # one flipped sample of the 60 (15 prompts x 4)
+    assert abs(read_metrics(one)[1]["reward_mean"] - read_metrics(two)[1]["reward_mean"]) <= 1 / 60 + 1e-9
 
 
 def test_step_moves_the_parameters(tmp_path):
