@@ -1,7 +1,8 @@
 """Built-in ``algorithm`` providers: GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline) with the
 PPO-clip loss, and GSPO and CISPO. Each has its own settings under ``algorithm:`` (next to core's
 ``loss_agg``, ``kl_*``, ``entropy_coef``, ``old_logprobs``, ``mismatch``). Cheap to import:
-the factories import torch."""
+the factories import torch. The losses and estimators they build are the public ones of
+:mod:`rlcore.algorithms` (``PPOClip``, ``GSPO``, ``CISPO``, ``GRPOAdvantage`` ...)."""
 
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def _estimator(name: str, s: Any):
 
 
 def _ppo(s: Any):
-    from rlcore.algorithms.losses import PPOClip
+    from rlcore.algorithms import PPOClip  # the public loss a third-party algorithm can reuse too
 
     return PPOClip(float(s.clip_low), float(s.clip_high), float(s.clip_ratio_c))
 
@@ -143,14 +144,14 @@ def _ppo_family(estimator: str):
 
 
 def _build_gspo(s: Any) -> Algorithm:
-    from rlcore.algorithms.losses import GSPO
+    from rlcore.algorithms import GSPO
 
     return Algorithm(advantages=_estimator(s.advantage, s), loss=GSPO(float(s.clip_low), float(s.clip_high)),
                      token_level_rewards=s.advantage.startswith("reinforce_pp"))
 
 
 def _build_cispo(s: Any) -> Algorithm:
-    from rlcore.algorithms.losses import CISPO
+    from rlcore.algorithms import CISPO
 
     return Algorithm(advantages=_estimator(s.advantage, s), loss=CISPO(float(s.clip_low), float(s.clip_high)),
                      token_level_rewards=s.advantage.startswith("reinforce_pp"))

@@ -26,6 +26,16 @@ Conventions used throughout (see docs/architecture.md):
 
 # One import surface for plugins (``from rlcore.types import X``); the definitions live in the
 # submodules, one per side of the contract.
+from rlcore.types.algorithms import (
+    LOSS_AGGREGATIONS,
+    AdvantageEstimator,
+    AdvantageInput,
+    Algorithm,
+    AlgorithmSpec,
+    PolicyLoss,
+    TokenInputs,
+    TokenLoss,
+)
 from rlcore.types.chains import ForwardRequest, ModelOutput, PostprocessResult, StepContext
 from rlcore.types.forward import (
     EngineOutput,
@@ -88,4 +98,7 @@ __all__ = [
     # rollout and weight sync
     "SamplingSettings", "Prompt", "Sample", "MemoryTag", "RolloutBackend", "BucketReceiver", "implements",
     "DiskReceiver", "SyncReport", "WeightSync",
+    # algorithms (docs/algorithms.md)
+    "AlgorithmSpec", "Algorithm", "AdvantageInput", "AdvantageEstimator", "TokenInputs", "PolicyLoss", "TokenLoss",
+    "LOSS_AGGREGATIONS",
 ]
