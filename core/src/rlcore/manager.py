@@ -44,6 +44,7 @@ from rlcore.discovery import (
     plugin_api_of,
 )
 from rlcore.hookspecs import CHAIN_HOOKS, DECLARATION_HOOKS, PROJECT, PROVIDER_HOOKS, RLCoreSpecs
+from rlcore.inactive_plugins import activation_hint, inactive_provider
 from rlcore.listing import PluginRecord, describe_plugins, module_hooks
 from rlcore.types import (
     PLUGIN_API,
@@ -397,6 +398,8 @@ class PluginManager:
         plugin = first_party_plugin_of(norm)
         if plugin is not None and plugin not in self._loaded:
             hint = f" {hook} {norm!r} comes with the plugin {plugin!r}" + self._activation_hint(plugin)
+        elif (rec := inactive_provider(self, hook, norm)) is not None:  # a third-party plugin's
+            hint = f" {hook} {norm!r} {activation_hint(rec)}."
         else:
             # a misspelling of a provider here, or of a first-party plugin not yet active
             inactive = [p for p in KNOWN_DISTRIBUTIONS if p not in self._loaded]

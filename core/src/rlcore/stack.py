@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlcore import config as cfgmod
 from rlcore import errors
 from rlcore.hookspecs import CHAIN_HOOKS
+from rlcore.inactive_plugins import require_active_algorithm
 from rlcore.manager import PluginManager
 from rlcore.types import (
     Cap,
@@ -93,6 +94,7 @@ def load_config(
     pm = plugins or PluginManager()
     pm.activate(names, source=PluginManager.plugin_list_source())
     settings = pm.plugin_settings()
+    require_active_algorithm(raw, pm)
     cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm), algorithms=pm.algorithms())
     cfg.plugins = names
     return cfg, pm

@@ -12,7 +12,10 @@ Fixtures for plugin authors:
     manager (default: ``rlcore_plugin_manager``) and unregisters it when the test ends, passed
     or failed. Also usable as a context manager: ``with register_plugin(mod) as name: ...``.
 ``rlcore_config``
-    ``rlcore_config(*dotlist, plugins=manager)`` returns a validated run config.
+    ``rlcore_config(*dotlist, plugins=manager)`` returns the run config validated against the
+    manager (default: ``rlcore_plugin_manager``), as :func:`rlcore.stack.load_config` does for
+    ``rlcore check``: the sections and algorithms of plugins registered with ``register_plugin``
+    included (``rlcore_config("algorithm.name=my-algo", "algorithm.my_key=2")``).
 ``tiny_model_dirs``
     Session-scoped tiny HF model directories: ``dense_a``, ``dense_b`` (same architecture,
     other weights), ``moe_a``, ``moe_b`` (Qwen3-MoE), created locally on first use.
@@ -85,13 +88,19 @@ def register_plugin(rlcore_plugin_manager) -> Iterator[_Registrar]:
 
 
 @pytest.fixture
-def rlcore_config(rlcore_plugin_manager):
-    from rlcore import config as cfgmod
+def rlcore_config(rlcore_plugin_manager, monkeypatch):
+    from rlcore.manager import ENV_PLUGINS
+    from rlcore.stack import load_config
 
     def make(*dotlist: str, plugins: Any = None) -> Any:
-        pm = plugins or rlcore_plugin_manager
-        raw = cfgmod.read_raw(None, dotlist)
-        return cfgmod.validate(raw, pm.plugin_settings())
+        # exactly what `rlcore check` / `rlcore train` validate: every section and algorithm the
+        # manager's registered plugins provide, and the hints for installed-but-inactive ones.
+        # RLCORE_PLUGINS picks a run's plugins from the installed ones; a test's manager has
+        # those it registered, so the variable of the shell the tests run in is not read here.
+        with monkeypatch.context() as env:
+            env.delenv(ENV_PLUGINS, raising=False)
+            cfg, _ = load_config(None, dotlist, plugins=plugins or rlcore_plugin_manager)
+        return cfg
 
     return make
 
