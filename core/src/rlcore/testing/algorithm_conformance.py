@@ -34,6 +34,7 @@ from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import TokenObjective
 from rlcore.algorithms.spec import LOSS_AGGREGATIONS, AdvantageInput, Algorithm, AlgorithmSpec, PolicyLoss
 from rlcore.batch import PackedBatch
+from rlcore.testing.contracts import assert_close
 
 RECOMPUTED = "recomputed_logprobs"
 
@@ -140,14 +141,17 @@ class AlgorithmConformance:
         return spec.factory(algorithm_section(spec, self.overrides))
 
     def test_descriptor_and_settings(self, spec):
-        assert isinstance(spec, AlgorithmSpec)
+        assert isinstance(spec, AlgorithmSpec), f"the algorithm hook must yield AlgorithmSpec, got {type(spec).__name__}"
+        who = _who(spec)
         if spec.settings is not None:
-            assert dataclasses.is_dataclass(spec.settings)
+            assert dataclasses.is_dataclass(spec.settings), f"{who}: AlgorithmSpec.settings must be a dataclass"
             spec.settings()  # every field has a default
-        assert spec.loss_agg is None or spec.loss_agg in LOSS_AGGREGATIONS
+        assert spec.loss_agg is None or spec.loss_agg in LOSS_AGGREGATIONS, (
+            f"{who}: loss_agg {spec.loss_agg!r} is not one of {', '.join(LOSS_AGGREGATIONS)}")
         section = algorithm_section(spec, self.overrides)
-        assert section.name == spec.name
-        assert section.loss_agg == (spec.loss_agg or "token-mean")
+        assert section.name == spec.name, f"{who}: algorithm.name={spec.name} resolves to {section.name!r}"
+        assert section.loss_agg == (spec.loss_agg or "token-mean"), (
+            f"{who}: loss_agg auto must resolve to the spec's {spec.loss_agg or 'token-mean'!r}, got {section.loss_agg!r}")
 
     def test_unknown_setting_is_a_config_error_naming_it(self, spec):
         from rlcore.errors import ConfigError
@@ -155,41 +159,50 @@ class AlgorithmConformance:
         with pytest.raises(ConfigError, match="algorithm.no_such_setting_xyz"):
             algorithm_section(spec, [*self.overrides, "algorithm.no_such_setting_xyz=1"])
 
-    def test_factory_builds_an_algorithm(self, built):
-        assert isinstance(built, Algorithm)
-        assert callable(built.advantages)
-        assert isinstance(built.loss, PolicyLoss)
-        assert isinstance(built.loss.sequence_level, bool)
+    def test_factory_builds_an_algorithm(self, spec, built):
+        who = _who(spec)
+        assert isinstance(built, Algorithm), f"{who}: factory(section) must return an Algorithm, got {type(built).__name__}"
+        assert callable(built.advantages), f"{who}: Algorithm.advantages must be callable (an AdvantageEstimator)"
+        assert isinstance(built.loss, PolicyLoss), (
+            f"{who}: Algorithm.loss must be a PolicyLoss (value, grad, metrics, sequence_level)")
+        assert isinstance(built.loss.sequence_level, bool), f"{who}: PolicyLoss.sequence_level must be a bool"
 
-    def test_advantages_shape_and_finite(self, built):
+    def test_advantages_shape_and_finite(self, spec, built):
+        who = _who(spec)
         inp = _advantage_input(1)
         adv = built.advantages(inp)
-        assert len(adv) == len(inp.token_rewards)
-        for a, tr in zip(adv, inp.token_rewards, strict=False):
-            assert tuple(a.shape) == tuple(tr.shape)
-            assert bool(torch.isfinite(a).all())
+        assert len(adv) == len(inp.token_rewards), (
+            f"{who} advantages: one tensor per sample expected ({len(inp.token_rewards)}), got {len(adv)}")
+        for i, (a, tr) in enumerate(zip(adv, inp.token_rewards, strict=False)):
+            assert tuple(a.shape) == tuple(tr.shape), (
+                f"{who} advantages: sample {i} has {tr.shape[0]} response tokens, its advantages have shape {tuple(a.shape)}")
+            assert bool(torch.isfinite(a).all()), f"{who} advantages: sample {i} has non-finite advantages {a.tolist()}"
 
-    def test_advantages_follow_the_samples_order(self, built):
+    def test_advantages_follow_the_samples_order(self, spec, built):
         inp = _advantage_input(2)
         perm = torch.randperm(len(inp.token_rewards), generator=torch.Generator().manual_seed(0)).tolist()
         shuffled = AdvantageInput(inp.rewards[perm], inp.groups[perm], [inp.token_rewards[i] for i in perm],
                                   [inp.logprobs[i] for i in perm])
         a, b = built.advantages(inp), built.advantages(shuffled)
         for j, i in enumerate(perm):
-            torch.testing.assert_close(b[j], a[i], atol=1e-6, rtol=1e-5)
+            assert_close(b[j], a[i], f"{_who(spec)} advantages: a sample's advantages must not depend on the order "
+                         f"of the samples (sample {i}, moved to position {j})", atol=1e-6, rtol=1e-5)
 
-    def test_closed_form_derivative_matches_autograd(self, built):
+    def test_closed_form_derivative_matches_autograd(self, spec, built):
         batch = random_step(3)
         x = objmod.token_inputs(batch, RECOMPUTED, 1.0, with_ref=False)
         logp = batch.fields["logprobs"].clone().requires_grad_(True)
         slr = objmod.seq_log_ratio(batch, logp, x) if built.loss.sequence_level else None
         built.loss.value(logp, x, slr).mul(x.mask).sum().backward()
         value, grad = built.loss.grad(batch.fields["logprobs"], x, slr)
-        torch.testing.assert_close(grad * x.mask, logp.grad, atol=self.atol, rtol=1e-5)
+        who = f"{_who(spec)} loss"
+        assert_close(grad * x.mask, logp.grad, f"{who}: the derivative grad() returns (∂pg/∂logp, closed form) must "
+                     f"equal autograd through value() on the tokens that carry loss", atol=self.atol, rtol=1e-5)
         with torch.no_grad():
-            torch.testing.assert_close(value * x.mask, built.loss.value(batch.fields["logprobs"], x, slr) * x.mask)
+            assert_close(value * x.mask, built.loss.value(batch.fields["logprobs"], x, slr) * x.mask,
+                         f"{who}: the value grad() returns must equal value() on the tokens that carry loss")
 
-    def test_policy_gradient_at_the_proximal_policy(self, built):
+    def test_policy_gradient_at_the_proximal_policy(self, spec, built):
         if not self.policy_gradient_at_proximal:
             pytest.skip("the provider opts out")
         batch = random_step(4)
@@ -197,19 +210,32 @@ class AlgorithmConformance:
         x = objmod.token_inputs(batch, RECOMPUTED, 1.0, with_ref=False)
         slr = objmod.seq_log_ratio(batch, batch.fields["logprobs"], x) if built.loss.sequence_level else None
         _, grad = built.loss.grad(batch.fields["logprobs"], x, slr)
-        torch.testing.assert_close(grad * x.mask, -x.advantages * x.mask, atol=self.atol, rtol=1e-5)
+        assert_close(grad * x.mask, -x.advantages * x.mask, f"{_who(spec)} loss: at the proximal policy (logp == old) "
+                     f"the derivative must be the policy gradient −A (set policy_gradient_at_proximal = False "
+                     f"if the loss is not a policy gradient there)", atol=self.atol, rtol=1e-5)
 
     @pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
-    def test_step_loss_is_exact_under_micro_batch_splits(self, built, mode):
+    def test_step_loss_is_exact_under_micro_batch_splits(self, spec, built, mode):
+        who = f"{_who(spec)} step loss (loss_agg {mode})"
         objective = TokenObjective(built.loss, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
         batch = random_step(5)
         full = step_loss(batch, objective, mode, micro_batch_tokens=10 ** 6)
         for budget in (4, 17):
             split = step_loss(batch, objective, mode, micro_batch_tokens=budget)
-            assert abs(split[0] - full[0]) <= 1e-5 * max(1.0, abs(full[0]))
-            torch.testing.assert_close(split[1], full[1], atol=self.atol, rtol=1e-5)
-            torch.testing.assert_close(split[2], full[2], atol=self.atol, rtol=1e-5)
+            where = f"{who}, micro-batches of {budget} tokens vs one"
+            assert abs(split[0] - full[0]) <= 1e-5 * max(1.0, abs(full[0])), (
+                f"{where}: the summed micro-batch losses {split[0]!r} must equal the whole step's {full[0]!r}")
+            assert_close(split[1], full[1], f"{where}: ∂loss/∂logp must not depend on the split",
+                         atol=self.atol, rtol=1e-5)
+            assert_close(split[2], full[2], f"{where}: ∂loss/∂entropy must not depend on the split",
+                         atol=self.atol, rtol=1e-5)
         closed = closed_form_step(batch, objective, mode)
-        assert abs(closed[0] - full[0]) <= 1e-5 * max(1.0, abs(full[0]))
-        torch.testing.assert_close(closed[1], full[1], atol=self.atol, rtol=1e-5)
-        torch.testing.assert_close(closed[2], full[2], atol=self.atol, rtol=1e-5)
+        where = f"{who}, TokenObjective.closed_form (what a fused head uses) vs autograd"
+        assert abs(closed[0] - full[0]) <= 1e-5 * max(1.0, abs(full[0])), (
+            f"{where}: the closed-form loss {closed[0]!r} must equal autograd's {full[0]!r}")
+        assert_close(closed[1], full[1], f"{where}: ∂loss/∂logp", atol=self.atol, rtol=1e-5)
+        assert_close(closed[2], full[2], f"{where}: ∂loss/∂entropy", atol=self.atol, rtol=1e-5)
+
+
+def _who(spec: AlgorithmSpec) -> str:
+    return f"algorithm {spec.name!r}"

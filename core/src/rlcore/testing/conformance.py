@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from rlcore.errors import RolloutError, WeightSyncError
+from rlcore.testing.contracts import assert_close
 from rlcore.types import Cap, HeadInput, Prompt, SamplingSettings, VocabShard
 
 # --------------------------------------------------------------------------------------------
@@ -93,11 +94,16 @@ class ForwardFnConformance:
         hidden, weight, labels, mask, _, _, V = _head_inputs(1)
         out, _, _ = self._run(forward_fn, hidden, weight, labels, mask, vocab_size=V, grad=False)
         ref_lp, ref_ent = float64_head(hidden, weight, labels, V, 1.0, mask)
-        assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (hidden.shape[0],)
-        torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=self.atol, rtol=0)
+        assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (hidden.shape[0],), (
+            f"forward_fn: HeadOutput.logprobs must be float32 [T]={hidden.shape[0]}, got "
+            f"{out.logprobs.dtype} {tuple(out.logprobs.shape)}")
+        assert_close(out.logprobs.double(), ref_lp, "forward_fn: log-probs must match the float64 log-softmax "
+                     "over the real vocabulary (padding rows excluded)", atol=self.atol, rtol=0)
         if Cap.ENTROPY in self.capabilities:
-            assert out.entropy is not None and out.entropy.dtype == torch.float32
-            torch.testing.assert_close(out.entropy.double(), ref_ent, atol=self.atol, rtol=0)
+            assert out.entropy is not None and out.entropy.dtype == torch.float32, (
+                "forward_fn declares 'entropy' but HeadOutput.entropy is not a float32 tensor")
+            assert_close(out.entropy.double(), ref_ent, "forward_fn (capability 'entropy'): entropy must match "
+                         "float64 over the real vocabulary", atol=self.atol, rtol=0)
 
     def test_gradients_match_float64(self, forward_fn):
         hidden, weight, labels, mask, g1, g2, V = _head_inputs(2)
@@ -112,32 +118,36 @@ class ForwardFnConformance:
             ref = ref + (ref_ent * g2).sum()
         loss.backward()
         ref.backward()
-        torch.testing.assert_close(h.grad.double(), h64.grad, atol=self.atol * 10, rtol=1e-4)
-        torch.testing.assert_close(w.grad.double(), w64.grad, atol=self.atol * 10, rtol=1e-4)
+        assert_close(h.grad.double(), h64.grad, "forward_fn backward: the gradient w.r.t. the hidden states must "
+                     "match float64", atol=self.atol * 10, rtol=1e-4)
+        assert_close(w.grad.double(), w64.grad, "forward_fn backward: the gradient w.r.t. the LM-head weight must "
+                     "match float64", atol=self.atol * 10, rtol=1e-4)
         assert torch.all(w.grad[V:] == 0), "padding vocab rows must get no gradient"
         assert torch.all(h.grad[~mask] == 0), "masked tokens must get no gradient"
 
     def test_masked_positions_are_zero(self, forward_fn):
         hidden, weight, labels, mask, _, _, V = _head_inputs(3)
         out, _, _ = self._run(forward_fn, hidden, weight, labels, mask, vocab_size=V, grad=False)
-        assert torch.all(out.logprobs[~mask] == 0)
+        assert torch.all(out.logprobs[~mask] == 0), "forward_fn: log-probs of masked tokens (loss_mask False) must be 0"
         if out.entropy is not None:
-            assert torch.all(out.entropy[~mask] == 0)
+            assert torch.all(out.entropy[~mask] == 0), "forward_fn: entropy of masked tokens must be 0"
 
     def test_everything_masked(self, forward_fn):
         hidden, weight, labels, mask, _, _, V = _head_inputs(4)
         mask = torch.zeros_like(mask)
         out, h, w = self._run(forward_fn, hidden, weight, labels, mask, vocab_size=V)
-        assert torch.all(out.logprobs == 0)
+        assert torch.all(out.logprobs == 0), "forward_fn: with every token masked, every log-prob must be 0"
         out.logprobs.sum().backward()  # must not raise
 
     def test_scalar_temperature(self, forward_fn):
         hidden, weight, labels, mask, _, _, V = _head_inputs(5)
         out, _, _ = self._run(forward_fn, hidden, weight, labels, mask, temperature=0.7, vocab_size=V, grad=False)
         ref_lp, ref_ent = float64_head(hidden, weight, labels, V, 0.7, mask)
-        torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=self.atol, rtol=0)
+        assert_close(out.logprobs.double(), ref_lp, "forward_fn: log-probs at temperature 0.7 must be those of "
+                     "logits / 0.7 (float64 reference)", atol=self.atol, rtol=0)
         if Cap.ENTROPY in self.capabilities:
-            torch.testing.assert_close(out.entropy.double(), ref_ent, atol=self.atol, rtol=0)
+            assert_close(out.entropy.double(), ref_ent, "forward_fn (capability 'entropy'): entropy at temperature "
+                         "0.7 must be that of logits / 0.7", atol=self.atol, rtol=0)
 
     def test_per_token_temperature(self, forward_fn):
         if Cap.PER_TOKEN_TEMPERATURE not in self.capabilities:
@@ -146,7 +156,8 @@ class ForwardFnConformance:
         temp = torch.rand(hidden.shape[0], generator=torch.Generator().manual_seed(6)) + 0.5
         out, _, _ = self._run(forward_fn, hidden, weight, labels, mask, temperature=temp, vocab_size=V, grad=False)
         ref_lp, _ = float64_head(hidden, weight, labels, V, temp, mask)
-        torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=self.atol, rtol=0)
+        assert_close(out.logprobs.double(), ref_lp, "forward_fn (capability 'per_token_temperature'): log-probs "
+                     "with a [T] temperature must divide each token's logits by its own", atol=self.atol, rtol=0)
 
     def test_bf16_inputs(self, forward_fn):
         if self.bf16_rel_error is None:
@@ -155,7 +166,8 @@ class ForwardFnConformance:
         out, _, _ = self._run(forward_fn, hidden, weight, labels, mask, vocab_size=V, grad=False)
         ref_lp, _ = float64_head(hidden, weight, labels, V, 1.0, mask)  # same bf16-rounded inputs
         rel = (out.logprobs.double() - ref_lp).norm() / ref_lp.norm()
-        assert rel < self.bf16_rel_error, f"bf16 relative error {float(rel):.2e} >= {self.bf16_rel_error}"
+        assert rel < self.bf16_rel_error, (f"forward_fn: bf16 inputs: relative error of the log-probs against "
+                                           f"float64 {float(rel):.2e} >= {self.bf16_rel_error}")
 
     @pytest.mark.parametrize("sequence_parallel", [False, True])
     def test_vocab_parallel_matches_unsharded(self, sequence_parallel):
@@ -195,17 +207,23 @@ def _tp_worker(rank: int, world: int, init_file: str, factory_path: str, sequenc
         ref_lp, ref_ent = float64_head(h64, w64, labels, V, 0.9, mask)
         ref = (ref_lp * g1).sum() + ((ref_ent * g2).sum() if out.entropy is not None else 0.0)
         ref.backward()
-        torch.testing.assert_close(out.logprobs.double(), ref_lp.detach(), atol=atol, rtol=0)
+        where = f"forward_fn (capability 'vocab_parallel'{', sequence_parallel' if sequence_parallel else ''}), rank {rank} of {world}"
+        assert_close(out.logprobs.double(), ref_lp.detach(), f"{where}: log-probs over a sharded vocabulary must "
+                     f"equal the unsharded float64 ones", atol=atol, rtol=0)
         if out.entropy is not None:
-            torch.testing.assert_close(out.entropy.double(), ref_ent.detach(), atol=atol, rtol=0)
-        torch.testing.assert_close(w_local.grad.double(), w64.grad[rank * per:(rank + 1) * per], atol=atol * 10, rtol=1e-4)
+            assert_close(out.entropy.double(), ref_ent.detach(), f"{where}: entropy over a sharded vocabulary must "
+                         f"equal the unsharded float64 one", atol=atol, rtol=0)
+        assert_close(w_local.grad.double(), w64.grad[rank * per:(rank + 1) * per], f"{where}: the gradient of this "
+                     f"rank's weight shard must equal its rows of the float64 gradient", atol=atol * 10, rtol=1e-4)
         ref_h = h64.grad
         got_h = h_full.grad.double()
         if sequence_parallel:
             rows = ref_h.chunk(world, dim=0)[rank]
-            torch.testing.assert_close(got_h.chunk(world, dim=0)[rank], rows, atol=atol * 10, rtol=1e-4)
+            assert_close(got_h.chunk(world, dim=0)[rank], rows, f"{where}: the gradient of this rank's hidden-state "
+                         f"rows must equal float64's", atol=atol * 10, rtol=1e-4)
         else:
-            torch.testing.assert_close(got_h, ref_h, atol=atol * 10, rtol=1e-4)
+            assert_close(got_h, ref_h, f"{where}: the hidden-state gradient (summed over the vocabulary shards) "
+                         f"must equal float64's", atol=atol * 10, rtol=1e-4)
     finally:
         dist.destroy_process_group()
 
@@ -283,8 +301,11 @@ class RolloutBackendConformance:
         for s in dense_backend.generate(self._prompts(), params):
             ref = hf_greedy(hf_dense, s.prompt_ids, self.max_new_tokens, eos=None)
             n = len(s.response_ids)
-            assert s.response_ids.tolist() == ref.tokens[:n]
-            torch.testing.assert_close(s.logprobs, torch.tensor(ref.logprobs[:n]), atol=self.atol, rtol=0)
+            assert s.response_ids.tolist() == ref.tokens[:n], (
+                f"rollout_backend: greedy tokens for prompt {list(s.prompt_ids)} must be transformers' "
+                f"{ref.tokens[:n]}, got {s.response_ids.tolist()}")
+            assert_close(s.logprobs, torch.tensor(ref.logprobs[:n]), f"rollout_backend: greedy behaviour log-probs "
+                         f"for prompt {list(s.prompt_ids)} must match transformers'", atol=self.atol, rtol=0)
 
     def test_sampled_logprobs_are_processed_logprobs(self, dense_backend, hf_dense):
         from rlcore.testing.models import hf_token_logprobs
@@ -292,7 +313,9 @@ class RolloutBackendConformance:
         params = SamplingSettings(n=2, temperature=0.7, max_new_tokens=self.max_new_tokens, seed=5)
         for s in dense_backend.generate(self._prompts(), params):
             ref = hf_token_logprobs(hf_dense, s.prompt_ids, s.response_ids.tolist(), temperature=0.7)
-            torch.testing.assert_close(s.logprobs, torch.tensor(ref), atol=self.atol, rtol=0)
+            assert_close(s.logprobs, torch.tensor(ref), f"rollout_backend: sampled log-probs for prompt "
+                         f"{list(s.prompt_ids)} must be the processed (temperature-scaled) distribution's, as transformers computes them",
+                         atol=self.atol, rtol=0)
 
     def test_seed_reproduces_samples(self, dense_backend):
         params = SamplingSettings(n=2, temperature=1.0, max_new_tokens=self.max_new_tokens, seed=123)
@@ -505,7 +528,8 @@ class EngineConformance:
             _, lp = self._logprobs(engine, batch)
         for seq, got in zip(seqs, batch.unpack(lp.cpu()), strict=True):
             ref = hf_token_logprobs(hf, seq[:1], seq[1:])
-            torch.testing.assert_close(got[:-1], torch.tensor(ref), atol=self.atol, rtol=0)
+            assert_close(got[:-1], torch.tensor(ref), f"engine ({model}): log-probs must match transformers' on "
+                         f"the same checkpoint", atol=self.atol, rtol=0)
 
     def test_export_matches_checkpoint(self, engine_factory, tiny_model_dirs):
         from safetensors.torch import load_file
@@ -540,7 +564,8 @@ class EngineConformance:
         with torch.no_grad():
             out2, lp2 = self._logprobs(engine, batch, router=replay, record_routes=True)
         assert torch.equal(out2.routes, routes)
-        torch.testing.assert_close(lp2, lp, atol=0, rtol=0)
+        assert_close(lp2, lp, "engine (capability 'router_hook'): replaying the recorded routes must give "
+                     "bit-identical log-probs", atol=0, rtol=0)
 
         shifted = (routes.long() + 1) % layout.num_experts
 
@@ -558,4 +583,5 @@ class EngineConformance:
         with torch.no_grad():
             whole = engine.forward(batch).hidden
             parts = [engine.forward(mb).hidden for mb in batch.micro_batches(6)]
-        torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=1e-5)
+        assert_close(torch.cat(parts), whole, "engine: hidden states must not depend on how the packed batch is "
+                     "split into micro-batches", atol=1e-5, rtol=1e-5)
