@@ -147,7 +147,8 @@ class MetricsWriter:
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"))
             except Exception as exc:  # noqa: BLE001 - tensorboard is optional
-                self.tb_note = f"tensorboard not available ({type(exc).__name__}: {exc}); no event files"
+                self.tb_note = (f"tensorboard not available ({type(exc).__name__}: {exc}); no event files: "
+                                f"pip install 'rlcore[tensorboard]', or set output.tensorboard=false")
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps after ``step`` (a resumed run rewrites them); atomic."""
