@@ -71,10 +71,85 @@ def test_every_documented_public_module_exists():
 
     text = (ROOT / "docs" / "writing-plugins.md").read_text()
     table = text.split("You need only rlcore's public contracts:", 1)[1].split("\n\n", 2)[1]
-    modules = re.findall(r"^\| `([a-z_.]+)` \|", table, re.M)
-    assert "rlcore.errors" in modules and "rlcore.types" in modules
-    for name in modules:
-        importlib.import_module(name)
+    rows = re.findall(r"^\| `([a-z_.]+)` \| (.*) \|$", table, re.M)
+    modules = [name for name, _ in rows]
+    assert {"rlcore.errors", "rlcore.types", "rlcore.algorithms"} <= set(modules)
+    for name, what in rows:
+        module = importlib.import_module(name)
+        # every name the row says to take from the module is there (`Name(args)` and `Name.attr` count
+        # as Name; a hook's name, as in "a `platform` provider", is not a name of the module)
+        for shown in re.findall(r"`([A-Za-z_]\w*)(?:\(.*?\)[^`\s]*|\.[\w.]+)?`", what):
+            assert shown in HOOKS or hasattr(module, shown), f"docs/writing-plugins.md: {name} has no {shown!r}"
+
+
+def test_every_provider_descriptor_is_in_rlcore_types():
+    """hooks.md: "A provider hook returns descriptors (`rlcore.types.*Spec`)"."""
+    import rlcore.types
+    from rlcore.manager import _SPEC_TYPES
+
+    for hook, spec_type in _SPEC_TYPES.items():
+        assert getattr(rlcore.types, spec_type.__name__, None) is spec_type, (
+            f"{spec_type.__name__} (hook {hook!r}) is not importable from rlcore.types")
+
+
+def test_algorithm_inputs_are_documented_field_by_field():
+    """Every field of what an estimator and a loss receive is in docs/hooks.md, under `algorithm`."""
+    import dataclasses
+
+    from rlcore.types import AdvantageInput, TokenInputs
+
+    docs = (ROOT / "docs" / "hooks.md").read_text()
+    section = docs.split("### `algorithm`", 1)[1].split("\n### ", 1)[0]
+    for cls in (AdvantageInput, TokenInputs):
+        assert f"`{cls.__name__}`" in section
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in section, f"docs/hooks.md (algorithm) does not describe {cls.__name__}.{f.name}"
+    assert "masked" in section and "value" in section and "grad" in section
+
+
+def test_every_chain_hook_has_a_documented_typed_manager_call():
+    """Chain hooks are called through the typed manager (`pm.step_end(ctx)`), never `pm.hook.*`."""
+    from rlcore.hookspecs import CHAIN_HOOKS
+    from rlcore.manager import PluginManager
+
+    docs = (ROOT / "docs" / "hooks.md").read_text() + (ROOT / "docs" / "writing-plugins.md").read_text()
+    for hook in CHAIN_HOOKS:
+        params = [p for p in inspect.signature(getattr(RLCoreSpecs, hook)).parameters if p != "self"]
+        assert callable(getattr(PluginManager, hook, None)), f"PluginManager has no typed method {hook!r}"
+        assert f"pm.{hook}({', '.join(params)})" in docs, f"the docs do not show pm.{hook}({', '.join(params)})"
+
+
+def test_public_builtin_losses_and_estimators_are_documented_with_their_defaults():
+    """docs/algorithms.md gives each public built-in's constructor with its defaults: built from
+    the doc's own text, it equals the one built with the code's defaults."""
+    import rlcore.algorithms
+
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    table = text.split("### Reusing a built-in loss or estimator", 1)[1].split("```", 1)[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| `(\w+\([^`]*\))` \|", table, re.M))
+    # the built-in loss and estimator classes (TokenObjective wraps a loss: documented in losses.py)
+    public = {n for n in rlcore.algorithms._IMPLEMENTATIONS
+              if isinstance(getattr(rlcore.algorithms, n), type) and n != "TokenObjective"}
+    assert public <= set(rows), f"docs/algorithms.md does not list {sorted(public - set(rows))}"
+    for name, call in rows.items():
+        cls = getattr(rlcore.algorithms, name)
+        assert call.startswith(f"{name}(")
+        assert eval(call, {name: cls}) == cls(), f"docs/algorithms.md shows {call}, the defaults differ"
+
+
+def test_every_extra_of_rlcore_is_documented():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "core" / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    docs = (ROOT / "README.md").read_text() + "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    for extra in extras:
+        assert f"rlcore[{extra}]" in docs, f"the extra rlcore[{extra}] is documented nowhere"
+
+
+def test_writing_plugins_says_how_rlcore_is_installed_today():
+    text = (ROOT / "docs" / "writing-plugins.md").read_text()
+    assert "not on an index" not in text
+    assert "bin/wheels" in text and "pip install --find-links" in text
 
 
 @pytest.mark.slow
