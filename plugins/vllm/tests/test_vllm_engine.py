@@ -114,6 +114,8 @@ def test_logprobs_match_trainer_after_pushes(tiny_model_dirs, kind):
             backend.reset_prefix_cache()
             assert report.verified and report.checked == report.num_tensors and report.num_buckets > 1
             assert backend.weight_version == version
+            # exact: every tensor read back from the loaded parameters (fused qkv/gate_up, experts)
+            assert report.details["level"] == "coverage+exact" and report.details["read_back"] == report.num_tensors
             worst = max(worst, max_diff_against_transformers(backend, model),
                         max_diff_against_transformers(backend, model, temperature=0.7))
     finally:

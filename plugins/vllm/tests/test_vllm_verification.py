@@ -169,3 +169,98 @@ def test_interrupted_push_never_serves_a_mix_of_versions(tiny_model_dirs):
         pool.close()
         sync.close()
         backend.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 24 item 9: what the engine holds after a push, read from inside its worker
+# ---------------------------------------------------------------------------------------------
+
+
+def _engine_refuses(backend, match):
+    """Generate on the engine itself, as another client of the server would (not through the
+    backend, whose own flag refuses anyway), expecting the worker's refusal; then clear the
+    refused request."""
+    with pytest.raises(Exception, match=match):
+        backend._require_engine().generate([list(_prompts()[0].ids)], {"max_tokens": 2, "temperature": 0.0})
+    llm_engine = backend._require_engine().llm.llm_engine
+    llm_engine.abort_request(list(llm_engine.output_processor.request_states), internal=True)
+
+
+def _set_loader(worker, layer_name, store):
+    """In the worker: make the weight loader of ``layer_name``'s ``weight`` store nothing
+    (``store`` false) or restore it. vLLM's layerwise reload rebuilds each layer's parameters
+    from the metadata recorded at load time, loaders included, so that is where the loader is
+    replaced. Returns whether the layer was found."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    layer = worker.model_runner.get_model().get_submodule(layer_name)
+    meta = LAYERWISE_INFO[layer].restore_metadata[0]["weight"]
+    if store:
+        meta.weight_loader = worker._rlcore_test_loader
+        return True
+
+    def stores_nothing(param, loaded_weight):
+        return None
+
+    worker._rlcore_test_loader = meta.weight_loader
+    meta.weight_loader = stores_nothing
+    return True
+
+
+def test_a_push_refused_when_it_ends_keeps_the_engine_refusing(tiny_model_dirs):
+    """On main the worker lifted its refuse-to-compute guard in ``rlcore_finish_update``, before the
+    trainer checked coverage and checksums: after a partial push that rlcore refused, anyone
+    calling the engine got a mix of versions. The guard now stays up, naming the partial version,
+    until a complete, verified push."""
+    a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
+    weights = hf_export(b)
+    backend = make_backend()
+    backend.start(str(a), version=0)
+    sync = VLLMWeightSync(32 * 1024, transport="shm")
+    try:
+        missing = "model.layers.1.self_attn.k_proj.weight"
+        with pytest.raises(WeightSyncError, match="partial push"):
+            sync.push([(n, t) for n, t in weights if n != missing], backend, 1)
+        _engine_refuses(backend, r"version 1 .*(partial|failed)")
+        # a push that fails mid-stream (the trainer's export raises): refused as well
+        from rlcore.testing.conformance import _failing_stream
+
+        with pytest.raises(WeightSyncError):
+            sync.push(_failing_stream(weights, fail_after=len(weights) // 2), backend, 2)
+        _engine_refuses(backend, r"version 2 .*(partial|failed)")
+        report = sync.push(weights, backend, 3)  # the next complete push lifts the guard
+        backend.reset_prefix_cache()
+        assert report.verified and report.details["level"] == "coverage+exact" and backend.weight_version == 3
+        assert max_diff_against_transformers(backend, b) < 1e-5
+    finally:
+        sync.close()
+        backend.shutdown()
+
+
+def test_exact_reads_back_what_the_loaders_stored(tiny_model_dirs):
+    """On main ``exact`` compared the bytes the worker received: a loader that stores nothing
+    passed as verified while the layer kept older weights. The worker now checksums the loaded
+    parameters (each HF tensor's slice of a fused parameter) after vLLM's loaders ran."""
+    a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
+    weights = hf_export(b)
+    dropped = "model.layers.1.mlp.down_proj"
+    backend = make_backend()
+    backend.start(str(a), version=0)
+    sync = VLLMWeightSync(32 * 1024, transport="shm")
+    llm = backend._require_engine().llm
+    try:
+        report = sync.push(weights, backend, 1)
+        assert report.details["level"] == "coverage+exact"
+        assert report.details["read_back"] == report.num_tensors  # every tensor read back from the model
+        assert llm.collective_rpc(_set_loader, args=(dropped, False)) == [True]
+        with pytest.raises(WeightSyncError, match=rf"{dropped.replace('.', '[.]')}[.]weight"):
+            sync.push(hf_export(a), backend, 2)
+        _engine_refuses(backend, r"version 2 ")
+        assert llm.collective_rpc(_set_loader, args=(dropped, True)) == [True]
+        report = sync.push(hf_export(a), backend, 3)
+        backend.reset_prefix_cache()
+        assert report.verified and report.details["level"] == "coverage+exact"
+        assert max_diff_against_transformers(backend, a) < 1e-5
+    finally:
+        sync.close()
+        backend.shutdown()

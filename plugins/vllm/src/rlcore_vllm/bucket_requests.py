@@ -1,6 +1,6 @@
 """What a worker is asked to load from a bucket in a shared segment, and what its finish reports
-must show (the shm push of :mod:`rlcore_vllm.sync` and a Ray replica's
-:mod:`rlcore_vllm.fleet_receiver` both use them)."""
+must show: coverage, and the read-back checksums of ``exact`` (the shm push of
+:mod:`rlcore_vllm.sync` and a Ray replica's :mod:`rlcore_vllm.fleet_receiver` both use them)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,26 @@ def check_finish_reports(finish: list[dict[str, Any]]) -> None:
     if missing:
         raise RuntimeError(f"the push did not reach {missing[0]['num_missing']} of {missing[0]['num_params']} vLLM "
                            f"parameters (e.g. {missing[0]['missing'][:5]}); they keep older weights")
+
+
+def check_read_back(sent: dict[str, int], finish: list[dict[str, Any]]) -> dict[str, Any]:
+    """``exact`` from every worker's finish report: each tensor's checksum read back from the
+    model's parameters after vLLM's loaders ran (:mod:`rlcore_vllm.readback`) equals the trainer's.
+    Raises naming the tensors a loader did not store or stored other bytes for. Returns
+    ``read_back`` (tensors read back, fewest over workers) and ``unreadable`` (names the worker
+    could not locate in a parameter, with the reason): ``exact`` holds only when that is empty."""
+    unreadable: dict[str, str] = {}
+    counts = []
+    for rank, f in enumerate(finish):
+        if f.get("num_not_stored"):
+            raise RuntimeError(f"vLLM's loaders stored nothing for {f['num_not_stored']} pushed tensor(s) (e.g. "
+                               f"{f['not_stored'][:5]}; read back in worker {rank}): no layer of the model held them "
+                               f"after loading, so those weights keep an older version")
+        got = {n: int(v) for n, v in (f.get("read_back") or {}).items()}
+        bad = sorted(n for n, v in got.items() if n in sent and v != sent[n])
+        if bad:
+            raise RuntimeError(f"after vLLM's loaders ran, {len(bad)} tensor(s) in the model hold other bytes than the "
+                               f"trainer sent (e.g. {bad[:5]}; read back in worker {rank})")
+        unreadable.update(f.get("unreadable") or {})
+        counts.append(sum(1 for n in got if n in sent))
+    return {"read_back": min(counts) if counts else 0, "unreadable": unreadable}

@@ -6,8 +6,9 @@ hands it to this receiver, which copies it into a shared-memory segment of its o
 (:class:`~rlcore_vllm.shm.SharedBucketPool`) and has rlcore's worker extension load it through
 vLLM's layerwise reload: the worker path of the in-process ``shm`` push (:mod:`rlcore_vllm.sync`),
 with the same name/shape checks before loading. The worker checksums every tensor from the bytes
-it loads; those checksums are this replica's ``weight_checksums``, which the trainer compares with
-what it sent (``exact``, per replica). The workers' finish reports give ``coverage``
+it loads and, after vLLM's loaders ran, from the model's parameters (:mod:`rlcore_vllm.readback`):
+the two must agree here before the workers compute again, and the received ones are this
+replica's ``weight_checksums``, which the trainer compares with what it sent (``exact``, per replica). The workers' finish reports give ``coverage``
 (:func:`~rlcore_vllm.bucket_requests.check_finish_reports`): a partial push fails in the replica that got it.
 
 Unlike the local rollout, which stages a whole copy and swaps it in, a vLLM engine loads each
@@ -24,7 +25,7 @@ from typing import Any
 
 from rlcore.sync import Bucket
 
-from rlcore_vllm.bucket_requests import bucket_request, check_finish_reports
+from rlcore_vllm.bucket_requests import bucket_request, check_finish_reports, check_read_back
 from rlcore_vllm.shm import SharedBucketPool
 
 
@@ -52,7 +53,8 @@ class VLLMFleetReceiver:
         self._staged = {}
         self._stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": dict.fromkeys(("copy", "load"), 0.0)}
         try:
-            self._workers = self.backend.rpc("rlcore_begin_update", {"version": int(version), "skip_draft": False})
+            self._workers = self.backend.rpc("rlcore_begin_update", {"version": int(version), "skip_draft": False,
+                                                                     "verify": self.verify})
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -98,9 +100,17 @@ class VLLMFleetReceiver:
             t0 = time.perf_counter()
             finish = self.backend.rpc("rlcore_finish_update", {"version": int(version)})
             check_finish_reports(finish)
+            if self.verify:
+                # what the model holds after loading must be what the workers received; the trainer
+                # then compares the received checksums with the sent ones (``exact``, per replica)
+                read_back = check_read_back(self._staged, finish)
+                if read_back["unreadable"] or read_back["read_back"] != len(self._staged):
+                    raise RuntimeError(f"{len(self._staged) - read_back['read_back']} tensor(s) could not be read "
+                                       f"back from the model (e.g. {list(read_back['unreadable'].items())[:2]})")
+            self.backend.rpc("rlcore_commit_update", {"version": int(version)})  # the workers compute again
             self._stats["seconds"]["finish"] = time.perf_counter() - t0
         except BaseException as exc:
-            self._fail(exc, finish_ran=True)
+            self._fail(exc)
             raise
         self.backend.commit_push(version)
         self._active = None
@@ -119,16 +129,16 @@ class VLLMFleetReceiver:
             return dict(self._checksums)
         return {n: self._checksums[n] for n in names if n in self._checksums}
 
-    def _fail(self, exc: BaseException, finish_ran: bool = False) -> None:
-        """End the push in the workers and mark the engine's weights unknown."""
+    def _fail(self, exc: BaseException) -> None:
+        """End the push in the workers (they keep refusing to compute, naming the partial version)
+        and mark the engine's weights unknown."""
         self._active = None
         if self.pool is not None:
             self.pool.release_all()
-        if not finish_ran:
-            try:
-                self.backend.rpc("rlcore_abort_update", {})
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                pass
+        try:
+            self.backend.rpc("rlcore_abort_update", {"reason": f"{type(exc).__name__}: {exc}"[:500]})
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            pass
         self.backend.fail_push(f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:

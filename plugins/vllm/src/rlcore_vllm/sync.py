@@ -10,15 +10,21 @@ Transports (``vllm.transport``):
   checkpoint the engine was started from before it is loaded, the push fails unless every tensor
   of that checkpoint arrived (a tied ``lm_head`` is covered by the embedding and rebuilt with it)
   or when vLLM reports model parameters it did not reach; every tensor is checksummed
-  (:func:`rlcore.sync.tensor_checksum`) on the trainer side and, from the bytes it loaded, in
-  every worker.
+  (:func:`rlcore.sync.tensor_checksum`) on the trainer side, in every worker from the bytes it
+  received, and again from what the model (target and draft) holds after vLLM's loaders ran: the
+  tensor's slice of the parameter it was loaded into (:mod:`rlcore_vllm.readback`). ``exact``
+  means the last: a loader that stores nothing fails the push naming the tensor. A tensor the
+  worker cannot locate in a parameter (tensor-parallel shards) drops ``exact`` from the level
+  (``details["unreadable"]`` says which and why). The engine refuses to compute from the first
+  bucket until every check passed and the trainer commits the push.
 * ``nccl`` / ``ipc`` (GPU): vLLM's native weight-transfer API, one packed chunk per core bucket
   (:mod:`rlcore_vllm.native`). These engines return nothing per chunk, so verification compares
   the engine's prompt log-probs on a probe sequence with the training engine's (level ``probe``).
 
 A push that fails at any point raises :class:`~rlcore.errors.WeightSyncError` with
 ``receiver_version=None`` and leaves the backend marked as holding unknown weights: it refuses to
-generate until a later push succeeds.
+generate until a later push succeeds; with ``shm`` the engine's workers refuse too, for any caller
+(their refusal names the partial version).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from rlcore.types import SyncReport
 
 from rlcore_vllm import native
 from rlcore_vllm.backend import VLLMBackend
-from rlcore_vllm.bucket_requests import bucket_request, check_finish_reports
+from rlcore_vllm.bucket_requests import bucket_request, check_finish_reports, check_read_back
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
 from rlcore_vllm.shm import SharedBucketPool
 from rlcore_vllm.speculative import check_draft_current, skips_draft
@@ -132,7 +138,8 @@ class VLLMWeightSync:
         worker: dict[str, float] = {}
         tb = time.perf_counter()
         skip_draft = skips_draft(self.settings, version)
-        workers = target.rpc("rlcore_begin_update", {"version": version, "skip_draft": skip_draft})
+        workers = target.rpc("rlcore_begin_update", {"version": version, "skip_draft": skip_draft,
+                                                     "verify": self.verify})
         phases["begin"] = time.perf_counter() - tb
         sent: dict[str, int] = {}
         mismatched: list[str] = []
@@ -164,21 +171,26 @@ class VLLMWeightSync:
             tfin = time.perf_counter()
             finish = target.rpc("rlcore_finish_update", {"version": version})
             phases["finish"] = time.perf_counter() - tfin
-        except BaseException:
+            # every check before the commit: the workers refuse to compute until it
+            if mismatched:
+                raise RuntimeError(f"{len(mismatched)} tensor(s) arrived in the worker with other bytes than sent "
+                                   f"(e.g. {sorted(set(mismatched))[:3]})")
+            check_finish_reports(finish)
+            read_back = check_read_back(sent, finish) if self.verify else {"read_back": 0, "unreadable": {}}
+            draft = draft_details(finish, target, version, skip_draft)
+            target.rpc("rlcore_commit_update", {"version": version})
+        except BaseException as exc:
             pool.release_all()
-            try:
-                target.rpc("rlcore_abort_update", {})
+            try:  # the workers keep refusing, naming the partial version and why
+                target.rpc("rlcore_abort_update", {"reason": f"{type(exc).__name__}: {exc}"[:500]})
             except Exception:  # noqa: BLE001 - the original error is the one to report
                 pass
             raise
-        if mismatched:
-            raise RuntimeError(f"{len(mismatched)} tensor(s) arrived in the worker with other bytes than sent "
-                               f"(e.g. {sorted(set(mismatched))[:3]})")
-        check_finish_reports(finish)
-        draft = draft_details(finish, target, version, skip_draft)
-        checks = (["coverage"] if all(w.get("coverage") for w in workers) else []) + (["exact"] if self.verify else [])
+        exact = self.verify and not read_back["unreadable"] and read_back["read_back"] == len(sent)
+        checks = (["coverage"] if all(w.get("coverage") for w in workers) else []) + (["exact"] if exact else [])
         details = {**draft, "workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
-                   "phases": phases, "worker_phases": worker,
+                   "phases": phases, "worker_phases": worker, "read_back": read_back["read_back"],
+                   "unreadable": dict(list(read_back["unreadable"].items())[:10]),
                    "checks": checks, "tied_refreshed": sorted({n for f in finish for n in f.get("refreshed", [])}),
                    "shm_resident_bytes": pool.resident_bytes, "moe_fix": any(w.get("moe_fix") for w in workers)}
         return (len(sent) if self.verify else 0), details

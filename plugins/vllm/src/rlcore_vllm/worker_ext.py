@@ -4,8 +4,8 @@ vLLM mixes this class into every worker. The trainer drives it with ``collective
 or ``POST /collective_rpc`` (server, dev mode); every argument is one JSON string because the
 server route passes strings only and the offline RPC turns tensors into lists.
 
-One push is ``rlcore_begin_update`` → ``rlcore_load_bucket``\\ * → ``rlcore_finish_update`` (or
-``rlcore_abort_update``). Loading goes through vLLM's layerwise reload
+One push is ``rlcore_begin_update`` → ``rlcore_load_bucket``\\ * → ``rlcore_finish_update`` →
+``rlcore_commit_update`` once the trainer verified it (or ``rlcore_abort_update``). Loading goes through vLLM's layerwise reload
 (``initialize_layerwise_reload`` / ``model.load_weights`` / ``finalize_layerwise_reload``), the
 only correct in-place path on CPU, where weights are repacked for oneDNN after loading. Each
 bucket is a shared-memory segment the trainer filled (:mod:`rlcore_vllm.shm`); the worker checksums
@@ -21,9 +21,14 @@ arrived (a partial push fails), and modules that share a parameter with a module
 reloaded (a tied ``lm_head``) are rebuilt too: layerwise reload processes only layers that
 received weights, which on CPU left the tied output layer computing with its old prepacked copy.
 
-While an update is active the model refuses to compute (a forward pre-hook raises): a trainer
-killed mid-push leaves an engine that serves nothing rather than a mix of versions. The next
-``rlcore_begin_update`` ends such a stale update first; the push that follows must be complete.
+From ``rlcore_begin_update`` until ``rlcore_commit_update`` the model refuses to compute (a forward
+pre-hook raises), for every caller of the engine, rlcore or not: the trainer sends the commit only
+after the push passed every check (coverage here, and on its side the checksums of what the
+worker received and of what the model holds after loading, :mod:`rlcore_vllm.readback`). An
+engine cannot serve the previous version meanwhile (each bucket is loaded in place), so a push
+that fails, is refused at its end, or whose trainer dies leaves the engine refusing, with a message
+naming the partial version, until a later push is complete and verified. The next
+``rlcore_begin_update`` ends a stale update first; the push that follows must be complete.
 
 With MTP speculative decoding the engine has a second model, the draft
 (``model_runner.drafter.model``): every bucket's ``model.mtp_layers.*`` tensors go to it through
@@ -44,6 +49,7 @@ import torch
 from rlcore.errors import WeightSyncError
 from rlcore.sync import WeightManifest, tensor_checksum
 
+from rlcore_vllm.readback import ReadBack
 from rlcore_vllm.shm import map_segment
 from rlcore_vllm.worker_draft import DraftUpdate, draft_model, draft_model_config
 
@@ -93,7 +99,7 @@ def _no_mtp_completeness_check():
     return disable_mtp_completeness_check()
 
 
-def _detach_pending_views(lo: int, hi: int) -> int:
+def _detach_pending_views(lo: int, hi: int, readback: ReadBack | None = None) -> int:
     """Copy out tensors that layerwise reload still buffers and that alias ``[lo, hi)``.
 
     Layerwise reload keeps each layer's loader arguments until the layer's last weight arrives;
@@ -108,6 +114,8 @@ def _detach_pending_views(lo: int, hi: int) -> int:
             for key, value in bound.arguments.items():
                 if isinstance(value, torch.Tensor) and value.device.type == "cpu" and lo <= value.data_ptr() < hi:
                     bound.arguments[key] = value.clone()
+                    if readback is not None:
+                        readback.moved(value, bound.arguments[key])
                     copied += 1
     return copied
 
@@ -187,6 +195,7 @@ class RLCoreWorkerExtension:
             self.rlcore_abort_update("{}")
         state["moe_fix"] = install_cpu_moe_update_fix()
         model = self._rlcore_model()
+        self._rlcore_end_read_back()
         state["expected"] = {name for name, _ in model.named_parameters()}
         state["loaded"] = set()
         state["received"] = set()
@@ -196,24 +205,30 @@ class RLCoreWorkerExtension:
             initialize_layerwise_reload(model)
             draft.begin()  # after the target: the modules they share are already in reload state
         state["draft"] = draft
+        if req.get("verify", True):
+            state["read_back"] = ReadBack([model, draft.model if not draft.skip else None])
+            state["read_back"].install()
         state["active"] = True
         state["version"] = req["version"]
-        self._rlcore_guard(True)
+        state["finished"] = None
+        self._rlcore_guard(True, "is in progress")
         return {"rank": int(getattr(self, "rank", 0)), "moe_fix": state["moe_fix"],
                 "coverage": state["manifest"] is not None, "ended_stale_update": stale,
                 "has_draft": draft.model is not None, "draft_version": state.get("draft_version")}
 
-    def _rlcore_guard(self, on: bool) -> None:
-        """Refuse to compute while an update is active (see the module docstring)."""
+    def _rlcore_guard(self, on: bool, status: str = "") -> None:
+        """Refuse to compute from the start of a push until its commit (see the module docstring);
+        ``status`` says what became of the push, for the refusal's message."""
         state = self._rlcore_state()
         for handle in state.pop("guard", None) or ():
             handle.remove()
+        state["guard_status"] = status if on else None
         if on:
             version = state["version"]
 
             def refuse(module, args):
-                raise RuntimeError(f"rlcore: the weight update to version {version} is in progress on this engine; "
-                                   "it refuses to compute with a mix of versions until the push completes")
+                raise RuntimeError(f"rlcore: the weight update to version {version} {status} on this engine; it "
+                                   "refuses to compute with a mix of versions until a push is complete and verified")
 
             models = [self._rlcore_model(), draft_model(self.model_runner)]
             state["guard"] = [m.register_forward_pre_hook(refuse) for m in models if m is not None]
@@ -225,6 +240,11 @@ class RLCoreWorkerExtension:
             seg = map_segment(path, capacity)
             segments[path] = seg
         return seg
+
+    def _rlcore_end_read_back(self) -> None:
+        read_back = self._rlcore_state().pop("read_back", None)
+        if read_back is not None:
+            read_back.remove()
 
     def rlcore_load_bucket(self, request: str) -> dict:
         t0 = time.perf_counter()
@@ -246,6 +266,10 @@ class RLCoreWorkerExtension:
         checksums = {name: tensor_checksum(t) for name, t in views} if req.get("verify", True) else {}
         t2 = time.perf_counter()
         model = self._rlcore_model()
+        read_back: ReadBack | None = state.get("read_back")
+        if read_back is not None:
+            read_back.forget(buf.data_ptr(), buf.data_ptr() + buf.numel())
+            read_back.track(views)
         current: list[Any] = [None, ()]
 
         def stream(pairs):
@@ -265,7 +289,7 @@ class RLCoreWorkerExtension:
             state["loaded"].update(loaded)
         state["received"].update(name for name, _ in views)
         t3 = time.perf_counter()
-        copied = _detach_pending_views(buf.data_ptr(), buf.data_ptr() + buf.numel())
+        copied = _detach_pending_views(buf.data_ptr(), buf.data_ptr() + buf.numel(), read_back)
         t4 = time.perf_counter()
         # seconds per phase in the worker: decode + manifest check + map, checksum, vLLM's loaders
         return {"checksums": checksums, "pending_copies": copied,
@@ -279,13 +303,19 @@ class RLCoreWorkerExtension:
             raise RuntimeError("rlcore: rlcore_finish_update without rlcore_begin_update")
         model = self._rlcore_model()
         draft: DraftUpdate = state["draft"]
+        read_back: ReadBack | None = state.get("read_back")
         try:
             with self._rlcore_config():
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
                 draft_report = draft.finish(draft_model_config(self.vllm_config))
+        except BaseException as exc:
+            self._rlcore_guard(True, f"is partial or failed: vLLM's finalisation raised {type(exc).__name__}: {exc}")
+            raise
         finally:
             state["active"] = False
-            self._rlcore_guard(False)
+            self._rlcore_end_read_back()
+        # the guard stays up: the trainer lifts it with rlcore_commit_update once the push is verified
+        self._rlcore_guard(True, "is loaded but not yet verified")
         if draft_report["draft_complete"]:
             state["draft_version"] = state["version"]
         # state derived from the old weights (vLLM's own reload_weights does the same)
@@ -298,10 +328,29 @@ class RLCoreWorkerExtension:
         missing = sorted(state["expected"] - state["loaded"])
         manifest: WeightManifest | None = state["manifest"]
         not_sent = manifest.missing(state["received"]) if manifest is not None else []
+        if not_sent or missing or (draft_report.get("draft_num_missing") and not draft.skip):
+            self._rlcore_guard(True, f"is partial or failed: {len(not_sent)} checkpoint tensor(s) did not arrive, "
+                                     f"{len(missing)} parameter(s) not reached")
+        state["finished"] = state["version"]
         return {"missing": missing[:20], "num_missing": len(missing), "num_params": len(state["expected"]),
                 "not_sent": not_sent[:20], "num_not_sent": len(not_sent),
                 "num_manifest": len(manifest.shapes) if manifest is not None else 0, "refreshed": refreshed,
-                **draft_report, "draft_version": state.get("draft_version")}
+                **draft_report, "draft_version": state.get("draft_version"),
+                **(read_back.report(state["received"]) if read_back is not None else {})}
+
+    def rlcore_commit_update(self, request: str) -> dict:
+        """The trainer verified the push of ``version``: lift the guard. Refused unless that push
+        finished here and nothing marked it partial."""
+        state = self._rlcore_state()
+        version = json.loads(request)["version"]
+        if state["active"] or state.get("finished") != version:
+            raise RuntimeError(f"rlcore: commit of weight version {version}, but the last finished update on this "
+                               f"worker is {state.get('finished')}")
+        status = state.get("guard_status")
+        if status and status.startswith("is partial"):
+            raise RuntimeError(f"rlcore: commit of weight version {version}, which {status}")
+        self._rlcore_guard(False)
+        return {"version": version}
 
     def rlcore_abort_update(self, request: str) -> dict:
         """End a failed push: layers that got no weight get their old tensors back, partially
@@ -310,14 +359,21 @@ class RLCoreWorkerExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         state = self._rlcore_state()
+        reason = str(json.loads(request or "{}").get("reason") or "aborted")
         was_active = state["active"]
-        if was_active:  # the guard stays: the engine may hold a mix until a push completes
+        if was_active:
             state["active"] = False
-            with self._rlcore_config():
-                finalize_layerwise_reload(self._rlcore_model(), self.vllm_config.model_config)
-                draft = state.get("draft")
-                if draft is not None:
-                    draft.abort(draft_model_config(self.vllm_config))
+            try:
+                with self._rlcore_config():
+                    finalize_layerwise_reload(self._rlcore_model(), self.vllm_config.model_config)
+                    draft = state.get("draft")
+                    if draft is not None:
+                        draft.abort(draft_model_config(self.vllm_config))
+            finally:
+                self._rlcore_end_read_back()
+        if state.get("version") is not None:  # the engine may hold a mix until a push completes
+            state["finished"] = None
+            self._rlcore_guard(True, f"is partial or failed: {reason}")
         return {"was_active": was_active, "loaded": len(state["loaded"])}
 
     def rlcore_close_segments(self, request: str) -> dict:
