@@ -34,10 +34,26 @@ DISTRIBUTIONS = {_project(d)["name"]: _project(d) for d in _distribution_dirs()}
 
 
 @pytest.fixture(scope="module")
-def wheel_dir(tmp_path_factory) -> Path:
+def build_venv(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("build-venv") / "venv"
+
+
+@pytest.fixture(scope="module")
+def wheel_dir(tmp_path_factory, build_venv) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([str(ROOT / "bin" / "wheels"), str(out)], check=True, capture_output=True, text=True)
+    subprocess.run([str(ROOT / "bin" / "wheels"), str(out)], check=True, capture_output=True, text=True,
+                   env=dict(os.environ, RLCORE_BUILD_VENV=str(build_venv)))
     return out
+
+
+def test_building_wheels_needs_only_the_build_tools(wheel_dir, build_venv):
+    """Pure-Python wheels need pypa's build and the setuptools backend, not the 1.6 GB development
+    venv with torch that bin/wheels used to create first."""
+    size = sum(p.stat().st_size for p in build_venv.rglob("*") if p.is_file() and not p.is_symlink())
+    site = next(build_venv.glob("lib/python*/site-packages"))
+    assert (site / "build").is_dir(), "the wheels were built with pypa's build"
+    assert not (site / "torch").exists(), "the build venv holds no torch"
+    assert size < 100 * 2**20, f"the build venv is {size / 2**20:.0f} MiB"
 
 
 def _wheel_for(wheel_dir: Path, dist: str) -> Path:
