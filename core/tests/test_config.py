@@ -77,3 +77,12 @@ def test_yaml_round_trip_of_resolved_config():
     cfg, _ = load_config(None)
     text = cfgmod.to_yaml(cfg)
     assert "rollout:" in text and "backend: local" in text
+
+
+def test_engine_model_given_as_a_string_is_its_path(tmp_path):
+    """``engine.model=/dir`` (or ``engine: {model: /dir}``) is shorthand for engine.model.path; it
+    was "Merge error: str is not a subclass of ModelConfig"."""
+    cfg, _ = load_config(None, ["engine.model=/models/qwen"])
+    assert cfg.engine.model.path == "/models/qwen" and cfg.engine.model.dtype == "float32"
+    cfg, _ = load_config(_yaml(tmp_path, "engine: {model: /models/qwen}\n"))
+    assert cfg.engine.model.path == "/models/qwen"

@@ -60,9 +60,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from rlcore.stack import config_yaml, load_stack
+    from rlcore.preflight import preflight
 
     stack = load_stack(args.config, args.overrides)
-    desc = stack.describe()
+    # what train would hit (device, model, task, sizes, prompt lengths), before "config OK"
+    checked = preflight(stack).lines(stack.config)
+    desc = {**stack.describe(), "checked": checked}
     if args.json:
         print(json.dumps(desc, indent=2))
         return 0
@@ -90,6 +93,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for note in desc["notes"]:
         con.print(f"  [yellow]note:[/] {escape(note)}")
     if args.show_config:
+    for line in checked:
+        con.print(f"  checked: {escape(line)}")
         con.print(config_yaml(stack))
     con.print("[green]config OK[/]")
     return 0

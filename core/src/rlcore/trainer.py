@@ -35,6 +35,7 @@ from rlcore.errors import CheckpointError, ConfigError, NonFiniteError, RolloutE
 from rlcore.faults import fault_point
 from rlcore.platforms import resolve_device
 from rlcore.push import push_weights, rollout_metrics
+from rlcore.preflight import preflight
 from rlcore.ranks import SINGLE, Ranks, on_writer
 from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
@@ -95,8 +96,7 @@ class Trainer:
         self.pm = stack.plugins
         self.resume = resume
         self.allow_config_change = allow_config_change
-        if cfg.rollout.temperature <= 0:
-            raise ConfigError("rollout.temperature must be > 0 for RL training (sampling)", key="rollout.temperature")
+        preflight(stack)  # what would fail later (rlcore/preflight.py), refused before the output directory is touched
         self.out = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         # one run per directory: a new run needs it empty, --resume needs a checkpoint in it
         on_writer(ranks, lambda: prepare_output_dir(self.out, resume=resume, overwrite=overwrite))

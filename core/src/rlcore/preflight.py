@@ -1,0 +1,468 @@
+"""What ``rlcore train`` would hit, found before anything starts: ``rlcore check`` runs
+:func:`preflight`, and :class:`rlcore.trainer.Trainer` runs it before it touches the output
+directory. Each problem is a :class:`~rlcore.errors.ConfigError` naming the key to change, in one
+line (the CLI prints it without a traceback).
+
+Config validation (:mod:`rlcore.config`) checks each value alone; this module checks what needs
+more than the document: the machine (``engine.device``, memory), the model (``engine.model.path``
+on disk, the tiny model's shapes), the task and reward modules, and the prompts the task makes
+measured with the engine's tokenizer against the model's context. Size limits are absurd-only:
+a size is refused when a lower bound of what it needs exceeds all the memory this machine has
+(RAM, swap and every GPU together), never by a fixed cap on one field, so any configuration that
+could run somewhere on this machine passes. Memory is not checked where the run's ranks are on
+other machines (``cluster.address``) or on a device whose memory core cannot read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlcore.config import DataConfig, RolloutConfig, TinyModelConfig
+from rlcore.errors import ConfigError
+
+#: below this ``rollout.temperature`` a run is refused. The head and the local sampler divide fp32
+#: logits by it: a logit of magnitude 10 carries a rounding error of about 1e-6 (fp32's epsilon
+#: 1.2e-7 x 10), which 1/T turns into a nat or more of log-prob noise between the rollout and the
+#: trainer's recomputation below 1e-6, so the importance ratios measure rounding, not the policy.
+#: Sampling is greedy in effect well before that (rlcore-vllm sends T < 1e-5 to vLLM as 0; a run at
+#: 1e-30 trains with every sample of a prompt the same, advantages and gradients 0), and it breaks
+#: outright further down (1e-38: NaN gradients; 1e-40: inf probabilities fail the sampler). 1e-6 is
+#: the smallest temperature that is still greedy decoding and not rounding noise; RL samples at 0.6 to 1.2.
+MIN_TEMPERATURE = 1e-6
+#: a lower bound of the bytes a step holds per token however it is split: the token id (int64),
+#: its behaviour log-prob and advantage (fp32 each); activations and KV cache come on top
+BATCH_BYTES_PER_TOKEN = 16
+#: prompts measured against the model's context (the first steps' prompts, made exactly as the
+#: trainer makes them); a task whose prompts grow later is measured only here
+PROMPTS_CHECKED = 4096
+#: engines that build their model from ``engine.model`` (core's schema); another engine's model
+#: comes from its own settings, so core does not measure it
+MODEL_ENGINES = ("hf", "megatron")
+#: bytes per parameter of the dtypes ``engine.model.dtype`` may name (the engines do getattr(torch, dtype))
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
+#: the tiny model's context (rlcore.engines.tiny.tiny_config)
+TINY_MAX_POSITIONS = 512
+
+
+@dataclass
+class ModelFacts:
+    """What preflight learned about the model without building it."""
+
+    source: str  #: ``tiny qwen2`` or the directory
+    max_positions: int | None = None
+    parameters: int | None = None  #: a lower bound (the weight matrices), tiny model only
+    weight_bytes: int | None = None
+    tokenizer: Any = None
+
+
+@dataclass
+class PreflightReport:
+    """What was checked, for ``rlcore check`` to print."""
+
+    model: ModelFacts | None = None
+    longest_prompt: int | None = None
+    prompts_checked: int = 0
+    step_tokens: int | None = None
+    memory_bytes: int | None = None
+    skipped: list[str] = field(default_factory=list)
+
+    def lines(self, cfg: Any) -> list[str]:
+        out = []
+        m = self.model
+        if m is not None:
+            size = f", {_count(m.parameters)} parameters" if m.parameters else ""
+            size += f", weights {_bytes(m.weight_bytes)}" if m.weight_bytes else ""
+            out.append(f"model {m.source}{size}")
+        if self.longest_prompt is not None and m is not None and m.max_positions:
+            out.append(f"longest prompt {self.longest_prompt} tokens + rollout.max_new_tokens "
+                       f"{cfg.rollout.max_new_tokens} <= {m.max_positions} positions ({self.prompts_checked} "
+                       f"prompts measured)")
+        if self.step_tokens is not None and self.memory_bytes is not None:
+            out.append(f"a step holds about {_count(self.step_tokens)} tokens; this machine has "
+                       f"{_bytes(self.memory_bytes)} (RAM, swap and GPUs)")
+        out.extend(f"not checked: {s}" for s in self.skipped)
+        return out
+
+
+def preflight(stack: Any) -> PreflightReport:
+    """Check ``stack`` (a resolved :class:`rlcore.stack.Stack`) against this machine, its model,
+    task and reward; raise :class:`ConfigError` naming the key of the first problem."""
+    cfg = stack.config
+    report = PreflightReport()
+    check_temperature(cfg)
+    check_device(stack, report)
+    task = load_task(cfg)
+    load_reward(cfg)
+    memory = reachable_memory(stack, report)
+    report.memory_bytes = memory
+    # the step's size first: an absurd data.prompts_per_step must not be generated to be measured
+    check_step_size(cfg, memory, prompt_tokens=1, measured=False)
+    if str(cfg.engine.name) not in MODEL_ENGINES:
+        report.skipped.append(f"the model of engine {cfg.engine.name!r} (it does not read engine.model)")
+        return report
+    facts = model_facts(cfg, task, memory)
+    report.model = facts
+    longest, measured = measure_prompts(cfg, task, facts)
+    report.longest_prompt, report.prompts_checked = longest, measured
+    report.step_tokens = check_step_size(cfg, memory, prompt_tokens=max(longest, 1))
+    return report
+
+
+# ----------------------------------------------------------------------------- sampling --
+
+def check_temperature(cfg: Any) -> None:
+    t = float(cfg.rollout.temperature)
+    if t <= 0:
+        raise ConfigError(f"rollout.temperature={t:g}: RL training samples, so it must be > 0 (at least "
+                          f"{MIN_TEMPERATURE:g})", key="rollout.temperature")
+    if t < MIN_TEMPERATURE:
+        raise ConfigError(f"rollout.temperature={t:g} is below {MIN_TEMPERATURE:g}: fp32 logits divided by it give "
+                          f"log-probs decided by rounding, not the model (far below, NaN gradients and a failing "
+                          f"sampler); use {MIN_TEMPERATURE:g} to decode greedily, 0.6 to 1.2 to train by RL",
+                          key="rollout.temperature")
+
+
+# ------------------------------------------------------------------------------- device --
+
+def _remote(cfg: Any) -> bool:
+    """The run's ranks are on other machines (a Ray cluster joined by address)."""
+    c = cfg.cluster
+    return c.backend == "ray" and bool(c.address)
+
+
+def check_device(stack: Any, report: PreflightReport) -> None:
+    """``engine.device`` names a device this machine (and this torch) has."""
+    cfg = stack.config
+    text = str(cfg.engine.device).strip().lower()
+    kind, _, index = text.partition(":")
+    if index and not (index.isdigit()):
+        raise ConfigError(f"engine.device={cfg.engine.device}: the index after ':' must be a number (cuda:1)",
+                          key="engine.device")
+    spec = stack.platform
+    if spec is None or spec.device_type == "cpu":
+        return
+    if _remote(cfg):
+        report.skipped.append(f"engine.device={text} (the ranks run on the Ray cluster at {cfg.cluster.address})")
+        return
+    if spec.device_type == "cuda":
+        import torch
+
+        if torch.version.cuda is None:
+            raise ConfigError(f"engine.device={text} but this torch ({torch.__version__}) has no CUDA; use "
+                              f"engine.device=cpu", key="engine.device")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"engine.device={text} but torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
+                              f"no GPU here (torch.cuda.is_available() is False); use engine.device=cpu",
+                              key="engine.device")
+        count = torch.cuda.device_count()
+        if index and int(index) >= count:
+            raise ConfigError(f"engine.device={text} but this machine has {count} CUDA device(s) (cuda:0 to "
+                              f"cuda:{count - 1})", key="engine.device")
+        return
+    if not spec.available():
+        raise ConfigError(f"engine.device={text}: platform {spec.name!r} ({spec.source()}) is not available on "
+                          f"this machine; use engine.device=cpu", key="engine.device")
+
+
+# ------------------------------------------------------------------------ task, reward --
+
+def _import(path: str, key: str) -> Callable[..., Any]:
+    from rlcore.tasks import load_callable
+
+    try:
+        return load_callable(path, key)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the module raised while being imported
+        raise ConfigError(f"{key}: importing {path!r} raised {type(exc).__name__}: {_one_line(exc)}",
+                          key=key) from exc
+
+
+def load_task(cfg: Any) -> Any:
+    """``data.task`` imported and called, as the trainer does."""
+    fn = _import(str(cfg.data.task), "data.task")
+    try:
+        task = fn(cfg.data)
+    except Exception as exc:  # noqa: BLE001 - the user's task function
+        raise ConfigError(f"data.task: {cfg.data.task}(data) raised {type(exc).__name__}: {_one_line(exc)}",
+                          key="data.task") from exc
+    if not isinstance(getattr(task, "vocab", None), (list, tuple)) or not callable(getattr(task, "make_prompts", None)):
+        raise ConfigError(f"data.task: {cfg.data.task}(data) returned {type(task).__name__}, not a rlcore.tasks.Task "
+                          f"(vocab, make_prompts; docs/tasks.md)", key="data.task")
+    return task
+
+
+def load_reward(cfg: Any) -> Callable[..., Any]:
+    fn = _import(str(cfg.data.reward), "data.reward")
+    try:
+        inspect.signature(fn).bind(object())
+    except TypeError as exc:
+        raise ConfigError(f"data.reward: {cfg.data.reward} cannot be called with one RewardInput: {exc}",
+                          key="data.reward") from exc
+    except ValueError:  # no signature to read (a builtin): the trainer finds out
+        pass
+    return fn
+
+
+# -------------------------------------------------------------------------------- model --
+
+def model_facts(cfg: Any, task: Any, memory: int | None) -> ModelFacts:
+    model = cfg.engine.model
+    dtype = str(model.dtype)
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"engine.model.dtype={dtype!r} is not a dtype the engines train in; choose one of: "
+                          f"float32, bfloat16, float16, float64", key="engine.model.dtype")
+    if model.path:
+        return _directory_facts(Path(str(model.path)))
+    facts = _tiny_facts(cfg, task, DTYPE_BYTES[dtype])
+    if memory is not None and facts.weight_bytes > memory:
+        key = _culprit(lambda t: tiny_parameters(t, _tiny_vocab(t, facts.tokenizer)) * DTYPE_BYTES[dtype],
+                       model.tiny, _TINY_DEFAULTS, prefix="engine.model.tiny.")
+        raise ConfigError(f"{key}={model.tiny[key.rsplit('.', 1)[1]]}: the tiny model has at least "
+                          f"{_count(facts.parameters)} parameters, {_bytes(facts.weight_bytes)} of {dtype} weights "
+                          f"alone, more than this machine's {_bytes(memory)} (RAM, swap and GPUs)", key=key)
+    return facts
+
+
+def _directory_facts(path: Path) -> ModelFacts:
+    key = "engine.model.path"
+    if not path.exists():
+        raise ConfigError(f"{key}={path}: no such directory", key=key)
+    if not path.is_dir():
+        raise ConfigError(f"{key}={path}: not a directory (a Hugging Face model directory holds config.json, "
+                          f"weights and tokenizer)", key=key)
+    cfg_file = path / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{key}={path}: no config.json there (not a Hugging Face model directory)", key=key) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}={path}: cannot read config.json: {_one_line(exc)}", key=key) from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}={path}: config.json is not a JSON object", key=key)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    heads, kv = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        raise ConfigError(f"{key}={path}: config.json has num_attention_heads={heads}, not a multiple of "
+                          f"num_key_value_heads={kv}", key=key)
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises for a directory it cannot read
+        raise ConfigError(f"{key}={path}: cannot load its tokenizer: {type(exc).__name__}: {_one_line(exc)}",
+                          key=key) from exc
+    weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern))
+    positions = text.get("max_position_embeddings")
+    return ModelFacts(source=f"{path} ({raw.get('model_type', '?')})",
+                      max_positions=positions if isinstance(positions, int) and positions > 0 else None,
+                      weight_bytes=weights or None, tokenizer=tokenizer)
+
+
+_TINY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TinyModelConfig)}
+
+
+def _tiny_facts(cfg: Any, task: Any, dtype_bytes: int) -> ModelFacts:
+    from rlcore.engines.tiny import SUPPORTED_ARCHS
+
+    t = cfg.engine.model.tiny
+    p = "engine.model.tiny."
+    if t.arch not in SUPPORTED_ARCHS:
+        raise ConfigError(f"{p}arch={t.arch!r}: choose one of: {', '.join(SUPPORTED_ARCHS)}", key=f"{p}arch")
+    if t.num_heads % t.num_kv_heads:
+        raise ConfigError(f"{p}num_kv_heads={t.num_kv_heads}: num_heads={t.num_heads} must be a multiple of it "
+                          f"(each key/value head serves a group of query heads)", key=f"{p}num_kv_heads")
+    if t.head_dim % 2:
+        raise ConfigError(f"{p}head_dim={t.head_dim}: must be even (RoPE rotates pairs of dimensions)",
+                          key=f"{p}head_dim")
+    if t.arch != "qwen2" and t.topk > t.num_experts:
+        raise ConfigError(f"{p}topk={t.topk}: each token picks topk of num_experts={t.num_experts} experts",
+                          key=f"{p}topk")
+    if t.mtp_layers and t.arch != "qwen2" and cfg.engine.name == "hf":
+        raise ConfigError(f"{p}mtp_layers={t.mtp_layers} needs {p}arch 'qwen2' on the hf engine (its MTP layers "
+                          f"are MiMo's, over a Qwen2 model), got {t.arch!r}", key=f"{p}mtp_layers")
+    from rlcore.engines.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer(task.vocab)
+    if t.vocab_size and t.vocab_size < len(tokenizer):
+        raise ConfigError(f"{p}vocab_size={t.vocab_size}: the task's tokenizer has {len(tokenizer)} tokens; use 0 "
+                          f"(the tokenizer's size) or at least {len(tokenizer)}", key=f"{p}vocab_size")
+    params = tiny_parameters(t, _tiny_vocab(t, tokenizer))
+    return ModelFacts(source=f"tiny {t.arch}", max_positions=TINY_MAX_POSITIONS, parameters=params,
+                      weight_bytes=params * dtype_bytes, tokenizer=tokenizer)
+
+
+def _tiny_vocab(t: Any, tokenizer: Any) -> int:
+    return int(t.vocab_size or len(tokenizer))
+
+
+def tiny_parameters(t: Any, vocab: int) -> int:
+    """A lower bound of the tiny model's parameter count: its weight matrices (norms and biases
+    left out), from the same settings :func:`rlcore.engines.tiny.tiny_config` reads."""
+    h, q, kv = int(t.hidden_size), int(t.num_heads) * int(t.head_dim), int(t.num_kv_heads) * int(t.head_dim)
+    attention = 2 * h * q + 2 * h * kv
+    if t.arch == "qwen2":
+        mlp = 3 * h * int(t.intermediate_size)
+    else:
+        mlp = int(t.num_experts) * (3 * h * int(t.moe_intermediate_size) + h)
+        if t.arch == "qwen2_moe":
+            mlp += 3 * h * int(t.intermediate_size)  # the shared expert
+    layers = int(t.num_layers) + (int(t.mtp_layers) if t.arch == "qwen2" else 0)
+    embeddings = vocab * h * (1 if t.tie_word_embeddings else 2)
+    return layers * (attention + mlp) + embeddings
+
+
+# -------------------------------------------------------------------------------- sizes --
+
+def reachable_memory(stack: Any, report: PreflightReport) -> int | None:
+    """Bytes of memory a run on this machine could use at most: RAM, swap and, for a CUDA device,
+    every GPU's memory. None where it cannot be known here (reasons go to ``report.skipped``)."""
+    cfg = stack.config
+    if _remote(cfg):
+        report.skipped.append(f"memory (the ranks run on the Ray cluster at {cfg.cluster.address})")
+        return None
+    kind = getattr(stack.platform, "device_type", "cpu")
+    if kind not in ("cpu", "cuda"):
+        report.skipped.append(f"memory (core cannot read the memory of device type {kind!r})")
+        return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        report.skipped.append("memory (this system does not report its RAM)")
+        return None
+    total += _swap_bytes()
+    if kind == "cuda":
+        import torch
+
+        total += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return int(total)
+
+
+def _swap_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("SwapTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+#: the factors of a step's size, with their defaults (the culprit is the one whose default shrinks it most)
+_STEP_KEYS = {"data.prompts_per_step": DataConfig.prompts_per_step, "rollout.n": RolloutConfig.n,
+              "rollout.max_new_tokens": RolloutConfig.max_new_tokens}
+
+
+def check_step_size(cfg: Any, memory: int | None, *, prompt_tokens: int, measured: bool = True) -> int:
+    """The tokens one step holds (prompts x samples x (prompt + new tokens)); refused when even
+    :data:`BATCH_BYTES_PER_TOKEN` per token exceeds ``memory``, naming the factor that does it.
+    ``measured``: ``prompt_tokens`` is the longest prompt measured, not a lower bound."""
+    values = {k: int(_select(cfg, k)) for k in _STEP_KEYS}
+
+    def tokens(v: dict[str, int]) -> int:
+        return v["data.prompts_per_step"] * v["rollout.n"] * (prompt_tokens + v["rollout.max_new_tokens"])
+
+    total = tokens(values)
+    if memory is not None and total * BATCH_BYTES_PER_TOKEN > memory:
+        key = min(_STEP_KEYS, key=lambda k: tokens({**values, k: min(values[k], _STEP_KEYS[k])}))
+        raise ConfigError(
+            f"{key}={values[key]}: a step holds data.prompts_per_step {values['data.prompts_per_step']} x rollout.n "
+            f"{values['rollout.n']} x ({'' if measured else 'at least '}{prompt_tokens} prompt + "
+            f"{values['rollout.max_new_tokens']} new) tokens = "
+            f"{_count(total)} tokens, at least {_bytes(total * BATCH_BYTES_PER_TOKEN)} "
+            f"({BATCH_BYTES_PER_TOKEN} bytes each), more than this machine's {_bytes(memory)} (RAM, swap and GPUs)",
+            key=key)
+    return total
+
+
+def _culprit(estimate: Callable[[Any], int], settings: Any, defaults: dict[str, Any], *, prefix: str) -> str:
+    """The key whose reset to its default shrinks ``estimate(settings)`` most: the one to change."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.to_container(settings)
+
+    def with_default(name: str) -> int:
+        trial = OmegaConf.create({**base, name: defaults[name]})
+        return estimate(trial)
+
+    sizes = [n for n, v in base.items() if isinstance(v, int) and not isinstance(v, bool) and n in defaults
+             and isinstance(defaults[n], int) and v > defaults[n]]
+    return prefix + min(sizes or list(base), key=with_default)
+
+
+# ------------------------------------------------------------------------------ prompts --
+
+def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
+    """The longest prompt of the first steps (up to :data:`PROMPTS_CHECKED` prompts, made with the
+    trainer's seeds), tokenized as the trainer does; refused when it and ``rollout.max_new_tokens``
+    exceed the model's positions. Returns (longest prompt in tokens, prompts measured). Prompts a
+    task returns malformed are left to the trainer, which names them at the step they come in."""
+    from rlcore.tasks import TaskPrompt
+
+    per_step = int(cfg.data.prompts_per_step)
+    steps = max(1, min(int(cfg.training.steps), PROMPTS_CHECKED // max(per_step, 1)))
+    longest, measured, where = 0, 0, ""
+    for step in range(steps):
+        rng = random.Random(int(cfg.training.seed) * 1_000_003 + step)  # as Trainer._prompts
+        try:
+            prompts = task.make_prompts(rng, min(per_step, PROMPTS_CHECKED))
+        except Exception as exc:  # noqa: BLE001 - the user's task
+            raise ConfigError(f"data.task: {cfg.data.task}: make_prompts(rng, {per_step}) raised "
+                              f"{type(exc).__name__}: {_one_line(exc)} (at step {step})", key="data.task") from exc
+        if not isinstance(prompts, list):
+            break
+        for i, p in enumerate(prompts):
+            if not isinstance(p, TaskPrompt) or not isinstance(p.text, str):
+                continue
+            n = len(facts.tokenizer(p.text, add_special_tokens=False)["input_ids"])
+            measured += 1
+            if n > longest:
+                longest, where = n, f"prompt {i} of step {step}"
+    limit, new = facts.max_positions, int(cfg.rollout.max_new_tokens)
+    if limit is not None and longest + new > limit:
+        key = "data.task" if longest >= limit else "rollout.max_new_tokens"
+        raise ConfigError(f"{key}: {where} is {longest} tokens, + rollout.max_new_tokens {new} = {longest + new}, "
+                          f"more than the model's {limit} positions ({facts.source} max_position_embeddings); "
+                          f"shorten the prompts or lower rollout.max_new_tokens", key=key)
+    return longest, measured
+
+
+# ------------------------------------------------------------------------------ helpers --
+
+def _select(cfg: Any, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "?"
+    if n < 1000:
+        return str(n)
+    exp = min(int(math.log10(n)) // 3, 5)
+    return f"{n / 1000 ** exp:.3g}{' KMGTP'[exp]}"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{n} B"
+        n /= 1000
+    return f"{n:.3g} PB"
