@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.cli import main
-from rlcore.run_output import list_checkpoints, read_metrics
+from rlcore.run_output import list_checkpoints, load_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny.yaml")
@@ -63,3 +63,20 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted
     assert _numbers(read_metrics(out)) == uninterrupted
     left = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert not [n for n in left if n.startswith(".")], f"interrupted writes were cleaned up: {left}"
+
+
+def test_a_kill_in_the_final_checkpoint_never_damages_the_newest_one(tmp_path):
+    """The run ends after step 1, whose checkpoint (the second write) is committed. The final
+    checkpoint used to write step 1 again in place: a kill between its state file and its record
+    (the third write) left the newest checkpoint "corrupt". A committed file is never rewritten,
+    so there is no third write to kill."""
+    out = tmp_path / "run"
+    env = dict(os.environ, RLCORE_FAULT="checkpoint_meta:3")
+    args = [a for a in ARGS if not a.startswith(("training.steps", "output.checkpoint_every"))]
+    proc = subprocess.run([sys.executable, "-m", "rlcore.cli", "train", TINY, "--output", str(out), *args,
+                           "training.steps=2", "output.checkpoint_every=1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    state, record, _ = load_checkpoint(out)
+    assert state["step"] == record["step"] == 1
+    assert [s for s, _ in list_checkpoints(out)] == [0, 1]

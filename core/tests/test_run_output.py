@@ -4,6 +4,10 @@ import json
 import math
 import os
 import pickle
+import resource
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,15 +16,19 @@ from rlcore.config import fingerprint_diff
 from rlcore.errors import CheckpointError, RLCoreError, RunOutputError
 from rlcore.run_output import (
     CHECKPOINT_DIR,
+    RUN_MARKER,
     MetricsWriter,
     _sha256,
+    checkpoint_hf_dir,
     list_checkpoints,
     load_checkpoint,
     prepare_output_dir,
+    prune_checkpoints,
     read_metrics,
     save_checkpoint,
 )
 
+LOCK_FILE = "run.lock"  # rlcore.run_lock.LOCK_FILE
 CFG = {"training.lr": 0.001, "algorithm.kl_coef": 0.0}
 
 
@@ -41,19 +49,108 @@ def test_new_run_refuses_a_non_empty_directory_and_names_the_flags(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists()
 
 
+def _tree(d):
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
 def test_overwrite_clears_an_rlcore_run_but_never_another_directory(tmp_path):
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
+    prepare_output_dir(run, resume=False, overwrite=False).release()  # a new run: marked as rlcore's
+    (run / "checkpoints").mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
-    prepare_output_dir(run, resume=False, overwrite=True)
-    assert run.is_dir() and not any(run.iterdir())
+    prepare_output_dir(run, resume=False, overwrite=True).release()
+    assert _tree(run) == sorted([LOCK_FILE, RUN_MARKER]), "cleared, then marked again for the new run"
+    assert json.loads((run / RUN_MARKER).read_text())["rlcore_run"] == 1
 
     other = tmp_path / "home"
     other.mkdir()
     (other / "thesis.tex").write_text("precious")
-    with pytest.raises(RunOutputError, match="does not look like an rlcore run directory.*refusing"):
+    with pytest.raises(RunOutputError, match="not an rlcore run directory.*refusing"):
         prepare_output_dir(other, resume=False, overwrite=True)
-    assert (other / "thesis.tex").read_text() == "precious"
+    assert _tree(other) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("marker", [None, '{"name": "my project"}', "not json", '{"rlcore_run": "yes"}'])
+def test_overwrite_never_deletes_a_directory_without_rlcore_marker(tmp_path, marker):
+    """A home directory that happens to hold checkpoints/, a checkpoint file and metrics.jsonl
+    (or a run.json of its own) was wiped by --overwrite: only rlcore's marker counts."""
+    home = tmp_path / "home"
+    (home / "checkpoints").mkdir(parents=True)
+    (home / "checkpoints" / "model.pt").write_bytes(b"mine")
+    (home / "checkpoint").write_text("mine")
+    (home / "metrics.jsonl").write_text('{"step": 0}\n')
+    (home / ".bashrc").write_text("export PATH")
+    if marker is not None:
+        (home / RUN_MARKER).write_text(marker)
+    before = _tree(home)
+    with pytest.raises(RunOutputError, match=r"not an rlcore run directory \(no rlcore run.json;.*refusing to "
+                                             r"delete it.*rm -r"):
+        prepare_output_dir(home, resume=False, overwrite=True)
+    assert _tree(home) == before and (home / "checkpoints" / "model.pt").read_bytes() == b"mine"
+
+
+_HOLDER = """
+import sys, time
+from rlcore.run_output import prepare_output_dir
+hold = prepare_output_dir(sys.argv[1], resume=sys.argv[2] == "resume", overwrite=False)
+print("holding", flush=True)
+time.sleep(300)
+"""
+
+
+def _holder(out, mode):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out), mode], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def test_a_second_process_on_a_run_directory_is_refused_naming_the_holder(tmp_path):
+    out = tmp_path / "run"
+    _save(out, 1)
+    first = _holder(out, "resume")
+    try:
+        for resume, overwrite in [(True, False), (False, False), (False, True)]:
+            with pytest.raises(RunOutputError, match=rf"in use by another rlcore process \(pid {first.pid}\b"):
+                prepare_output_dir(out, resume=resume, overwrite=overwrite)
+        assert [s for s, _ in list_checkpoints(out)] == [1], "nothing was deleted"
+    finally:
+        first.kill()
+        first.wait()
+    # the lock died with its holder: no stale lock to clear by hand
+    prepare_output_dir(out, resume=True, overwrite=False).release()
+
+
+def test_a_new_run_in_a_directory_another_process_just_took_is_refused(tmp_path):
+    out = tmp_path / "run"
+    first = _holder(out, "new")
+    try:
+        with pytest.raises(RunOutputError, match=rf"pid {first.pid}\b"):
+            prepare_output_dir(out, resume=False, overwrite=True)
+    finally:
+        first.kill()
+        first.wait()
+    assert _tree(out) == sorted([LOCK_FILE, RUN_MARKER])
+
+
+def test_a_failed_start_removes_only_what_it_created(tmp_path):
+    parent = tmp_path / "a"
+    hold = prepare_output_dir(parent / "b" / "run", resume=False, overwrite=False)
+    (parent / "b" / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
+    hold.abandon()
+    assert not parent.exists(), "every directory this start created is gone"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    hold = prepare_output_dir(empty, resume=False, overwrite=False)
+    (empty / "tensorboard").mkdir()
+    hold.abandon()
+    assert empty.is_dir() and _tree(empty) == [], "a directory that was there stays, emptied of what the start wrote"
+
+    _save(tmp_path / "old", 1)
+    hold = prepare_output_dir(tmp_path / "old", resume=True, overwrite=False)
+    hold.abandon()
+    assert [s for s, _ in list_checkpoints(tmp_path / "old")] == [1], "a --resume start never deletes anything"
+    prepare_output_dir(tmp_path / "old", resume=True, overwrite=False).release()  # and the lock is free
 
 
 def test_resume_needs_a_checkpoint(tmp_path):
@@ -152,6 +249,85 @@ def test_checkpoint_write_failure_is_an_rlcore_error(tmp_path):
     (tmp_path / CHECKPOINT_DIR).write_text("a file where the directory should be")
     with pytest.raises(CheckpointError, match="cannot write checkpoint"):
         _save(tmp_path, 1)
+
+
+def test_pruning_touches_only_rlcore_names(tmp_path):
+    """best.pt and NOTES.txt in checkpoints/ were deleted by the pruning: only rlcore's own names
+    (state, record, HF export, shards, their temporaries) are pruned, per step, together."""
+    d = tmp_path / CHECKPOINT_DIR
+    d.mkdir()
+    user = ["best.pt", "NOTES.txt", "step-1.pt", "step-00000001.pt.bak", "step-00000001-hf-mine", "my-step-00000001.pt"]
+    for name in user:
+        (d / name).write_text("the user's")
+    (d / "favourites").mkdir()
+    (d / "favourites" / "step-00000001.pt").write_text("the user's")
+    for step in range(4):
+        hf = checkpoint_hf_dir(tmp_path, step)
+        hf.mkdir()
+        (hf / "model.safetensors").write_bytes(b"w")
+        _save(tmp_path, step, keep=2)
+    (d / ".step-00000009-hf.tmp-1234").mkdir()  # an export a kill interrupted
+    (d / ".step-00000009.json.tmp").write_text("{")
+    (d / "step-00000009.rank_0-of-2.pt").write_bytes(b"a shard without its record")
+    prune_checkpoints(tmp_path, keep=2)
+    assert _tree(d) == sorted(user + ["favourites", "favourites/step-00000001.pt",
+                                      "step-00000002-hf", "step-00000002-hf/model.safetensors", "step-00000002.json",
+                                      "step-00000002.pt", "step-00000003-hf", "step-00000003-hf/model.safetensors",
+                                      "step-00000003.json", "step-00000003.pt"])
+    assert all((d / name).read_text() == "the user's" for name in user)
+
+
+@pytest.fixture
+def file_size_limit():
+    """RLIMIT_FSIZE for this process (what a full disk does to a write: it fails part-way), with
+    SIGXFSZ ignored so that write() returns EFBIG instead of killing the process. Works as root."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def limit(nbytes):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, old)
+
+
+@pytest.mark.parametrize("floats", [1 << 16, 1 << 10], ids=["torch-runtime-error", "oserror-at-flush"])
+def test_a_checkpoint_that_does_not_fit_is_an_error_and_leaves_no_temporary(tmp_path, file_size_limit, floats):
+    """torch.save raises a RuntimeError ("unexpected pos ...") when a write inside its zip writer
+    fails, an OSError when the buffered tail fails at flush: both are the same CheckpointError."""
+    _save(tmp_path, 1)
+    size = (tmp_path / CHECKPOINT_DIR / "step-00000001.pt").stat().st_size
+    big = {"engine": {"model": {"w": torch.zeros(floats)}}, "step": 2}
+    file_size_limit(max(size + 1, floats))  # the committed checkpoint fits, the new one (4 bytes a float) not
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step-00000002.pt: .*File too large.*"
+                                              r"older checkpoints are intact"):
+        save_checkpoint(tmp_path, big, {"step": 2, "config": CFG}, keep=3)
+    assert _tree(tmp_path / CHECKPOINT_DIR) == ["step-00000001.json", "step-00000001.pt"]
+    state, _, _ = load_checkpoint(tmp_path, CFG)
+    assert state["step"] == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory (file permissions do not "
+                                               "apply); the file-size-limit test covers the failure path")
+def test_a_read_only_checkpoint_directory_is_an_error(tmp_path):
+    _save(tmp_path, 1)
+    d = tmp_path / CHECKPOINT_DIR
+    d.chmod(0o555)
+    try:
+        with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step-00000002.pt: .*Permission denied"):
+            _save(tmp_path, 2)
+    finally:
+        d.chmod(0o755)
+    assert _tree(d) == ["step-00000001.json", "step-00000001.pt"]
+
+
+def test_a_committed_checkpoint_is_never_rewritten(tmp_path):
+    path = _save(tmp_path, 1)
+    before = path.read_bytes(), path.with_suffix(".json").read_bytes()
+    with pytest.raises(CheckpointError, match="step-00000001.* is already committed"):
+        save_checkpoint(tmp_path, _state(5), {"step": 1, "config": CFG}, keep=3)
+    assert (path.read_bytes(), path.with_suffix(".json").read_bytes()) == before
 
 
 # -------------------------------------------------------------------------------- metrics ----

@@ -1,7 +1,8 @@
 """What a run writes, and the rules for reusing its directory.
 
-* ``run.json``: marks the directory as an rlcore run (``--overwrite`` deletes only such a
-  directory).
+* ``run.json``: marks the directory as an rlcore run (``{"rlcore_run": 1, ...}``); ``--overwrite``
+  deletes only such a directory, never one that merely holds files with rlcore's names.
+* ``run.lock``: held (flock) by the one process writing the run (:mod:`rlcore.run_lock`).
 * ``metrics.jsonl``: one JSON object per step. A NaN or infinite value is written as the
   string ``"nan"``, ``"inf"`` or ``"-inf"`` (strict JSON has no such numbers; ``null`` would
   hide that the value was non-finite); :func:`read_metrics` turns them back into floats.
@@ -10,8 +11,9 @@
   with ``weights_only=True``: tensors, dicts, lists and numbers only, no code) and its commit
   record (sha256 and size of the state file, step, config fingerprint). Both are written to a
   temporary file in the same directory, fsynced, renamed and the directory fsynced; the record
-  goes last, so a checkpoint without one is incomplete and never loaded. The newest
-  ``output.keep_checkpoints`` are kept.
+  goes last, so a checkpoint without one is incomplete and never loaded, and a committed one is
+  never written again. The newest ``output.keep_checkpoints`` are kept; pruning deletes only
+  rlcore's own names (:func:`own_checkpoint_step`), never a user's file in ``checkpoints/``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import hashlib
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +33,7 @@ import torch
 
 from rlcore.errors import CheckpointError, RunOutputError
 from rlcore.faults import fault_point
+from rlcore.run_lock import LOCK_FILE, RunLock
 
 METRICS_FILE = "metrics.jsonl"
 RUN_MARKER = "run.json"
@@ -41,15 +46,76 @@ _NONFINITE_TEXT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 # --------------------------------------------------------------------------- output dir -----
 
-def _looks_like_run(out: Path) -> bool:
-    return any((out / name).exists() for name in (RUN_MARKER, METRICS_FILE, CHECKPOINT_DIR, "checkpoint"))
+#: the key and value in ``run.json`` that make a directory rlcore's (``--overwrite`` deletes no other)
+MARKER_KEY = "rlcore_run"
+MARKER_VERSION = 1
 
 
-def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to mix two runs in one directory.
+def is_rlcore_run(out: Path) -> bool:
+    """Whether ``out`` holds rlcore's run marker (not merely files with rlcore's names)."""
+    try:
+        info = json.loads((Path(out) / RUN_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get(MARKER_KEY) == MARKER_VERSION
 
-    A new run needs an empty (or absent) directory; ``overwrite`` first deletes an existing
-    rlcore run directory; ``resume`` needs a directory with a complete checkpoint."""
+
+class RunDirectory:
+    """The writer's hold on its output directory: the lock (:mod:`rlcore.run_lock`) and what a
+    start that fails must remove. ``new``: a new run (created or cleared the directory);
+    ``created``: the topmost directory this process created, ``None`` when it was there."""
+
+    def __init__(self, path: Path, lock: RunLock, new: bool, created: Path | None):
+        self.path, self.lock, self.new, self.created = path, lock, new, created
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def abandon(self) -> None:
+        """The start failed: a new run removes what it created (the directories it made, else the
+        entries of the directory, which was empty when it took it), so that nothing makes the
+        retry refuse; a ``--resume`` start deletes nothing. Then the lock is released."""
+        try:
+            if self.new and self.lock.held:
+                if self.created is not None:
+                    shutil.rmtree(self.created, ignore_errors=True)
+                else:
+                    for p in self.path.iterdir():
+                        _remove(p)
+        except OSError:
+            pass  # best effort: the error that failed the start is the one to report
+        finally:
+            self.release()
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _entries(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
+
+
+def _topmost_missing(out: Path) -> Path | None:
+    top = None
+    for d in [out, *out.parents]:
+        if d.exists():
+            break
+        top = d
+    return top
+
+
+def prepare_output_dir(out: Path | str, *, resume: bool, overwrite: bool, info: dict[str, Any] | None = None
+                       ) -> RunDirectory:
+    """Take the run directory for this process: refuse to mix two runs (or two processes) in one.
+
+    A new run needs an empty (or absent) directory; ``overwrite`` first deletes an existing run
+    directory, and only one that rlcore's marker identifies; ``resume`` needs a directory with a
+    complete checkpoint. The lock is held until :meth:`RunDirectory.release`; a new run's
+    directory is marked (``info`` goes into the marker)."""
     out = Path(out)
     if resume and overwrite:
         raise RunOutputError("--resume and --overwrite contradict each other: choose one")
@@ -60,43 +126,72 @@ def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
             legacy = out / LEGACY_CHECKPOINT
             why = (f"; {legacy} is from an older rlcore (an unsafe pickle format), which this version does "
                    f"not load" if legacy.exists() else "")
-            if not out.exists() or not any(out.iterdir()):
+            if not _entries(out):
                 raise RunOutputError(f"--resume: {out} is empty or absent, there is nothing to resume; "
                                      f"start the run without --resume")
             raise RunOutputError(
                 f"--resume: no complete checkpoint in {out / CHECKPOINT_DIR}{why}. Start a new run with "
                 f"--overwrite (deletes {out}) or another --output"
             )
-        return
-    if out.exists() and any(out.iterdir()):
-        entries = sorted(p.name for p in out.iterdir())
+        return RunDirectory(out, RunLock.acquire(out), new=False, created=None)
+    created = None
+    entries = _entries(out)
+    if entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        if RunLock.holder(out) is not None:  # in use: say by whom, before anything else
+            RunLock.acquire(out).release()  # raises naming the holder (unless it just ended)
         if not overwrite:
             raise RunOutputError(
                 f"output directory {out} is not empty ({shown}): pass --resume to continue the run in it, "
                 f"--overwrite to delete it and start over, or choose another --output"
             )
-        if not _looks_like_run(out):
+        if not is_rlcore_run(out):
             raise RunOutputError(
-                f"--overwrite: {out} does not look like an rlcore run directory (no {RUN_MARKER}, "
-                f"{METRICS_FILE} or {CHECKPOINT_DIR}/; it holds {shown}); refusing to delete it"
+                f"--overwrite: {out} is not an rlcore run directory (no rlcore {RUN_MARKER}; it holds {shown}); "
+                f"refusing to delete it. A run of an older rlcore has no marker: if this is one, delete it "
+                f"yourself (rm -r {shlex.quote(str(out))}) or choose another --output"
             )
+        lock = RunLock.acquire(out)
         try:
             for p in out.iterdir():
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p)
-                else:
-                    p.unlink()
+                if p.name != LOCK_FILE:
+                    _remove(p)
         except OSError as exc:
+            lock.release()
             raise RunOutputError(f"--overwrite: cannot clear {out}: {exc}") from exc
+    else:
+        created = _topmost_missing(out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunOutputError(f"cannot create output directory {out}: {exc.strerror or exc}") from exc
+        try:
+            lock = RunLock.acquire(out)
+        except RunOutputError:
+            if created is not None and not _entries(out):
+                shutil.rmtree(created, ignore_errors=True)
+            raise
+        if _entries(out):  # another process started a run here, and ended, since we looked
+            lock.release()
+            raise RunOutputError(f"output directory {out} is not empty any more ({', '.join(_entries(out)[:5])}): "
+                                 f"another run started in it; choose another --output")
+    run = RunDirectory(out, lock, new=True, created=created)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RunOutputError(f"cannot create output directory {out}: {exc}") from exc
+        write_run_marker(out, dict(info or {}, started=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+    except BaseException:
+        run.abandon()
+        raise
+    return run
 
 
 def write_run_marker(out: Path, info: dict[str, Any]) -> None:
-    _atomic_write_bytes(Path(out) / RUN_MARKER, (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
+    """``run.json``: what identifies the directory as rlcore's (``{"rlcore_run": 1, ...}``)."""
+    record = dict(info, **{MARKER_KEY: MARKER_VERSION})
+    path = Path(out) / RUN_MARKER
+    try:
+        _atomic_write_bytes(path, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+    except OSError as exc:
+        raise RunOutputError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 # ------------------------------------------------------------------------------ metrics -----
@@ -155,14 +250,20 @@ class MetricsWriter:
         if not self.path.exists():
             return
         keep = [row for row in _read_lines(self.path) if row["step"] <= step]
-        _atomic_write_bytes(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
+        try:
+            _atomic_write_bytes(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
+        except OSError as exc:
+            raise RunOutputError(f"cannot rewrite {self.path}: {exc.strerror or exc}") from exc
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: encode_metric(v) for k, v in record.items()}, sort_keys=True, allow_nan=False)
-        with self.path.open("a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with self.path.open("a") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise RunOutputError(f"cannot write metrics to {self.path}: {exc.strerror or exc}") from exc
         if self.tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step":
@@ -255,12 +356,36 @@ def _fsync_dir(d: Path) -> None:
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.parent / f".{path.name}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
     _fsync_dir(path.parent)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _write_failure(exc: BaseException) -> str:
+    """Why a write failed, in one line. torch.save turns a failed write() (EFBIG, ENOSPC) into
+    ``RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos ...`` with the
+    OSError as its context: name the OSError."""
+    seen = exc
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(seen, OSError):
+        return str(seen)
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def _sha256(path: Path) -> str:
@@ -275,10 +400,29 @@ def _stem(step: int) -> str:
     return f"step-{step:08d}"
 
 
+#: every name rlcore writes in checkpoints/, with the step it belongs to: the state, its record,
+#: the HF export (a directory), model-parallel shards, and their temporaries (``.step-*.tmp``,
+#: ``.step-<8d>-hf.tmp*`` directories). Pruning touches these names and no other.
+_OWN_NAME = re.compile(r"step-(\d{8})(?:\.pt|\.json|-hf|\.rank_\d+-of-\d+\.pt)"
+                       r"|\.step-(\d{8})(?:\.pt|\.json|\.rank_\d+-of-\d+\.pt)\.tmp"
+                       r"|\.step-(\d{8})-hf\.tmp[^/]*")
+
+
+def own_checkpoint_step(name: str) -> int | None:
+    """The step of a name rlcore writes in ``checkpoints/``; ``None`` for anyone else's name."""
+    m = _OWN_NAME.fullmatch(name)
+    return None if m is None else int(next(g for g in m.groups() if g is not None))
+
+
 def checkpoint_hf_dir(out_dir: Path, step: int) -> Path:
     """The Hugging Face export of the checkpoint of ``step``: ``checkpoints/step-<8 digits>-hf``
     (pruned together with that step's state file and record)."""
     return Path(out_dir) / CHECKPOINT_DIR / f"{_stem(step)}-hf"
+
+
+def is_committed(out_dir: Path, step: int) -> bool:
+    """Whether the checkpoint of ``step`` has its commit record (it is then never written again)."""
+    return (Path(out_dir) / CHECKPOINT_DIR / f"{_stem(step)}.json").is_file()
 
 
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
@@ -288,20 +432,24 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for p in d.glob("step-*.json"):
-        try:
-            found.append((int(p.stem.split("-", 1)[1]), p))
-        except ValueError:
-            continue
+        step = own_checkpoint_step(p.name)
+        if step is not None and p.is_file():
+            found.append((step, p))
     return sorted(found)
 
 
 def save_checkpoint(out_dir: Path, state: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
     """Write the checkpoint of ``meta["step"]`` atomically, then delete all but the newest ``keep``.
-    A kill at any point leaves every earlier checkpoint intact and loadable."""
+    A kill at any point leaves every earlier checkpoint intact and loadable; a write that fails
+    (disk full, file-size limit, read-only directory) is a :class:`CheckpointError` and leaves no
+    temporary file. A committed checkpoint is never written again (a kill half-way through would
+    turn the newest good checkpoint into a corrupt one)."""
     d = Path(out_dir) / CHECKPOINT_DIR
     stem = _stem(int(meta["step"]))
     final = d / f"{stem}.pt"
     tmp = d / f".{stem}.pt.tmp"
+    if (d / f"{stem}.json").exists():
+        raise CheckpointError(f"checkpoint {final} is already committed; a committed checkpoint is never rewritten")
     try:
         d.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -315,26 +463,33 @@ def save_checkpoint(out_dir: Path, state: dict[str, Any], meta: dict[str, Any], 
         _fsync_dir(d)
         fault_point("checkpoint_meta")
         _atomic_write_bytes(d / f"{stem}.json", (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
-    except OSError as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise CheckpointError(f"cannot write checkpoint {final}: {exc}; the earlier checkpoints are intact") from exc
+    except BaseException as exc:  # a signal that stops the run at once, too: never leave the temporary
+        _unlink_quietly(tmp)
+        if not isinstance(exc, Exception):
+            raise
+        raise CheckpointError(f"cannot write checkpoint {final}: {_write_failure(exc)}; the older checkpoints "
+                              f"are intact") from exc
     prune_checkpoints(out_dir, keep)
     return final
 
 
 def prune_checkpoints(out_dir: Path, keep: int) -> None:
     """Keep the newest ``keep`` committed checkpoints; drop older ones, and leftovers of writes that
-    were interrupted (temporary files, state files without a record)."""
+    were interrupted (temporary files, state files without a record). Only rlcore's own names
+    (:func:`own_checkpoint_step`) are touched, each step's files and HF export together: anything
+    else in ``checkpoints/`` (``best.pt``, notes) is the user's."""
     d = Path(out_dir) / CHECKPOINT_DIR
     committed = list_checkpoints(out_dir)
-    keep_stems = {p.stem for _, p in committed[-max(keep, 1):]}
+    keep_steps = {step for step, _ in committed[-max(keep, 1):]}
     for p in d.iterdir():
-        stem = p.name.lstrip(".").split(".", 1)[0]
-        if stem not in keep_stems:
-            p.unlink(missing_ok=True)
+        step = own_checkpoint_step(p.name)
+        if step is None or step in keep_steps:
+            continue
+        try:
+            _remove(p)
+        except OSError as exc:
+            raise CheckpointError(f"the checkpoint is written, but the older {p} cannot be deleted "
+                                  f"(output.keep_checkpoints={keep}): {exc.strerror or exc}") from exc
 
 
 def load_checkpoint(out_dir: Path, fingerprint: dict[str, Any] | None = None,

@@ -41,14 +41,16 @@ from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
     NullMetrics,
+    RunDirectory,
+    is_committed,
     load_checkpoint,
     plot_rewards,
     prepare_output_dir,
     quiet_transformers,
     read_metrics,
     save_checkpoint,
-    write_run_marker,
 )
+from rlcore.run_stop import StopSignals
 from rlcore.stack import Stack, check_engine_head
 from rlcore.sync import sync_level
 from rlcore.tasks import RewardInput, Task, load_callable, make_prompts
@@ -91,6 +93,15 @@ class Trainer:
 
     def __init__(self, stack: Stack, resume: bool = False, console: Any = None, *, overwrite: bool = False,
                  allow_config_change: bool = False, ranks: Ranks = SINGLE):
+        self.run_dir: RunDirectory | None = None  # the writer's lock on self.out (rlcore/run_output.py)
+        try:
+            self._build(stack, resume, console, overwrite, allow_config_change, ranks)
+        except BaseException:  # a failed start leaves nothing that makes the retry refuse
+            self._end_run(started=False)
+            raise
+
+    def _build(self, stack: Stack, resume: bool, console: Any, overwrite: bool, allow_config_change: bool,
+               ranks: Ranks) -> None:
         self.stack, self.ranks = stack, ranks  # several ranks: only the writer writes outputs (rlcore/ranks.py)
         self.cfg = cfg = stack.config
         self.pm = stack.plugins
@@ -98,15 +109,13 @@ class Trainer:
         self.allow_config_change = allow_config_change
         preflight(stack)  # what would fail later (rlcore/preflight.py), refused before the output directory is touched
         self.out = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        # one run per directory: a new run needs it empty, --resume needs a checkpoint in it
-        on_writer(ranks, lambda: prepare_output_dir(self.out, resume=resume, overwrite=overwrite))
+        # one run and one process per directory: a new run needs it empty, --resume a checkpoint in it
+        on_writer(ranks, lambda: setattr(self, "run_dir", prepare_output_dir(
+            self.out, resume=resume, overwrite=overwrite, info={"rlcore_version": __version__})))
         self.fingerprint = training_fingerprint(cfg)
         # a checkpoint that is damaged or from another config fails here, before the model loads
         self._resume_from = on_writer(ranks, lambda: load_checkpoint(self.out, self.fingerprint,
                                                                      allow_config_change)) if resume else None
-        if not resume:
-            on_writer(ranks, lambda: write_run_marker(self.out, {"rlcore_version": __version__,
-                                                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         if console is None:
             from rich.console import Console
 
@@ -507,15 +516,21 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        if self.resume:
-            self._restore()
-        self._banner()
-        self._start_backend()
-        t_start = time.perf_counter()
-        limit = float(cfg.training.max_wall_seconds or 0)
-        completed = True
+        # SIGINT/SIGTERM: stop at the step boundary, a second one at once (rlcore/run_stop.py)
+        self.stop = StopSignals(self.out, lambda: self.step).install(not self.ranks.distributed)
+        started = completed = False
         try:
+            if self.resume:
+                self._restore()
+            self._banner()
+            self._start_backend()
+            started = completed = self.stop.stepping = True
+            t_start = time.perf_counter()
+            limit = float(cfg.training.max_wall_seconds or 0)
             while self.step < cfg.training.steps:
+                if self.stop.requested is not None:
+                    completed = False
+                    break
                 t0 = time.perf_counter()
                 try:
                     res = self._train_step()
@@ -563,13 +578,22 @@ class Trainer:
             wall = self.wall_before + time.perf_counter() - t_start
             self._checkpoint_final(wall)
         finally:
+            self.stop.uninstall()
             self.metrics.close()
             self.backend.shutdown()
             self.sync.close()
-        return self._summary(completed) if self.ranks.writer else {"completed": completed, "rank": self.ranks.rank}
+            self._end_run(started)
+        summary = self._summary(completed) if self.ranks.writer else {"completed": completed, "rank": self.ranks.rank}
+        return dict(summary, stopped_by=None if completed else self.stop.requested)
+
+    def _end_run(self, started: bool) -> None:
+        """Release the output directory; a start that failed first removes what a new run created."""
+        if self.run_dir is not None:
+            self.run_dir.release() if started else self.run_dir.abandon()
 
     def _checkpoint_final(self, wall: float) -> None:
-        if self.step > 0:
+        # the last step's checkpoint may be committed already: a committed file is never rewritten
+        if self.step > 0 and not on_writer(self.ranks, lambda: is_committed(self.out, self.step - 1)):
             self.step -= 1
             self._checkpoint(wall)
             self.step += 1
