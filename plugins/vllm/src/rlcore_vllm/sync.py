@@ -176,7 +176,8 @@ class VLLMWeightSync:
                 raise RuntimeError(f"{len(mismatched)} tensor(s) arrived in the worker with other bytes than sent "
                                    f"(e.g. {sorted(set(mismatched))[:3]})")
             check_finish_reports(finish)
-            read_back = check_read_back(sent, finish) if self.verify else {"read_back": 0, "unreadable": {}}
+            read_back = (check_read_back(sent, finish) if self.verify
+                         else {"read_back": 0, "not_loaded": 0, "unreadable": {}})
             draft = draft_details(finish, target, version, skip_draft)
             target.rpc("rlcore_commit_update", {"version": version})
         except BaseException as exc:
@@ -186,7 +187,8 @@ class VLLMWeightSync:
             except Exception:  # noqa: BLE001 - the original error is the one to report
                 pass
             raise
-        exact = self.verify and not read_back["unreadable"] and read_back["read_back"] == len(sent)
+        exact = (self.verify and not read_back["unreadable"]
+                 and read_back["read_back"] + read_back["not_loaded"] == len(sent))
         checks = (["coverage"] if all(w.get("coverage") for w in workers) else []) + (["exact"] if exact else [])
         details = {**draft, "workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
                    "phases": phases, "worker_phases": worker, "read_back": read_back["read_back"],

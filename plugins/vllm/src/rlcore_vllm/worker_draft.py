@@ -50,6 +50,8 @@ class DraftUpdate:
         self.received: set[str] = set()
         self.skipped = 0
         self.unserved = 0
+        #: draft tensors received but loaded nowhere on purpose (no draft, or the diagnostic skip)
+        self.not_loaded: set[str] = set()
         self.active = False
 
     def begin(self) -> None:
@@ -74,9 +76,11 @@ class DraftUpdate:
             return
         if self.model is None:
             self.unserved += len(pending)
+            self.not_loaded.update(name for name, _ in pending)
             return
         if self.skip:
             self.skipped += len(pending)
+            self.not_loaded.update(name for name, _ in pending)
             return
         loaded = self.model.load_weights(stream(pending))
         if loaded:

@@ -336,7 +336,8 @@ class RLCoreWorkerExtension:
                 "not_sent": not_sent[:20], "num_not_sent": len(not_sent),
                 "num_manifest": len(manifest.shapes) if manifest is not None else 0, "refreshed": refreshed,
                 **draft_report, "draft_version": state.get("draft_version"),
-                **(read_back.report(state["received"]) if read_back is not None else {})}
+                **(read_back.report(state["received"] - draft.not_loaded) if read_back is not None else {}),
+                "num_not_loaded": len(draft.not_loaded)}
 
     def rlcore_commit_update(self, request: str) -> dict:
         """The trainer verified the push of ``version``: lift the guard. Refused unless that push
