@@ -306,3 +306,33 @@ def test_engine_core_watch_stop_is_no_death():
     proc.join()
     assert watch.dead is None
     assert EngineCoreWatch(types.SimpleNamespace()).processes == []  # in-process engine: nothing to watch
+
+
+def test_tempered_logprobs_equal_the_softmax_at_that_temperature():
+    """Behaviour log-probs recomputed at rollout.temperature from vLLM's temperature-1 top log-probs
+    (rlcore_vllm.logprobs) lie within the stated bound of log_softmax(logits / T); with every
+    token returned the bound is 0. float64, so the comparison is about the method, not rounding."""
+    from rlcore_vllm.logprobs import needs_tempering, tempered_logprob
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 60
+    for _ in range(20):
+        logits = torch.randn(vocab, generator=gen, dtype=torch.float64) * 3
+        raw = torch.log_softmax(logits, -1)  # what vLLM returns at temperature 1 (raw, or greedy)
+        top = torch.topk(raw, 20).indices.tolist()
+        for temperature in (1e-6, 0.05, 0.7, 1.0, 2.0):
+            want = torch.log_softmax(logits / temperature, -1)
+            for chosen in (top[0], top[5], int(torch.argmin(raw))):
+                entries = {t: float(raw[t]) for t in set(top) | {chosen}}
+                value, bound = tempered_logprob(chosen, entries, temperature, vocab)
+                eps = 1e-12 * max(1.0, abs(float(want[chosen])))  # float64 rounding (values reach -1e7 nats)
+                # the tokens not returned only add to the normaliser: value - bound <= true <= value
+                assert value - bound - eps <= float(want[chosen]) <= value + eps
+                full, zero = tempered_logprob(chosen, {t: float(raw[t]) for t in range(vocab)}, temperature, vocab)
+                assert zero == 0.0 and abs(full - float(want[chosen])) <= eps
+            if temperature == 1e-6:  # greedy: the argmax's log-prob is 0, the bound negligible
+                value, bound = tempered_logprob(top[0], {t: float(raw[t]) for t in top}, temperature, vocab)
+                assert value == pytest.approx(0.0, abs=1e-12) and bound < 1e-12
+    assert needs_tempering(1e-6, 0.0, raw_logprobs=False)  # sent greedy: vLLM returns temperature 1
+    assert needs_tempering(0.7, 0.7, raw_logprobs=True) and not needs_tempering(0.7, 0.7, raw_logprobs=False)
+    assert not needs_tempering(1.0, 1.0, raw_logprobs=True)

@@ -12,7 +12,7 @@ The trainer recomputes every sampled token's log-prob under ``softmax(logits / T
 In both, vLLM's log-probs are ``log_softmax(logits)`` up to nothing, so the ones at ``T`` follow
 from them: ``log p_T(c) = r_c / T - log Σ_j exp(r_j / T)``. The backend asks vLLM for the top
 ``K`` log-probs of every position (plus the sampled one's) and computes that sum over them; the
-tokens not returned each have ``r_j <= min(returned)``, which bounds the error. On main the MTP
+tokens not returned each have ``r_j`` below every returned top-K one, which bounds the error. On main the MTP
 example's behaviour log-probs were those of temperature 1 against the trainer's 1e-6: off by
 more than 1 nat on average, every token clipped.
 """
@@ -37,7 +37,12 @@ def tempered_logprob(chosen: int, entries: dict[int, float], temperature: float,
     missing = vocab_size - len(entries)
     bound = 0.0
     if missing > 0:
-        log_tail = math.log(missing) + (min(entries.values()) - base) / temperature - lse
+        # a token not returned is below every returned top-K token; the sampled one may be an extra
+        # below them (vLLM returns it besides the top K), so it does not bound the rest
+        others = [r for t, r in entries.items() if t != chosen]
+        if not others:
+            return -lse, math.inf
+        log_tail = math.log(missing) + (min(others) - base) / temperature - lse
         bound = log_tail if log_tail > 30 else math.log1p(math.exp(log_tail))
     return -lse, bound
 
