@@ -1,4 +1,4 @@
-"""The ``rlcore`` command line: ``plugins``, ``check``, ``train``, ``--version``.
+"""The ``rlcore`` command line: ``plugins``, ``check``, ``train``, ``export``, ``--version``.
 
 ``rlcore plugins`` imports plugin modules only (never their engines, which load in factories)
 and not torch; it runs in well under a second.
@@ -121,6 +121,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0 if summary.get("completed", False) else 1
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from rlcore.export import export_checkpoint
+
+    dest = export_checkpoint(args.run, args.step, args.out, args.overrides)
+    print(f"exported {dest}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlcore", description="RL post-training with pluggable engines and kernels")
     p.add_argument("--version", action="version", version=f"rlcore {__version__}")
@@ -151,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --resume: accept a checkpoint written by a config that differs in keys that "
                          "affect training (each difference is printed)")
     tr.set_defaults(func=_cmd_train)
+
+    ex = sub.add_parser("export", help="write a checkpoint of a run as a Hugging Face model directory")
+    ex.add_argument("run", help="the run directory (its --output)")
+    ex.add_argument("overrides", nargs="*", help="dotlist changes to the run's config, e.g. engine.device=cpu")
+    ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    ex.add_argument("--out", help="where to write it (default: RUN/export-step-N; must not exist)")
+    ex.set_defaults(func=_cmd_export)
     return p
 
 

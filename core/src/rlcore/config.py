@@ -189,11 +189,14 @@ class DataConfig:
 @dataclass
 class OutputConfig:
     """``checkpoint_every``: steps between checkpoints (0 = only at the end);
-    ``keep_checkpoints``: how many of the newest good checkpoints stay on disk."""
+    ``keep_checkpoints``: how many of the newest good checkpoints stay on disk;
+    ``export_hf``: the trained policy as a Hugging Face directory (rlcore/export.py) at each
+    checkpoint and at the end (``checkpoints``), at the end only (``final``) or ``never``."""
 
     dir: str | None = None
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
+    export_hf: str = "checkpoints"
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
@@ -405,6 +408,7 @@ _CHOICES = {
     "algorithm.old_logprobs": ("auto", "rollout", "recompute"),
     "algorithm.mismatch.level": ("token", "sequence", "geometric"),
     "training.on_nonfinite": ("stop", "skip"),
+    "output.export_hf": ("checkpoints", "final", "never"),
 }
 
 

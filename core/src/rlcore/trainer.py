@@ -32,6 +32,7 @@ from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
 from rlcore.config import training_fingerprint
 from rlcore.errors import CheckpointError, ConfigError, NonFiniteError, RolloutError
+from rlcore.export import MODEL_DIR, export_policy, write_run_config
 from rlcore.faults import fault_point
 from rlcore.platforms import resolve_device
 from rlcore.push import push_weights, rollout_metrics
@@ -41,6 +42,7 @@ from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
     NullMetrics,
+    checkpoint_hf_dir,
     RunDirectory,
     is_committed,
     load_checkpoint,
@@ -51,7 +53,7 @@ from rlcore.run_output import (
     save_checkpoint,
 )
 from rlcore.run_stop import StopSignals
-from rlcore.stack import Stack, check_engine_head
+from rlcore.stack import Stack, check_engine_head, config_yaml
 from rlcore.sync import sync_level
 from rlcore.tasks import RewardInput, Task, load_callable, make_prompts
 from rlcore.types import (
@@ -188,7 +190,8 @@ class Trainer:
     def _start_backend(self) -> None:
         self._check_weights_finite("rollout engine starts from them", hint="the model loaded (engine.model.path, or "
                                    "the checkpoint resumed) holds NaN/inf")
-        model_dir = self.out / "policy_hf"
+        on_writer(self.ranks, lambda: write_run_config(self.out, config_yaml(self.stack)))  # for rlcore export
+        model_dir = self.out / "policy_hf"  # what the rollout starts from; the trained model: rlcore/export.py
         self._write_policy_hf(model_dir)
         self.backend.start(str(model_dir), version=self.version)
         declared = self.stack.rollout_backend.capabilities
@@ -209,7 +212,7 @@ class Trainer:
             raise RolloutError("rollout.return_routed_experts is set but the backend cannot return routed experts here")
 
     def _write_policy_hf(self, model_dir: Path) -> None:
-        """The directory the rollout starts from (model-parallel ranks: rlcore/cluster/model_parallel.py)."""
+        """The policy as an HF directory: policy_hf, RUN/model, step-N-hf (model parallel: cluster/model_parallel.py)."""
         on_writer(self.ranks, lambda: self.engine.save_hf(model_dir))
 
     def _restore(self) -> None:
@@ -245,6 +248,7 @@ class Trainer:
             "rlcore_version": __version__,
         }, {"step": self.step, "version": self.version, "rlcore_version": __version__, "config": self.fingerprint},
             keep=int(self.cfg.output.keep_checkpoints)))
+        export_policy(self, checkpoint_hf_dir(self.out, self.step), self.step, at_checkpoint=True)
 
     # ------------------------------------------------------------------- non-finite guards --
 
@@ -577,6 +581,7 @@ class Trainer:
                     break
             wall = self.wall_before + time.perf_counter() - t_start
             self._checkpoint_final(wall)
+            export_policy(self, self.out / MODEL_DIR, self.step - 1, at_checkpoint=False)  # the trained model
         finally:
             self.stop.uninstall()
             self.metrics.close()
@@ -610,7 +615,8 @@ class Trainer:
 
     def _summary(self, completed: bool) -> dict[str, Any]:
         rows = read_metrics(self.out)
-        png = plot_rewards(self.out, title=f"rlcore {self.stack.engine.name}/{self.stack.rollout_backend.name}") if self.cfg.output.plot else None
+        png = plot_rewards(self.out, title=f"rlcore {self.algorithm_spec.name} ({self.cfg.algorithm.loss_agg}) · "
+                           f"{self.stack.engine.name}/{self.stack.rollout_backend.name}") if self.cfg.output.plot else None
         skipped = sum(1 for r in rows if "skipped" in r)
         summary: dict[str, Any] = {"completed": completed, "steps": len(rows), "skipped": skipped, "output": str(self.out)}
         rows = [r for r in rows if "reward_mean" in r]

@@ -8,8 +8,9 @@ vocab-parallel log-probs), so the trainer splits and reduces nothing.
 
 Rank-safe outputs: metrics, plot and the run marker by the writer (as in
 :class:`~rlcore.trainer.Trainer`). The HF exports gather every tensor over the ranks, so every
-rank takes part and the writer writes: ``policy_hf`` (``save_hf``) and each weight push (the
-writer's sync feeds the fleet; the others drain the export, :class:`.data_parallel.FollowerSync`).
+rank takes part and the writer writes: ``policy_hf`` (``save_hf``), the trained model (``RUN/model``
+and ``checkpoints/step-N-hf``: :mod:`rlcore.export`) and each weight push (the writer's sync
+feeds the fleet; the others drain the export, :class:`.data_parallel.FollowerSync`).
 
 Checkpoints are sharded: each rank saves its own engine state (model and optimizer shard) to
 ``checkpoints/step-NNNNNNNN.rank_{r}-of-{world}.pt``, then the writer commits the step's record
@@ -32,8 +33,9 @@ import torch.distributed as dist
 from rlcore.cluster.data_parallel import rank_stack
 from rlcore.cluster.push_memory import MeasuredPush
 from rlcore.errors import CheckpointError
+from rlcore.export import export_policy
 from rlcore.ranks import Ranks, on_writer
-from rlcore.run_output import CHECKPOINT_DIR, _sha256, _stem, save_checkpoint
+from rlcore.run_output import CHECKPOINT_DIR, _sha256, _stem, checkpoint_hf_dir, save_checkpoint
 from rlcore.stack import Stack
 from rlcore.trainer import Trainer
 
@@ -64,9 +66,10 @@ class ModelParallelTrainer(MeasuredPush, Trainer):
     # ------------------------------------------------------------------ HF exports ------
 
     def _write_policy_hf(self, model_dir: Path) -> None:
-        # the export gathers each tensor over the ranks: every rank takes part, the writer writes
+        # the export gathers each tensor over the ranks: every rank takes part, the writer writes;
+        # policy_hf at start, and through rlcore.export.export_policy RUN/model and step-N-hf
         self.engine.save_hf(model_dir)
-        self.ranks.barrier()  # written before the writer's rollout reads it
+        self.ranks.barrier()  # written before the writer's rollout reads it (or commits the directory)
 
     # ----------------------------------------------------------------- checkpoints ------
 
@@ -94,6 +97,7 @@ class ModelParallelTrainer(MeasuredPush, Trainer):
         meta = {"step": self.step, "version": self.version, "rlcore_version": __version__,
                 "config": self.fingerprint, "shards": {"layout": dict(self.layout), "files": files}}
         on_writer(self.ranks, lambda: save_checkpoint(self.out, state, meta, keep=int(self.cfg.output.keep_checkpoints)))
+        export_policy(self, checkpoint_hf_dir(self.out, self.step), self.step, at_checkpoint=True)  # every rank gathers
 
     def _restore(self) -> None:
         state, record, diffs = self._resume_from
