@@ -238,7 +238,11 @@ def verify_checksums(sent: Mapping[str, int], received: Mapping[str, int]) -> li
 #   the engine holds *before* it was loaded (a wrong shape, an unknown name or a missing tensor
 #   fails the push, naming the tensor). Tied heads: the engine's tied output layer is covered by
 #   its embedding and rebuilt from it on every push.
-# * ``exact``: checksums of the bytes the engine loaded equal the trainer's, tensor by tensor.
+# * ``exact``: checksums of what the engine holds after its loaders ran equal the trainer's, tensor
+#   by tensor: read back from the receiving parameters (where one trainer tensor is a slice of a
+#   fused engine parameter, e.g. vLLM's ``qkv_proj``, the checksum of that slice), not of the bytes
+#   the receiver was handed, so a loader that stores nothing fails (core's inproc/disk syncs ask
+#   the receiver's ``weight_checksums()``, of the weights it holds after the push).
 # * ``probe``: the engine's log-probs on a probe sequence match the training engine's within a
 #   dtype tolerance (where bytes cannot be read back, e.g. vLLM's GPU transports).
 
