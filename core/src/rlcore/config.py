@@ -178,12 +178,15 @@ class TrainingConfig:
 @dataclass
 class DataConfig:
     """``task`` and ``reward`` are ``module:function`` paths. The task builds the tokenizer
-    vocabulary and prompts; the reward scores a sample (see docs/tasks.md)."""
+    vocabulary and prompts; the reward scores a sample (see docs/tasks.md).
+    ``reward_timeout_seconds``: the longest one reward call may take before the run stops naming
+    it (0 = no limit; rlcore/rewards.py)."""
 
     task: str = "rlcore.tasks:successor"
     reward: str = "rlcore.tasks:successor_reward"
     prompts_per_step: int = 16
     prompt_len: int = 3
+    reward_timeout_seconds: float = 60.0
 
 
 @dataclass
@@ -456,6 +459,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "training.seed": (0, 2**32 - 1, True, True),
     "training.max_wall_seconds": (0.0, math.inf, True, False),
     "data.prompt_len": (1, math.inf, True, False),
+    "data.reward_timeout_seconds": (0.0, math.inf, True, False),
     "output.checkpoint_every": (0, math.inf, True, False),
     "output.keep_checkpoints": (1, math.inf, True, False),
     "engine.model.tiny.init_std": (0.0, math.inf, False, False),
@@ -509,6 +513,7 @@ FINGERPRINT_EXCLUDED = (
     "training.max_wall_seconds",
     "training.on_nonfinite",
     "training.micro_batch_tokens",
+    "data.reward_timeout_seconds",  # raising it to resume a run the limit stopped is the point
     "forward.chunk_tokens",
     "sync.bucket_mb",
     "sync.verify",

@@ -6,6 +6,7 @@ was non-finite, where, and what the run does next (``training.on_nonfinite``).""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,14 +23,54 @@ def nonfinite_error(step: int, policy: str, what: str, detail: str, skippable: b
     return NonFiniteError(f"step {step}: non-finite {what}: {detail}; {then}", what=what, skippable=skippable)
 
 
+#: the largest reward magnitude: the trainer holds rewards in float32 tensors (advantages, the
+#: reward-shaped token rewards), and a larger one cannot be stored there (it raised a bare
+#: ``RuntimeError: value cannot be converted to type float without overflow``). Rewards within it
+#: whose group statistics still overflow (±3e38 summed) are the advantages guard's case below.
+REWARD_LIMIT = float(torch.finfo(torch.float32).max)
+
+
+def shorten(text: str, limit: int = 80) -> str:
+    """``text`` cut to about ``limit`` characters (``repr(10**400)`` has 401 digits)."""
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-12:]} ({len(text)} characters)"
+
+
+def _real(value: Any) -> Any:
+    """``value`` as a Python int or float when it is a real number, else None. NumPy integer and
+    floating scalars (registered as ``numbers.Real``) and one-element tensors and arrays count;
+    ``bool`` (and NumPy's) does not: a predicate returned by mistake would train as a 0/1 reward."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if isinstance(value, numbers.Real):
+        return value
+    if isinstance(value, torch.Tensor):
+        ok = value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+        return value.item() if ok else None
+    dtype = getattr(value, "dtype", None)  # a NumPy array (without importing NumPy)
+    if type(value).__module__ == "numpy" and getattr(value, "size", None) == 1 and getattr(dtype, "kind", "") in (
+            "i", "u", "f"):
+        return value.item()
+    return None
+
+
 def checked_reward(value: Any, where: str) -> float:
-    """``value`` as a float; ``where`` names the reward function, the sample and the step."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not (
-            isinstance(value, torch.Tensor) and value.numel() == 1):
-        raise RewardError(f"{where}; a reward must be a real number")
-    reward = float(value)
+    """``value`` as a float; ``where`` names the reward function, the value, the sample and the step."""
+    real = _real(value)
+    if real is None:
+        hint = " (for a 0/1 reward return float(...))" if type(value).__name__ in ("bool", "bool_") else ""
+        raise RewardError(f"{where}; a reward must be a real number (int, float, a NumPy integer or floating scalar, "
+                          f"a one-element tensor or array), not {type(value).__module__}.{type(value).__qualname__}"
+                          .replace("builtins.", "") + hint)
+    too_large = (f"{where}; its magnitude exceeds {REWARD_LIMIT:.7g}, the largest float32, in which the trainer "
+                 f"holds rewards and advantages: scale the reward down")
+    try:
+        reward = float(real)
+    except OverflowError:  # an int beyond any float (10**400)
+        raise RewardError(too_large) from None
     if not math.isfinite(reward):
         raise NonFiniteError(f"{where}; rewards must be finite", what="reward")
+    if abs(reward) > REWARD_LIMIT:
+        raise RewardError(too_large)
     return reward
 
 

@@ -38,6 +38,7 @@ from rlcore.platforms import resolve_device
 from rlcore.push import push_weights, rollout_metrics
 from rlcore.preflight import preflight
 from rlcore.ranks import SINGLE, Ranks, on_writer
+from rlcore.rewards import RewardCalls, score_on_writer
 from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
@@ -270,16 +271,17 @@ class Trainer:
         return prompts, task_prompts
 
     def _rewards(self, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any]) -> list[float]:
-        out = []
-        for i, s in enumerate(samples):
-            tp = task_prompts[s.prompt_index]
-            resp = s.response_ids.tolist()
+        """Scored on the writer, each call time-limited and checked (rlcore/rewards.py)."""
+        if getattr(self, "reward_calls", None) is None:
+            self.reward_calls = RewardCalls(self.reward_fn, self.cfg.data.reward, self.cfg.data.reward_timeout_seconds)
+        inputs = []
+        for s in samples:
+            tp, resp = task_prompts[s.prompt_index], s.response_ids.tolist()
             text = self.tokenizer.decode(resp, skip_special_tokens=True)
-            value = self.reward_fn(RewardInput(tp.text, text, s.prompt_ids, resp, tp.meta, s.finish_reason))
-            out.append(guards.checked_reward(value, (
-                f"reward function {self.cfg.data.reward} returned {value!r} for sample {i} of step {self.step} "
-                f"(prompt {s.prompt_index}: {tp.text!r}, response {text!r})")))
-        return out
+            inputs.append(RewardInput(tp.text, text, s.prompt_ids, resp, tp.meta, s.finish_reason))
+        return score_on_writer(self.ranks, self.reward_calls, inputs, lambda i: (
+            f"sample {i} of step {self.step} (prompt {samples[i].prompt_index}: {inputs[i].prompt_text!r}, "
+            f"response {inputs[i].response_text!r})"))
 
     def _pack(self, samples: list[Sample], rewards: list[float]) -> PackedBatch:
         seqs = [list(s.prompt_ids) + s.response_ids.tolist() for s in samples]
