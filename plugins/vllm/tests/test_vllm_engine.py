@@ -118,6 +118,18 @@ def test_logprobs_match_trainer_after_pushes(tiny_model_dirs, kind):
             assert report.details["level"] == "coverage+exact" and report.details["read_back"] == report.num_tensors
             worst = max(worst, max_diff_against_transformers(backend, model),
                         max_diff_against_transformers(backend, model, temperature=0.7))
+        # a temperature below 1e-5 is decoded greedily, where vLLM's log-probs are temperature 1's:
+        # they are recomputed at the trainer's temperature (rlcore_vllm.logprobs). At 1e-6 the
+        # trainer's distribution is one-hot except at near-ties (logit gap within ~2e-5), so the mean
+        # |Δ| is ~0; temperature-1 log-probs (main) are off by about a nat
+        from rlcore.testing.models import hf_model, hf_token_logprobs
+
+        hf = hf_model(bdir)
+        diffs = []
+        for s in backend.generate(_prompts(), SamplingSettings(n=1, temperature=1e-6, max_new_tokens=6, seed=7)):
+            ref = hf_token_logprobs(hf, s.prompt_ids, s.response_ids.tolist(), temperature=1e-6)
+            diffs += (s.logprobs - torch.tensor(ref)).abs().tolist()
+        assert sum(diffs) / len(diffs) < 1e-3, f"greedy behaviour log-probs off by {sum(diffs) / len(diffs):.3g}"
     finally:
         sync.close()
         backend.shutdown()
