@@ -59,8 +59,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from rlcore.stack import config_yaml, load_stack
     from rlcore.preflight import preflight
+    from rlcore.stack import config_yaml, load_stack
 
     stack = load_stack(args.config, args.overrides)
     # what train would hit (device, model, task, sizes, prompt lengths), before "config OK"
@@ -92,9 +92,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
     for note in desc["notes"]:
         con.print(f"  [yellow]note:[/] {escape(note)}")
-    if args.show_config:
     for line in checked:
         con.print(f"  checked: {escape(line)}")
+    if args.show_config:
         con.print(config_yaml(stack))
     con.print("[green]config OK[/]")
     return 0

@@ -333,15 +333,15 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
             f"unknown config key {key!r}. Top-level keys: {', '.join(CORE_SECTIONS + tuple(sorted(active_sections)))}",
             key=key,
         )
+    engine = raw.get("engine")
+    if isinstance(engine, DictConfig) and isinstance(engine.get("model"), str):  # engine.model=DIR: the model's path
+        engine.model = {"path": engine.model}
     base = OmegaConf.structured(schema)
     try:
         merged = OmegaConf.merge(base, raw)
     except oc_errors.ConfigKeyError as exc:
         key = getattr(exc, "full_key", None) or "?"
         parent = key.rsplit(".", 1)[0] if "." in key else ""
-    engine = raw.get("engine")
-    if isinstance(engine, DictConfig) and isinstance(engine.get("model"), str):  # engine.model=DIR: the model's path
-        engine.model = {"path": engine.model}
         known = _known_keys(base, parent)
         raise ConfigError(
             f"unknown config key {key!r}" + (f"; {parent} has: {', '.join(known)}" if known else ""),
