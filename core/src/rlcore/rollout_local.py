@@ -34,6 +34,7 @@ import torch
 from rlcore.checksums import ChecksumPlan
 from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
+from rlcore.engines.kv_cache import cache_arg
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.platforms import run_device
 from rlcore.rollout_seeds import CallSeeds, base_seed
@@ -251,11 +252,12 @@ class LocalRollout:
 
         record = bool(params.return_routed_experts) and self.seam is not None and bool(self.seam.routers)
         route_steps: list[torch.Tensor] = []
+        cache = cache_arg(self.model.forward)  # 'cache' in transformers 5 (the old name warns on every call)
 
         def run(input_ids, attention_mask, position_ids, past):
             def forward():
                 return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past, use_cache=True)
+                                  use_cache=True, **{cache: past})
 
             if not record:
                 return forward()
@@ -266,7 +268,7 @@ class LocalRollout:
             return out
 
         out = run(ids, mask, pos, None)
-        past = out.past_key_values
+        past = getattr(out, cache)
         logits = out.logits[:, -1]
         tokens = torch.full((N, params.max_new_tokens), pad, dtype=torch.long, device=dev)
         logps = torch.zeros((N, params.max_new_tokens), dtype=torch.float32, device=dev)
@@ -295,7 +297,7 @@ class LocalRollout:
             mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
             out = run(tok[:, None], mask, last_pos[:, None], past)
-            past = out.past_key_values
+            past = getattr(out, cache)
             logits = out.logits[:, -1]
         self._kv_peak_bytes = _cache_bytes(past)
         self._last_metrics = {}

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from rlcore.engines.kv_cache import cache_arg
+
 
 @dataclass
 class DraftStats:
@@ -96,12 +98,14 @@ def generate_one(model: Any, prompt: list[int], params: Any, depths: int, gen: t
     def processed(logits: torch.Tensor) -> torch.Tensor:
         return process_logits(logits, params.temperature, params.top_k, params.top_p)
 
+    cache = cache_arg(model.forward)  # 'cache' in transformers 5 (the old name warns on every call)
+
     def target(ids: list[int], start: int, past: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
         x = torch.tensor([ids], dtype=torch.long, device=dev)
         pos = torch.arange(start, start + len(ids), device=dev)[None]
         with model.trunk_prenorm_hidden() as trunk:
-            out = model(input_ids=x, position_ids=pos, past_key_values=past, use_cache=True)
-        return processed(out.logits[0]), trunk.value[0], out.past_key_values
+            out = model(input_ids=x, position_ids=pos, use_cache=True, **{cache: past})
+        return processed(out.logits[0]), trunk.value[0], getattr(out, cache)
 
     def sample(lp: torch.Tensor) -> int:
         return int(lp.argmax()) if greedy else int(torch.multinomial(lp.exp(), 1, generator=gen))

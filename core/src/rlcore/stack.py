@@ -40,6 +40,9 @@ class Stack:
     notes: list[str] = field(default_factory=list)
     #: per role, declared capabilities unavailable here, with reasons
     gaps: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: per role, the capabilities this config uses, with why: only a gap in one of them is a note
+    #: (a required one is an error); any other gap is no news to the user (``rlcore check --json``)
+    wanted: dict[str, dict[str, str]] = field(default_factory=dict)
     #: the selected algorithm (``algorithm.name``)
     algorithm: Any = None
     #: the device platform ``engine.device`` selects (a :class:`~rlcore.types.PlatformSpec`)
@@ -79,6 +82,7 @@ class Stack:
                           "dist_backend": self.platform.dist_backend}),
             "chains": self.chains,
             "notes": self.notes,
+            "gaps": self.gaps,
         }
 
 
@@ -141,8 +145,6 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
             stack.notes.append(f"{role} {spec.name!r}: could not probe platform capabilities ({exc})")
             continue
         stack.gaps[role] = gaps
-        for cap, reason in sorted(gaps.items()):
-            stack.notes.append(f"{role} {spec.name!r} lacks {cap!r} here: {reason}")
 
     for cap in sorted(sync.requires_backend):
         _require(stack, "rollout_backend", cap, f"sync.name {sync.name!r} ({sync.distribution}) pushes through it", "core")
@@ -152,10 +154,14 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
         _require(stack, "rollout_backend", Cap.ROUTED_EXPERTS, "rollout.return_routed_experts is set", "core")
     if cfg.rollout.release_kv_cache == "always":
         _require(stack, "rollout_backend", Cap.RELEASE_KV_CACHE, "rollout.release_kv_cache is 'always'", "core")
-    elif cfg.rollout.release_kv_cache == "auto" and not stack.has("rollout_backend", Cap.RELEASE_KV_CACHE):
-        stack.notes.append(
-            f"rollout backend {rollout.name!r} cannot release its KV cache: it stays resident during weight sync"
-        )
+    elif cfg.rollout.release_kv_cache == "auto":
+        _want(stack, "rollout_backend", Cap.RELEASE_KV_CACHE, "rollout.release_kv_cache is 'auto'")
+        if not stack.has("rollout_backend", Cap.RELEASE_KV_CACHE):
+            stack.notes.append(
+                f"rollout backend {rollout.name!r} cannot release its KV cache: it stays resident during weight sync"
+            )
+    if cfg.rollout.draft_depths:
+        _want(stack, "rollout_backend", Cap.SPECULATIVE, f"rollout.draft_depths={cfg.rollout.draft_depths}")
     if float(cfg.algorithm.entropy_coef) != 0:
         _require(stack, "forward_fn", Cap.ENTROPY,
                  f"algorithm.entropy_coef={float(cfg.algorithm.entropy_coef):g} adds an entropy term to the loss", "core")
@@ -182,6 +188,10 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
             if c.when is not None and not c.when(cfg):
                 continue
             _require(stack, c.role, c.capability, c.reason(cfg) if callable(c.reason) else c.reason, owner)
+    for role, gaps in stack.gaps.items():
+        for cap, reason in sorted(gaps.items()):
+            if cap in stack.wanted.get(role, {}):
+                stack.notes.append(f"{role} {stack.role(role).name!r} lacks {cap!r} here: {reason}")
     return stack
 
 
@@ -207,7 +217,12 @@ def check_engine_head(stack: Stack, engine: Any) -> None:
         )
 
 
+def _want(stack: Stack, role: str, cap: str, reason: str) -> None:
+    stack.wanted.setdefault(role, {}).setdefault(cap, reason)
+
+
 def _require(stack: Stack, role: str, cap: str, reason: str, owner: str) -> None:
+    _want(stack, role, cap, reason)
     spec = stack.role(role)
     if stack.has(role, cap):
         return

@@ -197,7 +197,8 @@ class Trainer:
         self.backend.start(str(model_dir), version=self.version)
         declared = self.stack.rollout_backend.capabilities
         runtime = self.backend.capabilities()
-        lost = sorted(declared - runtime)
+        # what this running instance lacks and this config uses (stack.wanted); any other gap is no news
+        lost = sorted((declared - runtime) & set(self.stack.wanted.get("rollout_backend", {})))
         reasons = self.backend.lacking() if hasattr(self.backend, "lacking") else {}
         for cap in lost:
             why = reasons.get(cap, "not available in this running instance")

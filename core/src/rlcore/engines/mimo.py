@@ -23,6 +23,10 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
 
 from rlcore.engines import mimo_layout
+from rlcore.engines.kv_cache import cache_arg
+
+# the KV-cache keyword of the installed transformers ('cache' in 5.x, where the old one warns per call)
+_LAYER_CACHE, _MASK_CACHE = cache_arg(Qwen2DecoderLayer.forward), cache_arg(create_causal_mask)
 
 
 def mtp_block_config(config: Any) -> Any:
@@ -61,8 +65,8 @@ class MiMoMTPLayer(Qwen2DecoderLayer):
         token_embeds = token_embeds.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
         x = self.input_proj(torch.cat([self.hidden_layernorm(previous_hidden), self.token_layernorm(token_embeds)], -1))
         x = Qwen2DecoderLayer.forward(
-            self, x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-            use_cache=use_cache, position_embeddings=position_embeddings,
+            self, x, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+            position_embeddings=position_embeddings, **{_LAYER_CACHE: past_key_values},
         )
         return self.final_layernorm(x)
 
@@ -115,7 +119,7 @@ class MiMoForCausalLM(Qwen2ForCausalLM):
         lens = attention_mask.long().sum(1, keepdim=True)
         h = trunk_hidden.detach() if detach_trunk else trunk_hidden
         mask = create_causal_mask(config=self.mtp_block_config, inputs_embeds=h, attention_mask=attention_mask,
-                                  past_key_values=None, position_ids=pos)
+                                  position_ids=pos, **{_MASK_CACHE: None})
         pos_emb = self.model.rotary_emb(h, pos)
         out: list[torch.Tensor] = []
         for k in range(1, n + 1):
