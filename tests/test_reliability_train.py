@@ -5,6 +5,13 @@ Each run is a few steps of the tiny model (about 2-4 s each on the CI machine)."
 
 import json
 import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,11 +194,204 @@ def test_one_run_per_output_directory(tmp_path, capsys):
     assert [s for s, _ in list_checkpoints(out)] == [0]
 
 
+def _tree(d):
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+def test_overwrite_never_deletes_a_directory_rlcore_did_not_mark(tmp_path, capsys):
+    """A home directory with checkpoints/, a checkpoint file and metrics.jsonl was wiped (rc 0)."""
+    home = tmp_path / "home"
+    (home / "checkpoints").mkdir(parents=True)
+    (home / "checkpoint").write_text("my notes")
+    (home / "metrics.jsonl").write_text('{"step": 0}\n')
+    (home / ".bashrc").write_text("export PATH")
+    before = _tree(home)
+    assert _train(home, "training.steps=1", "--overwrite") == 2
+    err = _one_line_error(capsys)
+    assert "not an rlcore run directory" in err and "refusing to delete it" in err and f"rm -r {home}" in err
+    assert _tree(home) == before
+
+
+# a forward_fn provider whose factory fails: raised while the Trainer is built, after the output
+# directory was taken (what rlcore check's preflight cannot foresee)
+BROKEN_HEAD = """
+from rlcore import hookimpl
+from rlcore.types import ForwardFnSpec
+PLUGIN_API = 1
+def _build(ctx):
+    raise RuntimeError("the broken head cannot be built here")
+@hookimpl
+def forward_fn():
+    yield ForwardFnSpec(name="brokenhead", factory=_build)
+"""
+
+
+def test_a_failed_start_leaves_nothing_that_makes_the_retry_refuse(tmp_path, fake_distribution):
+    fake_distribution("rlcore-brokenhead", "0.0.1", {"brokenhead": "brokenhead_mod"}, {"brokenhead_mod": BROKEN_HEAD})
+    broken = ["plugins=[brokenhead]", "forward.name=brokenhead"]
+    out = tmp_path / "runs" / "a"
+    with pytest.raises(RuntimeError, match="broken head"):
+        _train(out, "training.steps=1", *broken)
+    assert not (tmp_path / "runs").exists(), "the new run's start failed: every directory it created is gone"
+
+    out.mkdir(parents=True)
+    with pytest.raises(RuntimeError, match="broken head"):
+        _train(out, "training.steps=1", *broken)
+    assert out.is_dir() and _tree(out) == [], "a directory that was there stays, emptied of what the start wrote"
+
+    assert _train(out, "training.steps=1") == 0, "the retry, without --overwrite, runs"
+    before = _tree(out)
+    with pytest.raises(RuntimeError, match="broken head"):
+        _train(out, "training.steps=2", *broken, "--resume", "--allow-config-change")
+    assert _tree(out) == before, "a --resume start that fails deletes nothing"
+    assert _train(out, "training.steps=2", "--resume") == 0, "and the run directory was released"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory; the file-size-limit "
+                                               "test below covers a write that fails")
+def test_a_read_only_output_directory_is_a_one_line_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        assert _train(out, "training.steps=1") == 2
+    finally:
+        out.chmod(0o755)
+    assert "Permission denied" in _one_line_error(capsys)
+
+
+def _limit_file_size(nbytes):
+    def preexec():  # a full disk, as a write sees it: EFBIG part-way (SIGXFSZ ignored, as it is inherited)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return preexec
+
+
+def _cli(out, *extra):
+    return [sys.executable, "-m", "rlcore.cli", "train", TINY, "--output", str(out), *SMALL, *extra]
+
+
+def test_a_checkpoint_that_does_not_fit_is_a_one_line_error_and_older_ones_stay(tmp_path):
+    out = tmp_path / "run"
+    assert _train(out, "training.steps=2", "output.checkpoint_every=2") == 0
+    (_, rec), = list_checkpoints(out)
+    ckpt = rec.with_suffix(".pt").stat().st_size
+    largest_other = max(p.stat().st_size for p in out.rglob("*") if p.is_file() and "checkpoints" not in p.parts)
+    limit = (ckpt + largest_other) // 2
+    assert largest_other < limit < ckpt, (largest_other, ckpt)
+    proc = subprocess.run(_cli(out, "training.steps=4", "output.checkpoint_every=2", "--resume"), capture_output=True,
+                          text=True, timeout=300, preexec_fn=_limit_file_size(limit))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()[-1]  # (after any library warning)
+    assert err.startswith("rlcore: error: cannot write checkpoint"), err
+    assert "step-00000003.pt" in err and "File too large" in err and "older checkpoints are intact" in err, err
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")] == [], "no temporary left"
+    assert [s for s, _ in list_checkpoints(out)] == [1]
+    assert _train(out, "training.steps=4", "--resume") == 0, "the older checkpoint resumes"
+
+
+# a reward function that waits at step 2 until the test says go: the test signals the run while a
+# step is in progress (deterministically, whatever the machine's speed)
+BARRIER = f"""
+import os, time
+from rlcore.tasks import successor_reward
+CALLS = [0]
+def wait_in_step_2(x):
+    CALLS[0] += 1
+    if CALLS[0] == 2 * {PER_STEP} + 1:
+        d = os.environ["RLCORE_TEST_BARRIER"]
+        open(os.path.join(d, "waiting"), "w").close()
+        while not os.path.exists(os.path.join(d, "go")):
+            time.sleep(0.01)
+    return successor_reward(x)
+"""
+
+
+WAIT = "data.reward=barrier_rewards:wait_in_step_2"
+
+
+@pytest.fixture
+def barrier(tmp_path, monkeypatch):
+    """The module above, importable here too: a --resume in this process has the same config."""
+    (tmp_path / "barrier_rewards.py").write_text(BARRIER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("barrier_rewards", None)
+
+
+def _start_waiting_run(tmp_path, out, *extra):
+    env = dict(os.environ, RLCORE_TEST_BARRIER=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(_cli(out, "training.steps=6", "output.checkpoint_every=2", WAIT, *extra),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "waiting").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    return proc
+
+
+def _read_until(stream, text):
+    lines = []
+    for line in stream:
+        lines.append(line)
+        if text in line:
+            return "".join(lines)
+    raise AssertionError(f"{text!r} never came: {''.join(lines)[-3000:]}")
+
+
+def test_second_process_is_refused_and_sigint_stops_at_the_step_boundary(tmp_path, barrier, capsys):
+    out = tmp_path / "run"
+    proc = _start_waiting_run(tmp_path, out)
+    try:
+        rows = (out / "metrics.jsonl").read_text()
+        assert _train(out, "training.steps=6", WAIT, "--resume") == 2
+        err = _one_line_error(capsys)
+        assert f"in use by another rlcore process (pid {proc.pid}" in err, err
+        assert _train(out, "training.steps=6", WAIT, "--overwrite") == 2
+        assert f"pid {proc.pid}" in _one_line_error(capsys)
+        assert (out / "metrics.jsonl").read_text() == rows, "the refused processes wrote nothing"
+
+        proc.send_signal(signal.SIGINT)
+        said = _read_until(proc.stderr, "stopping")
+        assert "after step 2" in said and "again to stop at once" in said, said
+        (tmp_path / "go").touch()
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, rest[-3000:]
+    assert "stopped by SIGINT after step 2" in rest and f"--output {out}" in rest and "--resume" in rest, rest
+    assert "Traceback" not in rest, rest
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
+    assert [s for s, _ in list_checkpoints(out)] == [1, 2], "the last finished step is checkpointed"
+    assert _train(out, "training.steps=4", WAIT, "--resume") == 0
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
+
+
+def test_a_second_sigterm_stops_at_once_with_the_last_checkpoint_intact(tmp_path, barrier):
+    out = tmp_path / "run"
+    proc = _start_waiting_run(tmp_path, out)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _read_until(proc.stderr, "stopping")
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, rest[-3000:]
+    assert "stopped at once by SIGTERM" in rest and "--resume" in rest and "Traceback" not in rest, rest
+    assert [r["step"] for r in read_metrics(out)] == [0, 1], "step 2 never finished"
+    assert [s for s, _ in list_checkpoints(out)] == [1]
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")] == []
+    assert _train(out, "training.steps=3", WAIT, "--resume") == 0
+
+
 def test_resume_without_checkpoint_is_an_error(tmp_path, capsys):
     out = tmp_path / "run"
     assert _train(out, "training.steps=1", "output.checkpoint_every=0") == 0  # a final checkpoint only
-    for p in (out / "checkpoints").iterdir():
-        p.unlink()
+    for p in (out / "checkpoints").iterdir():  # the state, its record and its HF export (a directory)
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     capsys.readouterr()
     assert _train(out, "training.steps=2", "--resume") == 2
     assert "no complete checkpoint" in _one_line_error(capsys)
@@ -249,3 +449,4 @@ def test_a_model_with_nonfinite_weights_never_reaches_the_rollout_engine(tmp_pat
     with pytest.raises(NonFiniteError, match=r"\['model.embed_tokens.weight'\]\) before the rollout engine starts"):
         trainer.run()
     assert not (tmp_path / "run" / "policy_hf").exists(), "nothing was handed to the rollout engine"
+    assert not (tmp_path / "run").exists(), "a new run whose start failed removed what it created"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -101,6 +102,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from rlcore.run_stop import StopNow, StopToException
     from rlcore.stack import load_stack
     from rlcore.trainer import Trainer
 
@@ -109,16 +111,40 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"output.dir={args.output}")
     stack = load_stack(args.config, overrides)
     flags = {"resume": args.resume, "overwrite": args.overwrite, "allow_config_change": args.allow_config_change}
-    if stack.config.cluster.backend == "ray":
-        from rlcore.cluster.ray_launch import train_on_ray
+    try:
+        with StopToException():  # SIGTERM while the trainer is built unwinds like Ctrl-C (its clean-up runs)
+            if stack.config.cluster.backend == "ray":
+                from rlcore.cluster.ray_launch import train_on_ray
 
-        summary = train_on_ray(stack, **flags)
-    else:
-        from rlcore.cluster.worker import refuse_foreign_launcher
+                summary = train_on_ray(stack, **flags)
+            else:
+                from rlcore.cluster.worker import refuse_foreign_launcher
 
-        refuse_foreign_launcher(stack.config)
-        summary = Trainer(stack, **flags).run()
+                refuse_foreign_launcher(stack.config)
+                summary = Trainer(stack, **flags).run()
+    except KeyboardInterrupt as exc:  # a second signal, or one before the first step: stopped at once
+        signum = exc.signum if isinstance(exc, StopNow) else signal.SIGINT
+        return _stopped(args, signal.Signals(signum), getattr(exc, "out", None) or stack.config.output.dir, None)
+    if summary.get("stopped_by") is not None:  # the first signal: stopped at the step boundary
+        return _stopped(args, signal.Signals(summary["stopped_by"]), summary.get("output"), summary.get("steps"))
     return 0 if summary.get("completed", False) else 1
+
+
+def _stopped(args: argparse.Namespace, sig: signal.Signals, out: str | None, steps: int | None) -> int:
+    """Say how the run stopped and how to continue it; the exit code a shell expects (128 + signal)."""
+    from rlcore.run_output import list_checkpoints
+    from rlcore.run_stop import exit_code, resume_command
+
+    found = list_checkpoints(out) if out else []
+    how = f"by {sig.name} after step {found[-1][0]}" if steps is not None and found else f"at once by {sig.name}"
+    if not found:
+        print(f"rlcore: stopped {how}; there is no checkpoint to resume from" + (f" in {out}" if out else ""),
+              file=sys.stderr)
+        return exit_code(sig)
+    extra = ["--allow-config-change"] if args.allow_config_change else []
+    print(f"rlcore: stopped {how}; the last checkpoint is {found[-1][1].with_suffix('.pt')}; continue with: "
+          f"{resume_command(args.config, args.overrides, out, extra)}", file=sys.stderr)
+    return exit_code(sig)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
