@@ -44,8 +44,9 @@ def call_reward(fn: Callable[[Any], Any], name: str, x: Any, where: str, in_thre
     except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as the reward's
         frames = traceback.extract_tb(exc.__traceback__)
         at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        # signal.signal and asyncio's get_event_loop work on the main thread only
         hint = (f"; the reward runs in a worker thread while {TIMEOUT_KEY} > 0: set it to 0 to call it on the "
-                f"main thread" if in_thread and "main thread" in str(exc) else "")
+                f"main thread" if in_thread and "thread" in str(exc) else "")
         raise RewardError(f"reward function {name} raised {type(exc).__name__}: {shorten(str(exc), 200)}{at} "
                           f"on {where}{hint}") from exc
     return checked_reward(value, f"reward function {name} returned {shorten(repr(value))} for {where}")

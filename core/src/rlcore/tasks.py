@@ -3,8 +3,10 @@
 A task function takes the ``data`` config section and returns a :class:`Task`: the word-level
 vocabulary its prompts and answers use (so a tokenizer can be built locally when the model is
 created from scratch) and a prompt generator. A reward function takes a :class:`RewardInput`
-and returns a float. ``successor`` is the embedded default: a tiny model trained from scratch
-learns it by RL alone in a couple of minutes on a laptop CPU.
+and returns a real number; :mod:`rlcore.rewards` calls it (on the writer rank, each call within
+``data.reward_timeout_seconds``) and checks what it returns. ``successor`` is the embedded
+default: a tiny model trained from scratch learns it by RL alone in a couple of minutes on a
+laptop CPU.
 """
 
 from __future__ import annotations
