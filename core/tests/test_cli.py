@@ -91,3 +91,11 @@ def test_overrides_after_options_are_accepted(tmp_path, capsys):
     assert main(["train", "examples/tiny.yaml", "--output", str(tmp_path / "o"), "training.steps=2",
                  "rollout.n=2", "data.prompts_per_step=2", "output.plot=false"]) == 0
     assert (tmp_path / "o" / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_check_json_says_what_preflight_measured(capsys):
+    """``checked``: what rlcore check measured beyond the config (rlcore.preflight)."""
+    assert main(["check", "examples/tiny.yaml", "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)["checked"]
+    assert any(line.startswith("model tiny qwen2, ") for line in checked)
+    assert any("<= 512 positions" in line for line in checked)

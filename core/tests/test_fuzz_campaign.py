@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -38,26 +39,34 @@ def _rlcore_error_or_ok(fn, *args, **kw):
 
 
 # ---------------------------------------------------------------------------------- configs ----
+# Three kinds of document: arbitrary ones (any key, any value: accepted or refused, never a crash),
+# valid ones built from the schema (each leaf's type, its choices in config._CHOICES, its range in
+# config._RANGES and the checks elsewhere mirrored in _MORE_RANGES, the cross-key rules in
+# valid_documents): every one is accepted and runs preflight clean; and a valid one with one key
+# mutated (unknown key, wrong type, out of range, absurd size): every one is refused with a
+# ConfigError that names that key.
 
-def _known_keys() -> list[str]:
+def _leaves() -> dict[str, Any]:
+    """Every leaf of core's schema and its default (``rollout.n``: 8)."""
     from omegaconf import OmegaConf
 
     from rlcore.config import RunConfig
 
-    out = []
+    out: dict[str, Any] = {}
 
     def walk(prefix, node):
         if isinstance(node, dict):
             for k, v in node.items():
                 walk(f"{prefix}{k}.", v)
         else:
-            out.append(prefix[:-1])
+            out[prefix[:-1]] = node
 
     walk("", OmegaConf.to_container(OmegaConf.structured(RunConfig)))
     return out
 
 
-KNOWN = _known_keys()
+DEFAULTS = _leaves()
+KNOWN = list(DEFAULTS)
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
@@ -82,14 +91,19 @@ def _nest(flat: dict) -> dict:
     return root
 
 
-def _load(doc_path=None, overrides=()):
+def _load(doc_path=None, overrides=(), *, preflight=True):
+    """Validate, resolve and (``preflight``) run rlcore check's preflight, as ``rlcore check`` does."""
     from rlcore.manager import PluginManager
+    from rlcore.preflight import preflight as run_preflight
     from rlcore.stack import load_config, resolve
 
     pm = PluginManager(autoload=False)
     pm.load_builtins()
     cfg, pm = load_config(doc_path, overrides, plugins=pm)
-    return resolve(cfg, pm)
+    stack = resolve(cfg, pm)
+    if preflight:
+        run_preflight(stack)
+    return stack
 
 
 def _check_accepted(stack) -> None:
@@ -109,26 +123,324 @@ def _check_accepted(stack) -> None:
     assert OmegaConf.to_yaml(cfg)
 
 
-@given(st.dictionaries(keys, values, max_size=4))
-def test_config_documents_are_accepted_or_refused_with_a_config_error(tmp_path_factory, flat):
+def _write(tmp_path_factory, flat: dict) -> str:
     import yaml
 
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    path.write_text(yaml.safe_dump(_nest(flat)))
+    return str(path)
+
+
+def _names_a_given_key(err: Exception, given: list[str]) -> bool:
+    """A refusal points at the document: its key (or its message) is a key given, or a section or a
+    leaf of one (``training: 5`` is refused as ``training``, ``training: {}`` as ``training.steps``)."""
+    from rlcore.errors import ConfigError
+
+    key = err.key if isinstance(err, ConfigError) else None
+    related = [g for g in given if key and (key == g or key.startswith(g + ".") or g.startswith(key + "."))]
+    return bool(related) or any(g in str(err) for g in given)
+
+
+def _accepted_or_refused_naming_a_key(load, given: list[str]):
+    from rlcore.errors import ConfigError
+
     try:
-        text = yaml.safe_dump(_nest(flat))
+        return load()
+    except ConfigError as e:
+        assert _names_a_given_key(e, given), f"refusal names none of {given}: {e!r} (key {e.key!r})"
+    except RLCoreError:
+        pass
+    return None
+
+
+@given(st.dictionaries(keys, values, max_size=4))
+def test_config_documents_are_accepted_or_refused_with_a_config_error(tmp_path_factory, flat):
+    try:
+        path = _write(tmp_path_factory, flat)
     except Exception:  # noqa: BLE001 - yaml cannot write it: not an input a user can give
         assume(False)
-    path.write_text(text)
-    stack = _rlcore_error_or_ok(_load, str(path))
+    stack = _accepted_or_refused_naming_a_key(lambda: _load(path), list(flat))
     if stack is not None:
         _check_accepted(stack)
 
 
 @given(st.lists(st.tuples(keys, st.text(max_size=10)), max_size=3))
 def test_command_line_overrides_are_accepted_or_refused_with_a_config_error(pairs):
-    stack = _rlcore_error_or_ok(_load, None, [f"{k}={v}" for k, v in pairs])
+    stack = _accepted_or_refused_naming_a_key(lambda: _load(None, [f"{k}={v}" for k, v in pairs]),
+                                              [k for k, _ in pairs])
     if stack is not None:
         _check_accepted(stack)
+
+
+# ----------------------------------------------------------------------- valid documents ----
+
+#: numeric keys checked outside config._RANGES (config._check_values, _resolve_algorithm,
+#: cluster_settings.check_cluster), mirrored here: (low, high, low inclusive, high inclusive)
+_MORE_RANGES = {
+    **{k: (1, math.inf, True, False) for k in ("rollout.n", "rollout.max_new_tokens", "training.micro_batch_tokens",
+                                               "data.prompts_per_step", "training.steps")},
+    "rollout.top_p": (0.0, 1.0, False, True),
+    "algorithm.norm_tokens": (0, math.inf, True, False),
+    **{f"cluster.{k}": (1, math.inf, True, False) for k in (
+        "local_nodes", "trainer.dp", "trainer.tp", "trainer.ep", "trainer.pp", "rollout.replicas")},
+    **{f"cluster.{k}": (0.0, math.inf, False, False) for k in ("timeout_s", "rollout.timeout_s", "local_node_cpus")},
+    **{f"cluster.{r}.resources.{k}": (0.0, math.inf, True, False) for r in ("trainer", "rollout")
+       for k in ("num_cpus", "num_gpus")},
+}
+
+
+def _ranges() -> dict[str, tuple]:
+    from rlcore import config as cfgmod
+
+    return {**cfgmod._RANGES, **_MORE_RANGES}
+
+
+def _choices() -> dict[str, tuple]:
+    from rlcore import cluster_settings
+    from rlcore import config as cfgmod
+
+    return {**cfgmod._CHOICES, "cluster.placement": cluster_settings.PLACEMENTS,
+            "cluster.strategy": cluster_settings.STRATEGIES}
+
+
+#: realistic upper ends for generated sizes (valid documents must also pass preflight on a laptop)
+_SIZE_CAPS = {"rollout.n": 64, "data.prompts_per_step": 128, "rollout.max_new_tokens": 128, "data.prompt_len": 32,
+              "training.steps": 500, "engine.model.tiny.hidden_size": 256, "engine.model.tiny.num_layers": 4,
+              "engine.model.tiny.intermediate_size": 512, "engine.model.tiny.num_experts": 16,
+              "engine.model.tiny.moe_intermediate_size": 128, "engine.model.tiny.head_dim": 64,
+              "engine.model.tiny.num_heads": 8, "engine.model.tiny.vocab_size": 4096, "cluster.local_nodes": 4}
+#: keys the generator leaves at their defaults, and why (each is tested elsewhere)
+HELD = {
+    "plugins": "changes the schema itself (tests/test_examples.py, core/tests/test_stack.py)",
+    "engine.name": "core's only engine; others come with their plugins",
+    "forward.name": "core's only head", "rollout.backend": "core's only rollout backend",
+    "engine.model.path": "needs a model directory (core/tests/test_preflight.py)",
+    "data.task": "a module path (core/tests/test_preflight.py)", "data.reward": "a module path (same)",
+    "cluster.address": "a remote Ray cluster", "output.dir": "where a run writes: check never touches it",
+}
+
+
+def _number(key: str, default: Any, lo: float, hi: float, lo_in: bool, hi_in: bool):
+    """Valid values of a numeric key: in its range, capped at a realistic size."""
+    cap = _SIZE_CAPS.get(key)
+    if isinstance(default, bool):
+        raise AssertionError(key)
+    if isinstance(default, int) or (default is None and key.endswith("seed")):
+        low = int(lo) + (0 if lo_in else 1) if math.isfinite(lo) else -(2**31)
+        high = int(hi) - (0 if hi_in else 1) if math.isfinite(hi) else max(cap or 10_000, low)
+        high = min(high, cap) if cap else high
+        return st.integers(low, max(low, high))
+    low = lo if math.isfinite(lo) else -1e6
+    high = min(hi, 1e6) if math.isfinite(hi) else 1e6
+    return st.floats(low, high, exclude_min=not lo_in, exclude_max=not hi_in or not math.isfinite(hi),
+                     allow_nan=False, allow_infinity=False)
+
+
+def _leaf_strategy(key: str):
+    """A key's valid values from the schema alone (None: a key the cross-key rules below set)."""
+    default = DEFAULTS[key]
+    if key in _choices():
+        return st.sampled_from(list(_choices()[key]))
+    if isinstance(default, bool):
+        return st.booleans()
+    if key in _ranges():
+        return _number(key, default, *_ranges()[key])
+    return None
+
+
+@st.composite
+def valid_documents(draw) -> dict[str, Any]:
+    """A flat document (``{"rollout.n": 4, ...}``) of a random subset of core's keys, every value
+    valid alone and together. Keys not drawn keep their defaults."""
+    doc: dict[str, Any] = {}
+
+    def put(key, strategy):
+        if draw(st.booleans()):
+            doc[key] = draw(strategy)
+
+    def value(key):
+        return doc.get(key, DEFAULTS[key])
+
+    for key in KNOWN:
+        if key in HELD or key.startswith(("engine.model.tiny.", "algorithm.", "cluster.", "rollout.")):
+            continue
+        if key == "training.betas":
+            put(key, st.lists(st.floats(0.0, 0.999), min_size=2, max_size=2))
+        elif key == "engine.device":
+            put(key, st.sampled_from(["cpu", "auto"]))
+        elif key == "engine.model.dtype":
+            put(key, st.sampled_from(["float32", "bfloat16", "float16"]))
+        elif key == "sync.name":
+            put(key, st.sampled_from(["inproc", "disk"]))
+        else:
+            strategy = _leaf_strategy(key)
+            assert strategy is not None, f"{key}: no rule makes its valid values; add one, or hold it (HELD)"
+            put(key, strategy)
+
+    # the tiny model: shapes a model can have
+    t = "engine.model.tiny."
+    put(t + "arch", st.sampled_from(["qwen2", "qwen2_moe", "qwen3_moe"]))
+    for k in ("hidden_size", "num_layers", "intermediate_size", "num_experts", "moe_intermediate_size",
+              "init_std", "seed", "num_heads"):
+        put(t + k, _leaf_strategy(t + k))
+    put(t + "tie_word_embeddings", st.booleans())
+    put(t + "num_kv_heads", st.sampled_from([d for d in range(1, value(t + "num_heads") + 1)
+                                             if value(t + "num_heads") % d == 0]))
+    put(t + "head_dim", st.integers(1, 32).map(lambda h: 2 * h))  # RoPE: even
+    put(t + "topk", st.integers(1, value(t + "num_experts")))
+    if value(t + "topk") > value(t + "num_experts"):  # the default topk against fewer experts drawn
+        doc[t + "topk"] = draw(st.integers(1, value(t + "num_experts")))
+    put(t + "vocab_size", st.one_of(st.just(0), st.integers(14, 4096)))  # 0 or at least the task's 14 tokens
+    if value(t + "arch") == "qwen2":
+        put(t + "mtp_layers", st.integers(0, 2))
+
+    # rollout: the local backend's own settings hang together
+    r = "rollout."
+    for k in ("n", "top_p", "top_k", "max_new_tokens", "release_kv_cache", "seed", "local_update"):
+        put(r + k, _leaf_strategy(r + k))
+    from rlcore.preflight import MIN_TEMPERATURE
+
+    put(r + "temperature", st.one_of(st.just(MIN_TEMPERATURE), st.floats(0.05, 2.0)))
+    put(r + "draft_depths", st.integers(0, value(t + "mtp_layers")))
+    if not value(r + "draft_depths"):
+        put(r + "return_routed_experts", st.booleans())
+
+    # algorithm: a correction needs the recomputed log-probs; mask_low below mask_high
+    a = "algorithm."
+    from rlcore.config import builtin_algorithms
+
+    put(a + "name", st.sampled_from(sorted(builtin_algorithms())))
+    for k in ("loss_agg", "norm_tokens", "kl_coef", "kl_estimator", "kl_in", "entropy_coef", "updates_per_step",
+              "mismatch.level"):
+        put(a + k, _leaf_strategy(a + k))
+    put(a + "mismatch.tis_cap", st.one_of(st.just(0.0), st.floats(1.0, 10.0)))
+    put(a + "mismatch.mask_low", st.one_of(st.just(0.0), st.floats(0.01, 0.9)))
+    put(a + "mismatch.mask_high", st.one_of(st.just(0.0), st.floats(1.1, 10.0)))
+    corrects = any(value(a + "mismatch." + k) for k in ("tis_cap", "mask_low", "mask_high"))
+    put(a + "old_logprobs", st.sampled_from(["auto", "recompute"] + ([] if corrects else ["rollout"])))
+
+    # cluster: one process, or Ray on this machine with the ranks the hf engine has (dp)
+    c = "cluster."
+    for k in ("placement", "strategy", "timeout_s", "rollout.timeout_s", "local_node_cpus", "local_nodes",
+              "trainer.resources.num_cpus", "trainer.resources.num_gpus", "rollout.resources.num_cpus",
+              "rollout.resources.num_gpus"):
+        put(c + k, _leaf_strategy(c + k))
+    if draw(st.integers(0, 3)) == 0 and not value(r + "draft_depths") and value(r + "local_update") == "staged":
+        doc[c + "backend"] = "ray"
+        put(c + "trainer.dp", st.integers(1, 4))
+        world = value(c + "trainer.dp")
+        put(c + "rollout.replicas", st.integers(1, world if value(c + "placement") == "colocated" else 4))
+        if value(c + "placement") == "colocated":
+            put("sync.name", st.sampled_from(["inproc", "disk", "mapped"]))
+    seed_per_prompt = st.sampled_from([None, True] if value(c + "rollout.replicas") > 1 else [None, True, False])
+    put(r + "seed_per_prompt", seed_per_prompt)
+    return doc
+
+
+def test_every_schema_key_is_generated_or_held():
+    """A new setting joins the campaign: its choices (config._CHOICES), its range (config._RANGES)
+    or a rule in valid_documents; or a reason to hold it in HELD."""
+    ruled = {k for k in KNOWN if k.startswith(("engine.model.tiny.", "algorithm.", "cluster.", "rollout."))}
+    loose = [k for k in KNOWN if k not in HELD and k not in ruled and _leaf_strategy(k) is None
+             and k not in ("training.betas", "engine.device", "engine.model.dtype", "sync.name")]
+    assert not loose, f"no valid values known for {loose}"
+    assert set(HELD) <= set(KNOWN), f"held keys that are gone: {set(HELD) - set(KNOWN)}"
+
+
+def _same(given: Any, got: Any) -> bool:
+    if isinstance(given, float) or isinstance(got, float):
+        return got is not None and math.isclose(float(given), float(got), rel_tol=1e-12)
+    return given == got
+
+
+@given(valid_documents())
+def test_valid_documents_are_accepted_as_given(tmp_path_factory, flat):
+    """Every valid document passes validation, resolution and preflight, and holds what it was given
+    (``auto`` values resolve to a choice)."""
+    from omegaconf import OmegaConf
+
+    stack = _load(_write(tmp_path_factory, flat))
+    _check_accepted(stack)
+    for key, given_value in flat.items():
+        got = OmegaConf.select(stack.config, key)
+        got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
+        if given_value == "auto" or (key == "rollout.seed_per_prompt" and given_value is None):
+            continue
+        assert _same(given_value, got) if not isinstance(given_value, list) else \
+            all(_same(a, b) for a, b in zip(given_value, got, strict=True)), f"{key}: gave {given_value!r}, got {got!r}"
+
+
+# -------------------------------------------------------------------- mutated documents ----
+
+#: valid-but-absurd values: each needs more memory than any machine has (a lower bound in
+#: rlcore.preflight), or a temperature the trainer cannot divide by. Sizes of the tiny model
+#: matter only where its arch uses them (dense MLP: qwen2 and qwen2_moe's shared expert; experts: MoE).
+ABSURD = {"rollout.n": 10**13, "data.prompts_per_step": 10**13, "rollout.max_new_tokens": 10**13,
+          "engine.model.tiny.hidden_size": 10**13, "engine.model.tiny.num_layers": 10**13,
+          "engine.model.tiny.vocab_size": 10**13, "engine.model.tiny.intermediate_size": 10**13,
+          "engine.model.tiny.num_experts": 10**13, "engine.model.tiny.moe_intermediate_size": 10**13,
+          "rollout.temperature": 1e-30}
+_USED_BY = {"engine.model.tiny.intermediate_size": ("qwen2", "qwen2_moe"),
+            "engine.model.tiny.num_experts": ("qwen2_moe", "qwen3_moe"),
+            "engine.model.tiny.moe_intermediate_size": ("qwen2_moe", "qwen3_moe")}
+
+
+def _wrong_type(key: str):
+    default = DEFAULTS[key]
+    if isinstance(default, list):
+        return "not-a-list"
+    if isinstance(default, (bool, int, float)) or default is None and key in _ranges():
+        return st.sampled_from(["lots", {"a": 1}, [1, 2]])
+    if key in _choices():
+        return st.sampled_from(["no-such-choice", {"a": 1}])
+    return None
+
+
+def _out_of_range(key: str):
+    lo, hi, lo_in, hi_in = _ranges()[key]
+    bad = []
+    if math.isfinite(lo):
+        bad.append(lo - 1 if lo_in else lo)
+    if math.isfinite(hi):
+        bad.append(hi + 1 if hi_in else hi)
+    if isinstance(DEFAULTS[key], float):
+        bad += [math.nan, math.inf]
+    return st.sampled_from(bad) if bad else None
+
+
+@st.composite
+def mutated_documents(draw) -> tuple[dict[str, Any], str, str]:
+    """A valid document with one key made wrong: (document, the key, the kind of mutation)."""
+    doc = draw(valid_documents())
+    kind = draw(st.sampled_from(["unknown key", "wrong type", "out of range", "absurd"]))
+    if kind == "unknown key":
+        parent = draw(st.sampled_from(sorted({k.rsplit(".", 1)[0] for k in KNOWN if "." in k})))
+        key = f"{parent}.{draw(st.sampled_from(['nn', 'temprature', 'x']))}"
+        return {**doc, key: 1}, key, kind
+    if kind == "wrong type":
+        key = draw(st.sampled_from([k for k in KNOWN if k not in HELD and _wrong_type(k) is not None]))
+        bad = _wrong_type(key)
+        return {**doc, key: draw(bad) if not isinstance(bad, str) else bad}, key, kind
+    if kind == "out of range":
+        key = draw(st.sampled_from([k for k in sorted(_ranges()) if _out_of_range(k) is not None]))
+        return {**doc, key: draw(_out_of_range(key))}, key, kind
+    arch = doc.get("engine.model.tiny.arch", DEFAULTS["engine.model.tiny.arch"])
+    key = draw(st.sampled_from([k for k in ABSURD if arch in _USED_BY.get(k, (arch,))]))
+    if key == "engine.model.tiny.num_experts":
+        doc["engine.model.tiny.topk"] = 1  # any topk is valid against that many experts
+    return {**doc, key: ABSURD[key]}, key, kind
+
+
+@given(mutated_documents())
+def test_a_document_with_one_bad_key_is_refused_naming_that_key(tmp_path_factory, mutated):
+    from rlcore.errors import ConfigError
+
+    flat, key, kind = mutated
+    path = _write(tmp_path_factory, flat)
+    with pytest.raises(ConfigError) as e:
+        _load(path)
+    assert key in str(e.value), f"{kind} {key}={flat[key]!r}: refused as {e.value}"
+    assert e.value.key in (None, key), f"{kind} {key}={flat[key]!r}: refused naming key {e.value.key!r}"
 
 
 @pytest.mark.parametrize("override", [
@@ -137,6 +449,9 @@ def test_command_line_overrides_are_accepted_or_refused_with_a_config_error(pair
     "algorithm.kl_coef=-0.1", "training.grad_clip=nan", "output.checkpoint_every=-1", "algorithm.clip_low=1.5",
     "training.betas={}", "training=[]", "engine.model.tiny=[1]", "engine.model.tiny.init_std=INF",
     "engine.model.tiny.hidden_size=0", "training.betas=[0.9,nan]",
+    # found by the valid-document generator: a bucket under one byte (the first push failed), a seed
+    # torch cannot take (the model's creation raised ValueError)
+    "sync.bucket_mb=1e-135", "engine.model.tiny.seed=1180591620717411303424",
 ])
 def test_out_of_range_values_name_their_key(override):
     from rlcore.errors import ConfigError

@@ -448,10 +448,10 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "rollout.top_k": (-1, math.inf, True, False),
     "rollout.draft_depths": (0, math.inf, True, False),
     "rollout.seed": (0, 2**32 - 1, True, True),  # per-step seeds derive from it in int64
-    "sync.bucket_mb": (0.0, 1 << 30, False, True),  # up to 1 PiB: bucket byte counts stay int64
+    "sync.bucket_mb": (2.0**-20, 1 << 30, True, True),  # 1 byte to 1 PiB: bucket byte counts stay int64
     "forward.chunk_tokens": (1, math.inf, True, False),
     "algorithm.kl_coef": (0.0, math.inf, True, False),
-    "algorithm.entropy_coef": (-math.inf, math.inf, False, False),
+    "algorithm.entropy_coef": (0.0, math.inf, True, False),
     "algorithm.updates_per_step": (1, math.inf, True, False),
     "training.lr": (0.0, math.inf, True, False),
     "training.weight_decay": (0.0, math.inf, True, False),
@@ -468,6 +468,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
         "topk", "moe_intermediate_size")},
     "engine.model.tiny.mtp_layers": (0, math.inf, True, False),
     "engine.model.tiny.vocab_size": (0, math.inf, True, False),
+    "engine.model.tiny.seed": (-(2**63), 2**64 - 1, True, True),  # torch.Generator.manual_seed's domain
 }
 
 
