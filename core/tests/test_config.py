@@ -86,3 +86,23 @@ def test_engine_model_given_as_a_string_is_its_path(tmp_path):
     assert cfg.engine.model.path == "/models/qwen" and cfg.engine.model.dtype == "float32"
     cfg, _ = load_config(_yaml(tmp_path, "engine: {model: /models/qwen}\n"))
     assert cfg.engine.model.path == "/models/qwen"
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["engine.model.tiny.num_kv_heads=3"], "engine.model.tiny.num_kv_heads"),
+    (["engine.model.tiny.head_dim=63"], "engine.model.tiny.head_dim"),
+    (["engine.model.tiny.arch=gpt9"], "engine.model.tiny.arch"),
+    (["engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.topk=9"], "engine.model.tiny.topk"),
+    (["engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.mtp_layers=1"], "engine.model.tiny.mtp_layers"),
+    (["engine.model.dtype=float8"], "engine.model.dtype"),
+])
+def test_a_tiny_model_no_engine_can_build_is_refused_by_the_config(overrides, key):
+    """Shapes checked from the document alone (rlcore.model_settings), so every load_config refuses
+    them, not only rlcore check: before, the engine raised when it built the model (RuntimeError at
+    the first forward for the heads, transformers' validation error for head_dim, AttributeError
+    for the dtype)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert e.value.key == key and key in str(e.value)
+    if key != "engine.model.dtype":  # a model directory is built from its own config.json: tiny is unused
+        load_config(None, ["engine.model.path=/any/dir", *overrides])

@@ -23,6 +23,7 @@ from omegaconf import errors as oc_errors
 from rlcore.algorithms.spec import LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
 from rlcore.errors import ConfigError
+from rlcore.model_settings import check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
 
 
@@ -436,6 +437,7 @@ def _check_values(cfg: DictConfig) -> None:
         if ":" not in val:
             raise ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key)
     _check_ranges(cfg)
+    check_model(cfg)
     check_cluster(cfg)
     resolve_seed_per_prompt(cfg)
 

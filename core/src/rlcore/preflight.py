@@ -28,6 +28,7 @@ from typing import Any
 
 from rlcore.config import DataConfig, RolloutConfig, TinyModelConfig
 from rlcore.errors import ConfigError
+from rlcore.model_settings import DTYPE_BYTES
 
 #: below this ``rollout.temperature`` a run is refused. The head and the local sampler divide fp32
 #: logits by it: a logit of magnitude 10 carries a rounding error of about 1e-6 (fp32's epsilon
@@ -47,8 +48,6 @@ PROMPTS_CHECKED = 1024
 #: engines that build their model from ``engine.model`` (core's schema); another engine's model
 #: comes from its own settings, so core does not measure it
 MODEL_ENGINES = ("hf", "megatron")
-#: bytes per parameter of the dtypes ``engine.model.dtype`` may name (the engines do getattr(torch, dtype))
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
 #: the tiny model's context (rlcore.engines.tiny.tiny_config)
 TINY_MAX_POSITIONS = 512
 
@@ -217,10 +216,7 @@ def load_reward(cfg: Any) -> Callable[..., Any]:
 
 def model_facts(cfg: Any, task: Any, memory: int | None) -> ModelFacts:
     model = cfg.engine.model
-    dtype = str(model.dtype)
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"engine.model.dtype={dtype!r} is not a dtype the engines train in; choose one of: "
-                          f"float32, bfloat16, float16, float64", key="engine.model.dtype")
+    dtype = str(model.dtype)  # a known one: rlcore.model_settings checked it, and the tiny model's shapes
     if model.path:
         return _directory_facts(Path(str(model.path)))
     facts = _tiny_facts(cfg, task, DTYPE_BYTES[dtype])
@@ -272,26 +268,9 @@ _TINY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TinyModelConfig)
 
 
 def _tiny_facts(cfg: Any, task: Any, dtype_bytes: int) -> ModelFacts:
-    from rlcore.engines.tiny import SUPPORTED_ARCHS
-
-    t = cfg.engine.model.tiny
-    p = "engine.model.tiny."
-    if t.arch not in SUPPORTED_ARCHS:
-        raise ConfigError(f"{p}arch={t.arch!r}: choose one of: {', '.join(SUPPORTED_ARCHS)}", key=f"{p}arch")
-    if t.num_heads % t.num_kv_heads:
-        raise ConfigError(f"{p}num_kv_heads={t.num_kv_heads}: num_heads={t.num_heads} must be a multiple of it "
-                          f"(each key/value head serves a group of query heads)", key=f"{p}num_kv_heads")
-    if t.head_dim % 2:
-        raise ConfigError(f"{p}head_dim={t.head_dim}: must be even (RoPE rotates pairs of dimensions)",
-                          key=f"{p}head_dim")
-    if t.arch != "qwen2" and t.topk > t.num_experts:
-        raise ConfigError(f"{p}topk={t.topk}: each token picks topk of num_experts={t.num_experts} experts",
-                          key=f"{p}topk")
-    if t.mtp_layers and t.arch != "qwen2" and cfg.engine.name == "hf":
-        raise ConfigError(f"{p}mtp_layers={t.mtp_layers} needs {p}arch 'qwen2' on the hf engine (its MTP layers "
-                          f"are MiMo's, over a Qwen2 model), got {t.arch!r}", key=f"{p}mtp_layers")
     from rlcore.engines.tiny import make_tokenizer
 
+    t, p = cfg.engine.model.tiny, "engine.model.tiny."
     tokenizer = make_tokenizer(task.vocab)
     if t.vocab_size and t.vocab_size < len(tokenizer):
         raise ConfigError(f"{p}vocab_size={t.vocab_size}: the task's tokenizer has {len(tokenizer)} tokens; use 0 "
@@ -425,7 +404,7 @@ def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
             continue
         ids = facts.tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"]  # one call per step
         measured += len(ids)
-        for i, row in zip(texts, ids):
+        for i, row in zip(texts, ids, strict=True):
             if len(row) > longest:
                 longest, where = len(row), f"prompt {i} of step {step}"
     limit, new = facts.max_positions, int(cfg.rollout.max_new_tokens)
