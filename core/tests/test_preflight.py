@@ -90,13 +90,19 @@ def test_check_passes_the_tiny_example_and_says_what_it_measured(capsys):
     assert "model tiny qwen2" in out and "longest prompt 4 tokens + rollout.max_new_tokens 4 <= 512 positions" in out
 
 
-def test_engine_model_as_a_string_is_the_model_directory(capsys, tmp_path):
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A Hugging Face directory of a tiny model for the successor task (512 positions)."""
     from rlcore.config import TinyModelConfig
     from rlcore.engines.tiny import save_tiny
     from rlcore.tasks import successor
 
-    model = save_tiny(tmp_path / "m", TinyModelConfig(hidden_size=32, head_dim=16, intermediate_size=32),
-                      successor().vocab)
+    return save_tiny(tmp_path_factory.mktemp("model") / "m",
+                     TinyModelConfig(hidden_size=32, head_dim=16, intermediate_size=32), successor().vocab)
+
+
+def test_engine_model_as_a_string_is_the_model_directory(capsys, model_dir):
+    model = model_dir
     assert main(["check", TINY, f"engine.model={model}", "--json"]) == 0
     assert main(["check", TINY, f"engine.model={model}"]) == 0
     out = capsys.readouterr().out
@@ -141,3 +147,24 @@ def test_a_70b_shape_is_estimated_not_capped():
     llama70b = OmegaConf.create(dict(arch="qwen2", hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                                      head_dim=128, intermediate_size=28672, mtp_layers=0, tie_word_embeddings=False))
     assert 68.9e9 < tiny_parameters(llama70b, vocab=32000) < 69.1e9
+
+
+def test_the_tiny_models_context_is_the_one_it_is_built_with():
+    from rlcore.config import TinyModelConfig
+    from rlcore.engines.tiny import tiny_config
+    from rlcore.preflight import TINY_MAX_POSITIONS
+
+    assert tiny_config(TinyModelConfig(), 14, 1, 0).max_position_embeddings == TINY_MAX_POSITIONS
+
+
+def test_a_model_directory_is_read_for_its_context_and_tokenizer(capsys, model_dir, tmp_path):
+    """Its config.json's max_position_embeddings bounds the prompts; a directory whose tokenizer
+    cannot be loaded is named (the engine would raise when it loads it)."""
+    line = _check_error(capsys, f"engine.model.path={model_dir}", "data.prompt_len=600")
+    assert "data.task" in line and f"more than the model's 512 positions ({model_dir} (qwen2)" in line
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((model_dir / "config.json").read_text())
+    line = _check_error(capsys, f"engine.model.path={bare}")  # transformers builds an empty tokenizer
+    assert line.startswith(f"rlcore: error: engine.model.path: the tokenizer of {bare} (qwen2) (1 tokens) turns "
+                           f"prompt 0 of step 0 ") and "into no tokens" in line

@@ -5,8 +5,9 @@ line (the CLI prints it without a traceback).
 
 Config validation (:mod:`rlcore.config`) checks each value alone; this module checks what needs
 more than the document: the machine (``engine.device``, memory), the model (``engine.model.path``
-on disk, the tiny model's shapes), the task and reward modules, and the prompts the task makes
-measured with the engine's tokenizer against the model's context. Size limits are absurd-only:
+on disk, the tiny model's size and vocabulary; its shapes are :mod:`rlcore.model_settings`'), the
+task and reward modules, and the prompts the task makes measured with the engine's tokenizer
+against the model's context. Size limits are absurd-only:
 a size is refused when a lower bound of what it needs exceeds all the memory this machine has
 (RAM, swap and every GPU together), never by a fixed cap on one field, so any configuration that
 could run somewhere on this machine passes. Memory is not checked where the run's ranks are on
@@ -37,7 +38,8 @@ from rlcore.model_settings import DTYPE_BYTES
 #: Sampling is greedy in effect well before that (rlcore-vllm sends T < 1e-5 to vLLM as 0; a run at
 #: 1e-30 trains with every sample of a prompt the same, advantages and gradients 0), and it breaks
 #: outright further down (1e-38: NaN gradients; 1e-40: inf probabilities fail the sampler). 1e-6 is
-#: the smallest temperature that is still greedy decoding and not rounding noise; RL samples at 0.6 to 1.2.
+#: the smallest temperature that is still greedy decoding and not rounding noise (examples/
+#: vllm_tiny_mtp.yaml decodes greedily at it); RL samples at 0.6 to 1.2.
 MIN_TEMPERATURE = 1e-6
 #: a lower bound of the bytes a step holds per token however it is split: the token id (int64),
 #: its behaviour log-prob and advantage (fp32 each); activations and KV cache come on top
@@ -405,6 +407,8 @@ def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
         ids = facts.tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"]  # one call per step
         measured += len(ids)
         for i, row in zip(texts, ids, strict=True):
+            if not row and texts[i].strip():
+                _no_tokens(cfg, facts, texts[i], f"prompt {i} of step {step}")
             if len(row) > longest:
                 longest, where = len(row), f"prompt {i} of step {step}"
     limit, new = facts.max_positions, int(cfg.rollout.max_new_tokens)
@@ -414,6 +418,14 @@ def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
                           f"more than the model's {limit} positions ({facts.source} max_position_embeddings); "
                           f"shorten the prompts or lower rollout.max_new_tokens", key=key)
     return longest, measured
+
+
+def _no_tokens(cfg: Any, facts: ModelFacts, text: str, where: str) -> None:
+    """A prompt with text that tokenizes to nothing: the tokenizer is not the model's (transformers
+    builds an empty one for a directory without tokenizer files) or the task's words are not in it."""
+    key = "engine.model.path" if cfg.engine.model.path else "data.task"
+    raise ConfigError(f"{key}: the tokenizer of {facts.source} ({len(facts.tokenizer)} tokens) turns {where} "
+                      f"({text[:60]!r}) into no tokens; a model directory must hold its tokenizer's files", key=key)
 
 
 # ------------------------------------------------------------------------------ helpers --
