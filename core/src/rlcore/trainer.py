@@ -35,8 +35,8 @@ from rlcore.errors import CheckpointError, ConfigError, NonFiniteError, RolloutE
 from rlcore.export import MODEL_DIR, export_policy, write_run_config
 from rlcore.faults import fault_point
 from rlcore.platforms import resolve_device
-from rlcore.push import push_weights, rollout_metrics
 from rlcore.preflight import preflight
+from rlcore.push import push_weights, rollout_metrics
 from rlcore.ranks import SINGLE, Ranks, on_writer
 from rlcore.rewards import RewardCalls, score_on_writer
 from rlcore.rollout_seeds import step_seed
