@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlcore import trainer as trainer_mod
+from rlcore import run_report as run_report_mod
 from rlcore.cli import main
 from rlcore.errors import ConfigError
 from rlcore.export import begin_dir, write_dir
@@ -48,14 +48,14 @@ def run(tmp_path_factory):
     """A finished run: (trainer, run directory, plot titles)."""
     out = tmp_path_factory.mktemp("export") / "run"
     titles: list[str] = []
-    real_plot = trainer_mod.plot_rewards
+    real_plot = run_report_mod.plot_rewards
 
     def plot_spy(out_dir, title=""):
         titles.append(title)
         return real_plot(out_dir, title=title)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer_mod, "plot_rewards", plot_spy)
+        mp.setattr(run_report_mod, "plot_rewards", plot_spy)
         trainer = Trainer(load_stack(TINY, SMALL + [f"output.dir={out}"]))
         summary = trainer.run()
     assert summary["completed"] and summary["steps"] == 3

@@ -43,16 +43,15 @@ from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
     NullMetrics,
-    checkpoint_hf_dir,
     RunDirectory,
+    checkpoint_hf_dir,
     is_committed,
     load_checkpoint,
-    plot_rewards,
     prepare_output_dir,
     quiet_transformers,
-    read_metrics,
     save_checkpoint,
 )
+from rlcore.run_report import RunReport
 from rlcore.run_stop import StopSignals
 from rlcore.stack import Stack, check_engine_head, config_yaml
 from rlcore.sync import sync_level
@@ -167,26 +166,13 @@ class Trainer:
         self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
         self.router = self.pm.router_hook if self.pm.has_router_hooks() else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.output.tensorboard) if ranks.writer else NullMetrics()
+        self.report = RunReport(self.console, stack, self.algorithm_spec.name, self.out)
         self.step = 0
         self.version = 0
         self.wall_before = 0.0  # wall seconds of earlier (resumed) segments
         self.release_kv = False
 
     # ----------------------------------------------------------------------------- setup --
-
-    def _banner(self) -> None:
-        s = self.stack
-        plugins = ", ".join(f"{n}-{self.pm.plugin_label(n).split(' ')[-1]}" for n in self.pm.active)
-        self.console.print(f"[bold]rlcore {__version__}[/] | plugins: {plugins}")
-        self.console.print(
-            f"engine {s.engine.name} | forward {s.forward_fn.name} | rollout {s.rollout_backend.name} | "
-            f"sync {s.weight_sync.name} | algorithm {self.algorithm_spec.name} ({self.cfg.algorithm.loss_agg}) | "
-            f"output {self.out}"
-        )
-        for note in s.notes:
-            self.console.print(f"[yellow]note:[/] {note}")
-        if self.metrics.tb_note:
-            self.console.print(f"[yellow]note:[/] {self.metrics.tb_note}")
 
     def _start_backend(self) -> None:
         self._check_weights_finite("rollout engine starts from them", hint="the model loaded (engine.model.path, or "
@@ -202,14 +188,14 @@ class Trainer:
         reasons = self.backend.lacking() if hasattr(self.backend, "lacking") else {}
         for cap in lost:
             why = reasons.get(cap, "not available in this running instance")
-            self.console.print(f"[yellow]note:[/] rollout backend {self.stack.rollout_backend.name!r} lacks {cap!r}: {why}")
+            self.report.note(f"rollout backend {self.stack.rollout_backend.name!r} lacks {cap!r}: {why}")
         mode = self.cfg.rollout.release_kv_cache
         can = Cap.RELEASE_KV_CACHE in runtime
         if mode == "always" and not can:
             raise RolloutError("rollout.release_kv_cache is 'always' but the backend cannot release its KV cache here")
         self.release_kv = mode != "never" and can
         if mode == "auto" and not can:
-            self.console.print("[yellow]note:[/] KV cache stays resident during weight sync (backend cannot release it)")
+            self.report.note("KV cache stays resident during weight sync (backend cannot release it)")
         if self.cfg.rollout.return_routed_experts and Cap.ROUTED_EXPERTS not in runtime:
             raise RolloutError("rollout.return_routed_experts is set but the backend cannot return routed experts here")
 
@@ -235,7 +221,7 @@ class Trainer:
         self.step = step + 1
         self.metrics.truncate_after(step)
         for d in diffs:
-            self.console.print(f"[yellow]note:[/] --allow-config-change: {d}")
+            self.report.note(f"--allow-config-change: {d}")
         self.console.print(f"resumed from step {step} (weight version {self.version}, {path})")
 
     def _checkpoint(self, wall: float) -> None:
@@ -529,7 +515,7 @@ class Trainer:
         try:
             if self.resume:
                 self._restore()
-            self._banner()
+            self.report.banner([self.metrics.tb_note])
             self._start_backend()
             started = completed = self.stop.stepping = True
             t_start = time.perf_counter()
@@ -571,10 +557,8 @@ class Trainer:
                     "tokens_per_second": m["tokens"] / max(step_s, 1e-9),
                     **self.push_metrics,
                 })
-                if report.details.get("draft_warning"):
-                    self.console.print(f"[bold red]warning:[/] {report.details['draft_warning']}")
                 self.metrics.write(m)
-                self._progress(m, report)
+                self.report.step(m, report)
                 if cfg.output.checkpoint_every and (self.step + 1) % cfg.output.checkpoint_every == 0:
                     self._checkpoint(wall)
                 self.step += 1
@@ -591,7 +575,7 @@ class Trainer:
             self.backend.shutdown()
             self.sync.close()
             self._end_run(started)
-        summary = self._summary(completed) if self.ranks.writer else {"completed": completed, "rank": self.ranks.rank}
+        summary = self.report.summary(completed) if self.ranks.writer else {"completed": completed, "rank": self.ranks.rank}
         return dict(summary, stopped_by=None if completed else self.stop.requested)
 
     def _end_run(self, started: bool) -> None:
@@ -605,35 +589,3 @@ class Trainer:
             self.step -= 1
             self._checkpoint(wall)
             self.step += 1
-
-    def _progress(self, m: dict[str, Any], report: Any) -> None:
-        level = sync_level(report)
-        ok = f"[green]✓ {level}[/]" if report.verified else f"[yellow]unverified ({level})[/]"
-        self.console.print(
-            f"step {m['step']:4d}/{self.cfg.training.steps}  reward {m['reward_mean']:.3f}  "
-            f"kl {m.get('kl', 0.0):.4f}  entropy {m.get('entropy', 0.0):.3f}  "
-            f"tok/s {m['tokens_per_second']:7.0f}  sync {report.seconds * 1e3:6.1f} ms {ok} v{report.version}  "
-            f"wall {m['wall_seconds']:.1f}s"
-        )
-
-    def _summary(self, completed: bool) -> dict[str, Any]:
-        rows = read_metrics(self.out)
-        png = plot_rewards(self.out, title=f"rlcore {self.algorithm_spec.name} ({self.cfg.algorithm.loss_agg}) · "
-                           f"{self.stack.engine.name}/{self.stack.rollout_backend.name}") if self.cfg.output.plot else None
-        skipped = sum(1 for r in rows if "skipped" in r)
-        summary: dict[str, Any] = {"completed": completed, "steps": len(rows), "skipped": skipped, "output": str(self.out)}
-        rows = [r for r in rows if "reward_mean" in r]
-        if rows:
-            k = min(5, len(rows))
-            summary.update({
-                "start_reward": sum(r["reward_mean"] for r in rows[:k]) / k,
-                "end_reward": sum(r["reward_mean"] for r in rows[-k:]) / k,
-                "wall_seconds": rows[-1]["wall_seconds"],
-                "plot": str(png) if png else None,
-            })
-            self.console.print(
-                f"[bold]done[/]: {len(rows)} steps, reward {summary['start_reward']:.3f} (first {k}) -> "
-                f"{summary['end_reward']:.3f} (last {k}), wall {summary['wall_seconds']:.1f}s; "
-                f"metrics {self.out / 'metrics.jsonl'}" + (f", plot {png}" if png else "")
-            )
-        return summary

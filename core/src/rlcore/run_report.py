@@ -1,0 +1,74 @@
+"""What a run tells its user: the banner, one line per step, and the closing summary (with the
+reward plot). The loop in rlcore.trainer decides; this module only words it, so a change of
+wording never touches the loop and the loop stays free of formatting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+
+from rlcore import __version__
+from rlcore.run_output import METRICS_FILE, plot_rewards, read_metrics
+from rlcore.sync import sync_level
+
+
+class RunReport:
+    def __init__(self, console: Any, stack: Any, algorithm_name: str, out: Path):
+        self.console, self.stack, self.out = console, stack, out
+        self.cfg = stack.config
+        self.algorithm = f"{algorithm_name} ({self.cfg.algorithm.loss_agg})"
+
+    def note(self, text: str) -> None:
+        # a note may name an extra, e.g. rlcore[tensorboard]: escaped, it is not markup
+        self.console.print(f"[yellow]note:[/] {escape(text)}")
+
+    def banner(self, extra_notes: list[str]) -> None:
+        s, pm = self.stack, self.stack.plugins
+        plugins = ", ".join(f"{n}-{pm.plugin_label(n).split(' ')[-1]}" for n in pm.active)
+        self.console.print(f"[bold]rlcore {__version__}[/] | plugins: {plugins}")
+        self.console.print(
+            f"engine {s.engine.name} | forward {s.forward_fn.name} | rollout {s.rollout_backend.name} | "
+            f"sync {s.weight_sync.name} | algorithm {self.algorithm} | output {self.out}"
+        )
+        for text in [*s.notes, *(n for n in extra_notes if n)]:
+            self.note(text)
+
+    def step(self, m: dict[str, Any], report: Any) -> None:
+        if report.details.get("draft_warning"):
+            self.console.print(f"[bold red]warning:[/] {escape(report.details['draft_warning'])}")
+        level = sync_level(report)
+        ok = f"[green]✓ {level}[/]" if report.verified else f"[yellow]unverified ({level})[/]"
+        self.console.print(
+            f"step {m['step']:4d}/{self.cfg.training.steps}  reward {m['reward_mean']:.3f}  "
+            f"kl {m.get('kl', 0.0):.4f}  entropy {m.get('entropy', 0.0):.3f}  "
+            f"tok/s {m['tokens_per_second']:7.0f}  sync {report.seconds * 1e3:6.1f} ms {ok} v{report.version}  "
+            f"wall {m['wall_seconds']:.1f}s"
+        )
+
+    def summary(self, completed: bool) -> dict[str, Any]:
+        """The summary ``Trainer.run`` returns, printed as one line; the plot written when asked."""
+        rows = read_metrics(self.out)
+        png = None
+        if self.cfg.output.plot:
+            s = self.stack
+            png = plot_rewards(self.out, title=f"rlcore {self.algorithm} · {s.engine.name}/{s.rollout_backend.name}")
+        skipped = sum(1 for r in rows if "skipped" in r)
+        summary: dict[str, Any] = {"completed": completed, "steps": len(rows), "skipped": skipped, "output": str(self.out)}
+        rows = [r for r in rows if "reward_mean" in r]
+        if rows:
+            k = min(5, len(rows))
+            summary.update({
+                "start_reward": sum(r["reward_mean"] for r in rows[:k]) / k,
+                "end_reward": sum(r["reward_mean"] for r in rows[-k:]) / k,
+                "wall_seconds": rows[-1]["wall_seconds"],
+                "plot": str(png) if png else None,
+            })
+            word = "done" if completed else "stopped"
+            self.console.print(
+                f"[bold]{word}[/]: {len(rows)} steps, reward {summary['start_reward']:.3f} (first {k}) -> "
+                f"{summary['end_reward']:.3f} (last {k}), wall {summary['wall_seconds']:.1f}s; "
+                f"metrics {self.out / METRICS_FILE}" + (f", plot {png}" if png else "")
+            )
+        return summary
