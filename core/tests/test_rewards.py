@@ -283,3 +283,13 @@ def test_data_parallel_ranks_score_on_the_writer_and_all_stop_on_its_error(tmp_p
                                        "judge unavailable"), got
         assert "sample 0 of step 1" in got[rank][1], got
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0]
+
+
+def test_nonfinite_error_crosses_a_process_boundary_with_its_fields():
+    """Ranks and Ray actors pickle the error the writer raised; it kept only its message before."""
+    import pickle
+
+    from rlcore.errors import NonFiniteError
+
+    back = pickle.loads(pickle.dumps(NonFiniteError("reward of sample 3 is nan", what="reward", skippable=True)))
+    assert (str(back), back.what, back.skippable) == ("reward of sample 3 is nan", "reward", True)

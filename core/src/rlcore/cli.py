@@ -115,7 +115,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         with StopToException():  # SIGTERM while the trainer is built unwinds like Ctrl-C (its clean-up runs)
             if stack.config.cluster.backend == "ray":
                 from rlcore.cluster.ray_launch import train_on_ray
+                from rlcore.preflight import preflight
 
+                preflight(stack)  # on the driver too: a bad config fails here, not inside every actor
                 summary = train_on_ray(stack, **flags)
             else:
                 from rlcore.cluster.worker import refuse_foreign_launcher

@@ -84,10 +84,14 @@ class NonFiniteError(RLCoreError):
         self.what = what
         self.skippable = skippable
 
+    def __reduce__(self):  # picklable with its fields: ranks and Ray actors pass it on
+        return (type(self), (str(self), self.what, self.skippable))
+
 
 class RewardError(RLCoreError):
-    """A reward function returned something that is not a real number; the message names the
-    function and the sample."""
+    """A reward function failed: it returned something that is not a real number a float32 can
+    hold, raised, or did not return within ``data.reward_timeout_seconds``; the message names the
+    function, the sample and the step."""
 
 
 class RunOutputError(RLCoreError):
