@@ -131,11 +131,19 @@ def test_pip_install_from_wheels_into_a_fresh_venv(wheel_dir, tmp_path):
     assert all(str(venv) in line for line in where.split()), where
     _run([str(venv / "bin" / "rlcore"), "check", str(ROOT / "examples" / "tiny.yaml")], cwd=tmp_path)
     # rlcore-npu never pulls torch_npu (it breaks `import torch` where Ascend's CANN is absent), and
-    # `rlcore check` resolves the npu platform without importing it
+    # the stack resolves the npu platform without importing it, and `rlcore check` on this machine
+    # (no Ascend device) refuses the device in one line, as `rlcore train` would
     probe = ("import importlib.util, torch; assert importlib.util.find_spec('torch_npu') is None; "
              "print(torch.__version__)")
     _run([py, "-c", probe])
     npu_cfg = tmp_path / "npu.yaml"
     npu_cfg.write_text("plugins: [npu]\nengine: {device: npu}\n")
-    shown = json.loads(_run([str(venv / "bin" / "rlcore"), "check", str(npu_cfg), "--json"], cwd=tmp_path).stdout)
-    assert (shown["platform"]["name"], shown["platform"]["dist_backend"]) == ("npu", "hccl")
+    resolve = ("import json, sys; from rlcore.stack import load_stack; "
+               "print(json.dumps(load_stack(sys.argv[1]).describe()['platform']))")
+    shown = json.loads(_run([py, "-c", resolve, str(npu_cfg)], cwd=tmp_path).stdout)
+    assert (shown["name"], shown["dist_backend"]) == ("npu", "hccl")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "RLCORE_PLUGINS")}
+    refused = subprocess.run([str(venv / "bin" / "rlcore"), "check", str(npu_cfg)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "rlcore: error: engine.device=npu" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
