@@ -35,6 +35,9 @@ class RunReport:
         for text in [*s.notes, *(n for n in extra_notes if n)]:
             self.note(text)
 
+    def skipped(self, step: int, why: Exception) -> None:
+        self.console.print(f"[yellow]step {step:4d} skipped:[/] {escape(str(why))}")
+
     def step(self, m: dict[str, Any], report: Any) -> None:
         if report.details.get("draft_warning"):
             self.console.print(f"[bold red]warning:[/] {escape(report.details['draft_warning'])}")

@@ -536,7 +536,7 @@ class Trainer:
                         self.metrics.write(dict(record, stopped=str(exc)))
                         raise
                     self.metrics.write(dict(record, skipped=str(exc)))
-                    self.console.print(f"[yellow]step {self.step:4d} skipped:[/] {exc}")
+                    self.report.skipped(self.step, exc)
                     self.step += 1
                     continue
                 self.version += 1
