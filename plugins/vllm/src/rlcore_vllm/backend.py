@@ -110,6 +110,8 @@ class VLLMBackend:
         self._raw_logprobs = False
         self.vocab_size = 0
         self._memory_metrics: dict[str, float] = {}
+        #: what vllm.sleep_for_training released after the last generate (not core's release_memory)
+        self._training_released: set[str] = set()
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -159,6 +161,10 @@ class VLLMBackend:
         self._caps = runtime_backend_capabilities(self.is_cpu, bool(kw.get("enable_sleep_mode")),
                                                   bool(kw.get("enable_return_routed_experts")),
                                                   "speculative_config" in kw)
+        if self.settings.sleep_for_training and Cap.RELEASE_WEIGHTS not in self._caps:
+            reason = self.lacking().get(Cap.RELEASE_WEIGHTS, "no sleep mode")
+            self.shutdown()
+            raise RolloutError(f"vllm.sleep_for_training needs vLLM's sleep mode, which this engine lacks: {reason}")
         self._raw_logprobs = kw.get("logprobs_mode") == "raw_logprobs"
         self._version = self._start_version = int(version)
         self._draft_version = int(version) if self.mtp else None
@@ -221,6 +227,8 @@ class VLLMBackend:
         engine = self._require_engine()
         if self._paused:
             raise RolloutError("vllm backend is paused; resume() it before generate()")
+        if self._training_released:  # asleep since the last generate (vllm.sleep_for_training)
+            self._wake(sorted(self._training_released) + ["scheduling"], "rollout/wake_seconds")
         if self._released:
             raise RolloutError(f"vllm backend has released {sorted(self._released)}; resume_memory() first")
         if self._push_version is not None:
@@ -275,7 +283,30 @@ class VLLMBackend:
                     finish_reason="stop" if c["finish_reason"] == "stop" else str(c["finish_reason"]),
                     routed_experts=routes,
                 ))
+        if self.settings.sleep_for_training:
+            self._sleep_for_training()
         return samples
+
+    def _sleep_for_training(self) -> None:
+        """Level 1 after a rollout: weights to host memory, KV cache released, so the trainer has
+        the GPU memory; measured (``rollout/sleep_freed_bytes``, ``rollout/sleep_seconds``)."""
+        engine = self._require_engine()
+        t0 = time.perf_counter()
+        free_before = cuda_free_bytes()
+        engine.sleep(level=1)
+        free_after = cuda_free_bytes()
+        self._training_released = {"weights", "kv_cache"}
+        self._released |= self._training_released
+        self._rollout_metrics["rollout/sleep_seconds"] = time.perf_counter() - t0
+        if free_before is not None and free_after is not None:
+            self._rollout_metrics["rollout/sleep_freed_bytes"] = float(free_after - free_before)
+
+    def _wake(self, tags: list[str], metric: str) -> None:
+        t0 = time.perf_counter()
+        self._require_engine().wake_up(tags)
+        self._rollout_metrics[metric] = time.perf_counter() - t0
+        self._released -= set(tags)
+        self._training_released -= set(tags)
 
     def _tempered(self, ids: list[int], tops: list[dict[int, float]], temperature: float, index: int) -> list[float]:
         """The sampled tokens' log-probs under ``softmax(logits / temperature)``, from vLLM's
@@ -340,6 +371,13 @@ class VLLMBackend:
         for tag in sorted(tags):
             if needed[tag] not in self._caps:
                 raise RolloutError(f"vllm backend cannot release {tag!r} here: {self.lacking().get(needed[tag])}")
+        if self._training_released:
+            # asleep since the rollout (vllm.sleep_for_training): the push needs the weights back;
+            # the KV cache stays released, as asked, until resume_memory
+            if "weights" not in tags:
+                self._wake(["weights"], "rollout/wake_weights_seconds")
+            self._training_released.clear()
+            return
         free_before = cuda_free_bytes()
         if "weights" in tags:
             # level 1: weights to host memory, KV cache dropped. Never level 2, which discards
@@ -366,8 +404,11 @@ class VLLMBackend:
         wake = sorted(set(tags) & self._released)
         if not wake:
             return
+        t0 = time.perf_counter()
         engine.wake_up(wake + (["scheduling"] if set(wake) >= {"kv_cache"} and "weights" not in self._released else []))
         self._released -= set(wake)
+        self._rollout_metrics["rollout/wake_kv_seconds" if wake == ["kv_cache"] else "rollout/wake_seconds"] = \
+            time.perf_counter() - t0
 
     def reset_prefix_cache(self) -> None:
         engine = self._require_engine()
@@ -383,6 +424,8 @@ class VLLMBackend:
         self._require_engine()
         if self._push_version is not None:
             raise RolloutError(f"a push of weight version {self._push_version} is already in progress")
+        if "weights" in self._training_released:  # asleep since the rollout and core released nothing:
+            self._wake(["weights"], "rollout/wake_weights_seconds")  # the KV cache wakes at the next generate
         self._push_version = int(version)
 
     def commit_push(self, version: int, draft_version: int | None = None) -> None:

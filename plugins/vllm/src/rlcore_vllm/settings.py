@@ -11,7 +11,7 @@ from rlcore.serving import LOOPBACK, check_bind_host
 from rlcore_vllm.speculative import check_speculative
 
 MODES = ("offline", "http")
-TRANSPORTS = ("auto", "shm", "nccl", "ipc")
+TRANSPORTS = ("auto", "shm", "cuda_ipc", "nccl", "ipc")
 #: server flags rlcore sets from its own settings; ``engine_args`` may not set them again
 OWNED_SERVER_ARGS = {"host": "vllm.host", "port": "vllm.port", "served_model_name": "(rlcore's own name)"}
 
@@ -35,8 +35,15 @@ class VLLMSettings:
       from ``gpu_memory_utilization``, which on CPU is a fraction of host RAM.
     * ``transport``: how weights reach the engine. ``shm``: core buckets in shared memory, loaded
       by rlcore's worker extension through vLLM's layerwise reload (works on every platform);
-      ``nccl`` / ``ipc``: vLLM's native weight-transfer API (GPU only). ``auto``: ``ipc`` when
-      trainer and engine share a GPU, else ``shm``.
+      ``cuda_ipc``: the same worker path and checks (``coverage+exact``), the buckets built on the
+      trainer's GPU and opened in vLLM's worker by CUDA IPC (offline engine on the same GPU);
+      ``nccl`` / ``ipc``: vLLM's native weight-transfer API (GPU only; verified by a probe only).
+      ``auto``: ``cuda_ipc`` when trainer and engine share a GPU, else ``shm``.
+    * ``sleep_for_training``: after every ``generate``, put the engine to sleep (level 1: weights
+      to host memory, KV cache released) so that training has the GPU memory; the weights come
+      back before the next push, the KV cache after it. The memory freed and the sleep / wake
+      seconds are logged (``rollout/sleep_freed_bytes``, ``rollout/sleep_seconds``,
+      ``rollout/wake_weights_seconds``, ``rollout/wake_kv_seconds``). Needs sleep mode (GPU).
     * ``nccl_master_address`` / ``nccl_master_port``: rendezvous of the ``nccl`` transport.
     * ``draft_phase``: after the target model, push again into the speculative (MTP) draft
       (vLLM's ``start_draft_weight_update``), with the tensors whose names start with one of
@@ -67,6 +74,7 @@ class VLLMSettings:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = True
+    sleep_for_training: bool = False
     seed: int = 0
     transport: str = "auto"
     nccl_master_address: str = "127.0.0.1"
@@ -101,6 +109,13 @@ def check_settings(settings: Any, config: Any = None) -> None:
                           key="vllm.gpu_memory_utilization")
     if settings.kv_cache_gib < 0:
         raise ConfigError("bad value for config key 'vllm.kv_cache_gib': must be >= 0", key="vllm.kv_cache_gib")
+    if settings.transport == "cuda_ipc" and settings.mode != "offline":
+        raise ConfigError("bad value for config key 'vllm.transport': 'cuda_ipc' needs vllm.mode 'offline' (the "
+                          "engine on this machine's GPU, colocated); a server receives weights by 'shm' or 'nccl'",
+                          key="vllm.transport")
+    if settings.sleep_for_training and not settings.enable_sleep_mode:
+        raise ConfigError("bad value for config key 'vllm.sleep_for_training': needs vllm.enable_sleep_mode true",
+                          key="vllm.sleep_for_training")
     check_bind_host(settings.host, "vllm.host")
     if not 0 < settings.port < 65536:
         raise ConfigError(f"bad value for config key 'vllm.port': {settings.port}; expected a TCP port in 1..65535",
@@ -142,8 +157,8 @@ def check_ray_replicas(settings: Any, config: Any) -> None:
 
 
 def choose_transport(settings: Any, config: Any = None) -> str:
-    """``vllm.transport`` resolved: ``auto`` is ``shm`` for Ray rollout replicas; otherwise ``ipc``
-    when the trainer runs on a GPU and the engine is offline (colocated), else ``shm``."""
+    """``vllm.transport`` resolved: ``auto`` is ``shm`` for Ray rollout replicas; otherwise
+    ``cuda_ipc`` when the trainer runs on a GPU and the engine is offline (colocated), else ``shm``."""
     if settings.transport != "auto":
         return settings.transport
     if config is not None and runs_as_ray_replicas(config):
@@ -153,5 +168,5 @@ def choose_transport(settings: Any, config: Any = None) -> str:
         import torch
 
         if torch.cuda.is_available():
-            return "ipc"
+            return "cuda_ipc"
     return "shm"

@@ -40,7 +40,12 @@ from rlcore.types import SyncReport
 
 from rlcore_vllm import native
 from rlcore_vllm.backend import VLLMBackend
-from rlcore_vllm.bucket_requests import bucket_request, check_finish_reports, check_read_back
+from rlcore_vllm.bucket_requests import (
+    bucket_request,
+    check_finish_reports,
+    check_read_back,
+    cuda_bucket_request,
+)
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
 from rlcore_vllm.shm import SharedBucketPool
 from rlcore_vllm.speculative import check_draft_current, skips_draft
@@ -89,7 +94,7 @@ class VLLMWeightSync:
         target.begin_push(version)
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
         try:
-            if self.transport == "shm":
+            if self.transport in ("shm", "cuda_ipc"):
                 checked, details = self._push_shm(weights, target, version, stats)
             else:
                 checked, details = self._push_native(weights, target, version, stats)
@@ -127,8 +132,21 @@ class VLLMWeightSync:
         return report
 
     def _push_shm(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
-        if self.pool is None:
-            self.pool = SharedBucketPool()
+        """The worker path: ``shm`` (buckets in shared host memory) or ``cuda_ipc`` (buckets on the
+        trainer's GPU, opened by the worker through CUDA IPC); the checks are the same."""
+        cuda = self.transport == "cuda_ipc"
+        if cuda:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError("vllm.transport 'cuda_ipc' needs the trainer on a CUDA GPU (engine.device=cuda); "
+                                   "use 'shm' otherwise")
+            device = torch.device("cuda", torch.cuda.current_device())
+            buckets = iter_buckets(weights, self.bucket_bytes, device=device)
+        else:
+            if self.pool is None:
+                self.pool = SharedBucketPool()
+            buckets = iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=self.pool.allocate)
         pool = self.pool
         # seconds per phase: trainer side (fill = export + copy into shared memory, checksum,
         # rpc = each bucket's collective_rpc round trip), worker side (summed over workers' calls:
@@ -146,18 +164,23 @@ class VLLMWeightSync:
         pending_copies = 0
         t_load = 0.0
         try:
-            for bucket in timed(iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=pool.allocate),
-                                phases, "fill"):
-                seg = pool.segment_of(bucket.buffer)
+            for bucket in timed(buckets, phases, "fill"):
                 if self.verify:
                     tc = time.perf_counter()
                     sums = bucket.checksums()
                     sent.update(sums)
                     phases["checksum"] += time.perf_counter() - tc
                 t1 = time.perf_counter()
-                results = target.rpc("rlcore_load_bucket", bucket_request(bucket, seg.path, seg.capacity, self.verify))
+                if cuda:
+                    torch.cuda.current_stream().synchronize()  # the bucket's copies are done before the worker reads
+                    # the worker copies what it keeps and synchronises before returning: the buffer is free
+                    results = target.rpc("rlcore_load_bucket", cuda_bucket_request(bucket, self.verify))
+                else:
+                    seg = pool.segment_of(bucket.buffer)
+                    results = target.rpc("rlcore_load_bucket", bucket_request(bucket, seg.path, seg.capacity,
+                                                                              self.verify))
+                    pool.release(bucket.buffer)
                 t_load += time.perf_counter() - t1
-                pool.release(bucket.buffer)
                 for res in results:
                     pending_copies += int(res.get("pending_copies", 0))
                     for k, v in res.get("seconds", {}).items():
@@ -168,6 +191,8 @@ class VLLMWeightSync:
                 stats["tensors"] += len(bucket.metas)
                 stats["buckets"] += 1
             phases["rpc"] = t_load
+            if cuda:
+                torch.cuda.ipc_collect()  # the workers closed their handles: free the buckets' memory
             tfin = time.perf_counter()
             finish = target.rpc("rlcore_finish_update", {"version": version})
             phases["finish"] = time.perf_counter() - tfin
@@ -181,7 +206,8 @@ class VLLMWeightSync:
             draft = draft_details(finish, target, version, skip_draft)
             target.rpc("rlcore_commit_update", {"version": version})
         except BaseException as exc:
-            pool.release_all()
+            if pool is not None:
+                pool.release_all()
             try:  # the workers keep refusing, naming the partial version and why
                 target.rpc("rlcore_abort_update", {"reason": f"{type(exc).__name__}: {exc}"[:500]})
             except Exception:  # noqa: BLE001 - the original error is the one to report
@@ -194,7 +220,8 @@ class VLLMWeightSync:
                    "phases": phases, "worker_phases": worker, "read_back": read_back["read_back"],
                    "unreadable": dict(list(read_back["unreadable"].items())[:10]),
                    "checks": checks, "tied_refreshed": sorted({n for f in finish for n in f.get("refreshed", [])}),
-                   "shm_resident_bytes": pool.resident_bytes, "moe_fix": any(w.get("moe_fix") for w in workers)}
+                   "shm_resident_bytes": pool.resident_bytes if pool is not None else 0,
+                   "moe_fix": any(w.get("moe_fix") for w in workers)}
         return (len(sent) if self.verify else 0), details
 
     # ------------------------------------------------------- Ray rollout replicas -----

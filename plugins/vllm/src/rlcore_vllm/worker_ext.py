@@ -99,12 +99,14 @@ def _no_mtp_completeness_check():
     return disable_mtp_completeness_check()
 
 
-def _detach_pending_views(lo: int, hi: int, readback: ReadBack | None = None) -> int:
-    """Copy out tensors that layerwise reload still buffers and that alias ``[lo, hi)``.
+def _detach_pending_views(lo: int, hi: int, readback: ReadBack | None = None, device_type: str = "cpu") -> int:
+    """Copy out tensors that layerwise reload still buffers and that alias ``[lo, hi)`` (a shared
+    segment, or with ``device_type`` ``cuda`` the trainer's GPU bucket opened by CUDA IPC).
 
     Layerwise reload keeps each layer's loader arguments until the layer's last weight arrives;
-    a layer split across buckets would replay them after the trainer reused the segment for a
-    later bucket. Only those (few) tensors are cloned; the rest load zero-copy.
+    a layer split across buckets would replay them after the trainer reused the segment (or
+    freed the GPU bucket) for a later bucket. Only those (few) tensors are cloned; the rest load
+    zero-copy.
     """
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
@@ -112,12 +114,32 @@ def _detach_pending_views(lo: int, hi: int, readback: ReadBack | None = None) ->
     for info in list(LAYERWISE_INFO.values()):
         for _, bound in info.loaded_weights:
             for key, value in bound.arguments.items():
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and lo <= value.data_ptr() < hi:
+                if isinstance(value, torch.Tensor) and value.device.type == device_type and lo <= value.data_ptr() < hi:
                     bound.arguments[key] = value.clone()
                     if readback is not None:
                         readback.moved(value, bound.arguments[key])
                     copied += 1
     return copied
+
+
+def open_cuda_ipc(handle_b64: str) -> torch.Tensor:
+    """The trainer's GPU bucket buffer, opened in this worker from its CUDA IPC handle
+    (``{gpu_uuid: rebuild_cuda_tensor args}``, base64 pickle; sent by rlcore's own trainer over
+    the offline engine's RPC). The buffer must live on this worker's GPU."""
+    import base64
+    import pickle
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    handles = pickle.loads(base64.b64decode(handle_b64))  # noqa: S301 - rlcore's trainer, offline engine only
+    device = torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    if uuid not in handles:
+        raise RuntimeError(f"rlcore: the bucket lives on GPU {list(handles)}, this worker on {uuid}: 'cuda_ipc' "
+                           f"needs trainer and engine on the same GPU (use 'shm' otherwise)")
+    args = list(handles[uuid])
+    args[6] = device  # rebuild_cuda_tensor's device index: this process's numbering
+    return rebuild_cuda_tensor(*args)
 
 
 def _manifest_of(model_path: str) -> WeightManifest | None:
@@ -258,7 +280,8 @@ class RLCoreWorkerExtension:
                 manifest.check((name, shape) for name, _, shape, _, _ in req["tensors"])
             except WeightSyncError as exc:
                 raise ValueError(f"rlcore: {exc}") from None
-        buf = self._rlcore_segment(req["path"], int(req["capacity"]))
+        cuda = "cuda_ipc" in req
+        buf = open_cuda_ipc(req["cuda_ipc"]) if cuda else self._rlcore_segment(req["path"], int(req["capacity"]))
         views = []
         for name, dtype, shape, offset, nbytes in req["tensors"]:
             views.append((name, buf[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)))
@@ -289,7 +312,10 @@ class RLCoreWorkerExtension:
             state["loaded"].update(loaded)
         state["received"].update(name for name, _ in views)
         t3 = time.perf_counter()
-        copied = _detach_pending_views(buf.data_ptr(), buf.data_ptr() + buf.numel(), read_back)
+        copied = _detach_pending_views(buf.data_ptr(), buf.data_ptr() + buf.numel(), read_back, buf.device.type)
+        if cuda:  # the trainer frees the bucket once this returns: every copy from it must be done
+            torch.cuda.current_stream().synchronize()
+            del views, target_views, buf
         t4 = time.perf_counter()
         # seconds per phase in the worker: decode + manifest check + map, checksum, vLLM's loaders
         return {"checksums": checksums, "pending_copies": copied,
