@@ -37,5 +37,7 @@ EOF
 # VLLM_HOST_IP: on a machine without network vLLM cannot find an address of its own (it asks the
 # route to 8.8.8.8); loopback serves one host.
 export VLLM_HOST_IP="${VLLM_HOST_IP:-127.0.0.1}"
-VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 timeout -k 5 "${CHECK_LIMIT:-240}" \
+# VLLM_USE_FLASHINFER_SAMPLER=0: its top-k/top-p kernels are JIT-compiled (ninja, minutes) at the
+# first warm-up; vLLM samples with its own kernels instead
+VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 timeout -k 5 "${CHECK_LIMIT:-240}" \
   python3 "$(dirname "${BASH_SOURCE[0]}")/vllm_026_check.py" --dump-after "${CHECK_DUMP_AFTER:-100}"

@@ -14,6 +14,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # no network: vLLM cannot find an address of its own (it asks the route to 8.8.8.8); loopback serves one host
 export VLLM_HOST_IP="${VLLM_HOST_IP:-127.0.0.1}"
+# FlashInfer's top-k/top-p sampling kernels are JIT-compiled (ninja, minutes) on first use: vLLM's own instead
+export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}"
 log() { echo "$*" | tee -a "$OUT/log.txt"; }
 if [ "${INSTALL:-1}" = 1 ]; then
   CHECK="${CHECK:-1}" bash scripts/gpu/vllm_026_install.sh "${WHEEL_DIR:-/tmp/carry}" 2>&1 | tee -a "$OUT/log.txt"
@@ -24,8 +26,13 @@ export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 SMALL="engine.model.tiny.hidden_size=256 engine.model.tiny.num_layers=4 engine.model.tiny.num_heads=4 \
 engine.model.tiny.num_kv_heads=2 engine.model.tiny.intermediate_size=512 engine.model.tiny.vocab_size=0 \
 engine.model.tiny.tie_word_embeddings=false engine.model.tiny.init_std=0.08 training.lr=0.001 vllm.kv_cache_gib=2"
-RUNS="${RUNS:-small|$SMALL training.steps=8 rollout.max_new_tokens=8
-qwen05b|training.steps=5}"
+# the GPU path: buckets on the trainer's GPU opened by vLLM's worker through CUDA IPC, verified
+# coverage+exact; vLLM asleep (level 1) while the trainer trains. Call 2 of gpu_e2e.md ran
+# "small|$SMALL training.steps=8 rollout.max_new_tokens=8" and "qwen05b|training.steps=5" (shm, no sleep)
+IPC="vllm.transport=cuda_ipc vllm.sleep_for_training=true"
+RUNS="${RUNS:-small-ipc|$SMALL training.steps=8 rollout.max_new_tokens=8 $IPC
+qwen05b-ipc|training.steps=5 $IPC
+qwen05b-b64|training.steps=3 data.prompts_per_step=64 rollout.max_new_tokens=256 $IPC}"
 run_one() {  # name overrides...: one rlcore run; its stacks are dumped if it outlives RUN_LIMIT
   local name=$1; shift
   log "=== run $name: rlcore train examples/gpu_vllm.yaml $* ${EXTRA:-}"
