@@ -64,12 +64,15 @@ class AdvantageInput:
         reward (token-level estimators such as REINFORCE++ use these; outcome estimators use
         ``rewards``).
     :param logprobs: per sample, ``[n_i]`` rollout (behaviour) log-probs of the response.
+    :param values: per sample, ``[n_i]`` the critic's values at the response tokens, when the
+        algorithm trains one (PPO: settings with a ``critic`` group); ``None`` otherwise.
     """
 
     rewards: torch.Tensor
     groups: torch.Tensor
     token_rewards: Sequence[torch.Tensor]
     logprobs: Sequence[torch.Tensor]
+    values: Sequence[torch.Tensor] | None = None
 
     @property
     def response_lengths(self) -> list[int]:
