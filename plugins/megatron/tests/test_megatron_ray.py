@@ -83,6 +83,15 @@ def test_two_model_parallel_ranks_on_two_nodes_match_one_process(two_nodes, tmp_
     # only the writer wrote; the final checkpoint is one shard per rank plus the record
     ckpt = sorted(p.name for p in (tmp_path / "ray" / "checkpoints").iterdir())
     stem = f"step-{STEPS - 1:08d}"
-    assert ckpt == [f"{stem}.json", f"{stem}.pt", f"{stem}.rank_0-of-2.pt", f"{stem}.rank_1-of-2.pt"], ckpt
+    assert ckpt == [f"{stem}-hf", f"{stem}.json", f"{stem}.pt", f"{stem}.rank_0-of-2.pt", f"{stem}.rank_1-of-2.pt"], ckpt
+    # the trained model as HF, gathered over both ranks: every tensor, the same as the run's end
+    import torch
+    from safetensors.torch import load_file
+
+    final = load_file(str(tmp_path / "ray" / "model" / "model.safetensors"))
+    at_checkpoint = load_file(str(tmp_path / "ray" / "checkpoints" / f"{stem}-hf" / "model.safetensors"))
+    assert sorted(final) == sorted(at_checkpoint) and all(torch.equal(final[k], at_checkpoint[k]) for k in final)
+    one_final = load_file(str(tmp_path / "one" / "model" / "model.safetensors"))
+    assert sorted(final) == sorted(one_final), "the gathered export names every tensor one process exports"
     record = json.loads((tmp_path / "ray" / "checkpoints" / f"{stem}.json").read_text())
     assert record["shards"]["layout"][dim] == 2 and record["shards"]["layout"]["world"] == 2
