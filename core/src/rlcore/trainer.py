@@ -31,6 +31,7 @@ from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
 from rlcore.config import training_fingerprint
+from rlcore.critic import build_critic, checkpoint_entry, restore_critic
 from rlcore.errors import CheckpointError, ConfigError, NonFiniteError, RolloutError
 from rlcore.export import MODEL_DIR, export_policy, write_run_config
 from rlcore.faults import fault_point
@@ -156,6 +157,7 @@ class Trainer:
         a = cfg.algorithm
         self.algorithm_spec = stack.algorithm or self.pm.select("algorithm", a.name, key="algorithm.name")
         self.algorithm = self.algorithm_spec.factory(a)
+        self.critic = build_critic(self.engine, stack.engine.name, cfg)  # PPO's value model (rlcore/critic.py)
         self.objective = TokenObjective(
             self.algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
             kl_estimator=a.kl_estimator, entropy_coef=float(a.entropy_coef),
@@ -209,6 +211,7 @@ class Trainer:
         path = self.out / "checkpoints" / str(record["state_file"])
         try:  # a checkpoint of another model or engine fails here: name the file, not a traceback
             self.engine.load_state_dict(state["engine"])
+            restore_critic(self.critic, state)
             step = int(state["step"])
             self.version = int(state["version"])
             self.wall_before = float(state["wall_seconds"])
@@ -228,6 +231,7 @@ class Trainer:
         self._check_weights_finite("checkpoint")
         on_writer(self.ranks, lambda: save_checkpoint(self.out, {
             "engine": self.engine.state_dict(),
+            **checkpoint_entry(self.critic),
             "step": self.step,
             "version": self.version,
             "wall_seconds": wall,
@@ -421,6 +425,7 @@ class Trainer:
         problem = guards.advantages_problem(batch.fields["advantages"], batch.seq_fields.get("advantage"), rewards)
         if problem:
             raise self._nonfinite("advantages", problem)
+        metrics.update(self.critic.update(batch, self.step) if self.critic else {})  # before the policy's, as verl
         self.engine.train(True)
         # algorithm.updates_per_step > 1: PPO-style epochs over the step's batch; from the second
         # update on the ratio moves away from 1 and the losses' clipping rules differ
@@ -479,6 +484,7 @@ class Trainer:
         token_rewards, seq_rewards = shaped_rewards(rewards, counts, penalty, self.algorithm.token_level_rewards)
         inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
                              token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]))
+        inp = self.critic.advantage_input(batch, inp) if self.critic else inp  # PPO: values, returns
         adv = self.algorithm.advantages(inp)
         if len(adv) != len(samples) or [int(x.shape[0]) for x in adv] != counts:
             raise RuntimeError(

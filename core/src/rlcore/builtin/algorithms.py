@@ -11,6 +11,7 @@ from typing import Any
 
 from rlcore import PLUGIN_API, hookimpl
 from rlcore.algorithms.spec import Algorithm, AlgorithmSpec
+from rlcore.builtin import ppo
 from rlcore.errors import ConfigError
 
 __all__ = ["PLUGIN_API", "algorithm"]
@@ -199,3 +200,9 @@ def algorithm():
         loss_agg="token-mean", description="clipped, detached IS weight on REINFORCE (no token dropped)",
         source="MiniMax 2025, MiniMax-M1 (arXiv:2506.13585) eqs. 4-5",
     )
+    yield ppo.SPEC  # PPO with a critic: rlcore/builtin/ppo.py
+
+
+@hookimpl
+def constraints():
+    yield ppo.NEEDS_VALUE_MODEL

@@ -43,7 +43,7 @@ def engine():
     yield EngineSpec(
         name="hf",
         factory=_build,
-        capabilities={Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES},
+        capabilities={Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL},
         description="any transformers causal LM (CPU or GPU); tiny models created locally; MTP in MiMo's layout",
         platform_gaps=_gaps,
     )

@@ -40,7 +40,7 @@ from rlcore.types import (
     VocabShard,
 )
 
-HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES})
+HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL})
 
 
 class HFEngine:
@@ -187,6 +187,11 @@ class HFEngine:
             p.requires_grad_(False)
         return ref
 
+    def make_value_model(self, seed: int = 0) -> HFValueModel:
+        """A critic for PPO (``Cap.VALUE_MODEL``): a copy of the current policy's trunk with a
+        scalar head (:class:`HFValueModel`)."""
+        return HFValueModel(self, seed)
+
     # ----------------------------------------------------------------- weights -----------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -208,6 +213,65 @@ class HFEngine:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
+        if state.get("optimizer") is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+class HFValueModel:
+    """A separate critic (:class:`rlcore.types.value.ValueModel`): a deep copy of the policy
+    model, whose trunk (``base_model``) runs through :meth:`HFEngine.forward` (same packing,
+    same MoE seam, no router_hook chain), and a ``Linear(H, 1)`` head in fp32 on its final hidden
+    states. The head starts as OpenRLHF's value head (normal, std ``1/(H+1)``; bias 0), drawn
+    from its own generator (``seed``) so the policy's random stream is untouched. The copy's
+    LM head is never used nor trained (with untied embeddings it costs its memory, no optimizer
+    state)."""
+
+    def __init__(self, policy: HFEngine, seed: int = 0):
+        self.body = HFEngine(copy.deepcopy(policy.model), policy.tokenizer, policy.device)
+        hidden = self.body.info.hidden_size
+        self.head = torch.nn.Linear(hidden, 1, dtype=torch.float32)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(int(seed))
+            self.head.weight.copy_(torch.randn(1, hidden, generator=g) / (hidden + 1))
+            self.head.bias.zero_()
+        self.head.to(policy.device)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def values(self, batch: PackedBatch) -> torch.Tensor:
+        return self.head(self.body.forward(batch).hidden.float()).squeeze(-1)
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        yield from self.body.model.base_model.parameters()
+        yield from self.head.parameters()
+
+    def train(self, mode: bool = True) -> HFValueModel:
+        self.body.model.train(mode)
+        self.head.train(mode)
+        return self
+
+    def setup_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+        self.optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=float(lr),
+                                           betas=tuple(float(b) for b in betas), weight_decay=float(weight_decay))
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, grad_clip: float) -> float:
+        if self.optimizer is None:
+            raise RuntimeError("setup_optimizer() was not called")
+        params = [p for p in self.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        return float(norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trunk": self.body.model.base_model.state_dict(), "head": self.head.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.body.model.base_model.load_state_dict(state["trunk"])
+        self.head.load_state_dict(state["head"])
         if state.get("optimizer") is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 

@@ -89,6 +89,8 @@ class Cap:
     TENSOR_PARALLEL = "tensor_parallel"
     EXPERT_PARALLEL = "expert_parallel"
     PIPELINE_PARALLEL = "pipeline_parallel"
+    #: ``engine.make_value_model()`` builds a critic (:class:`rlcore.types.value.ValueModel`) for PPO
+    VALUE_MODEL = "value_model"
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""PPO with a critic on the embedded default: it learns, its value metrics are reported, the
+critic is checkpointed and resumed exactly (within one process), its settings are validated
+naming the key, and an engine that cannot build a value model is refused at check time."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from rlcore import PLUGIN_API, hookimpl
+from rlcore.cli import main
+from rlcore.errors import ConfigError, MissingCapabilityError
+from rlcore.run_output import read_metrics
+from rlcore.stack import load_config, load_stack, resolve
+from rlcore.types import Cap, EngineSpec
+
+TINY = str(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")
+CRITIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/explained_variance", "critic/values_mean",
+               "critic/returns_mean", "critic/grad_norm")
+
+
+def _train(out: Path, *overrides: str, resume: bool = False) -> int:
+    return main(["train", TINY, "--output", str(out), *(["--resume"] if resume else []), "algorithm.name=ppo",
+                 "output.plot=false", "output.progress=false", *overrides])
+
+
+def _mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def test_ppo_learns_on_the_embedded_default(tmp_path):
+    """~10 s: the successor task from chance level; the longer curve is docs/algorithms/ppo_tiny.png."""
+    assert _train(tmp_path / "run", "training.steps=45", "output.checkpoint_every=0") == 0
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 45
+    for key in CRITIC_KEYS:
+        assert all(key in r for r in rows), key
+    start, end = _mean(r["reward_mean"] for r in rows[:5]), _mean(r["reward_mean"] for r in rows[-8:])
+    print(f"ppo reward {start:.3f} (first 5 steps) -> {end:.3f} (last 8)")
+    assert start < 0.2 and end > start + 0.15
+    # the critic is trained: its loss falls from the first steps' (values start near 0)
+    assert rows[-1]["critic/grad_norm"] > 0
+
+
+def _critic_state(out: Path, step: int):
+    return torch.load(out / "checkpoints" / f"step-{step:08d}.pt", weights_only=False)
+
+
+def test_resume_reproduces_the_uninterrupted_run_with_the_critic(tmp_path):
+    """Same process, same machine: the resumed run's metrics and its final critic (weights and
+    AdamW state) are identical to the uninterrupted run's (torch.equal, compared in-process)."""
+    common = ("training.steps=6", "output.checkpoint_every=3", "data.prompts_per_step=4", "rollout.n=4",
+              "algorithm.updates_per_step=2")
+    assert _train(tmp_path / "full", *common) == 0
+    assert _train(tmp_path / "cut", *common[1:], "training.steps=3") == 0
+    assert _train(tmp_path / "cut", *common, resume=True) == 0
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert [r["step"] for r in cut] == list(range(6))
+    for a, b in zip(full, cut, strict=True):
+        for key in ("reward_mean", "loss", "grad_norm", *CRITIC_KEYS):
+            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} != {b[key]}"
+    a, b = _critic_state(tmp_path / "full", 5)["critic"], _critic_state(tmp_path / "cut", 5)["critic"]
+    assert a["optimizer"]["state"], "the critic's AdamW state is in the checkpoint"
+    for part in ("trunk", "head"):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), f"critic {part}.{k}"
+    for i, st in a["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), f"critic optimizer state {i}.{k}"
+
+
+def test_checkpoint_without_a_critic_does_not_resume_a_ppo_run(tmp_path):
+    assert main(["train", TINY, "--output", str(tmp_path), "training.steps=1", "output.checkpoint_every=1",
+                 "output.plot=false", "output.progress=false", "data.prompts_per_step=2", "rollout.n=2"]) == 0
+    code = _train(tmp_path, "training.steps=2", "output.checkpoint_every=1", "data.prompts_per_step=2", "rollout.n=2",
+                  "--allow-config-change", resume=True)
+    assert code != 0
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("algorithm.critic.cliprange_value=-0.1", "algorithm.critic.cliprange_value"),
+    ("algorithm.critic.lr=-1", "algorithm.critic.lr"),
+    ("algorithm.critic.grad_clip=-2", "algorithm.critic.grad_clip"),
+    ("algorithm.lam=1.5", "algorithm.lam"),
+    ("algorithm.gamma=-0.1", "algorithm.gamma"),
+    ("algorithm.critic.no_such=1", "algorithm.critic.no_such"),
+    ("algorithm.critic.lr=fast", "algorithm.critic.lr"),
+])
+def test_ppo_settings_errors_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
+        load_stack(TINY, ["algorithm.name=ppo", override])
+    assert err.value.key == key
+
+
+def test_critic_settings_belong_to_ppo_only():
+    with pytest.raises(ConfigError, match=r"algorithm\.critic") as err:
+        load_stack(TINY, ["algorithm.critic.lr=0.1"])  # grpo trains no critic: not silently ignored
+    assert err.value.key == "algorithm.critic"
+    cfg = load_stack(TINY, ["algorithm.name=ppo"]).config
+    assert (cfg.algorithm.gamma, cfg.algorithm.lam, cfg.algorithm.critic.cliprange_value) == (1.0, 1.0, 0.5)
+
+
+def test_an_engine_without_a_value_model_is_refused_naming_it(rlcore_plugin_manager):
+    mod = types.ModuleType("novalue")
+    mod.PLUGIN_API = PLUGIN_API
+
+    @hookimpl
+    def engine():
+        yield EngineSpec(name="novalue", factory=lambda ctx: None, capabilities={Cap.MOE})
+
+    mod.engine = engine
+    rlcore_plugin_manager.register(mod, "novalue")
+    cfg, pm = load_config(TINY, ["algorithm.name=ppo", "engine.name=novalue"], plugins=rlcore_plugin_manager)
+    with pytest.raises(MissingCapabilityError, match="capability 'value_model'.*engine 'novalue'"):
+        resolve(cfg, pm)
+    cfg, pm = load_config(TINY, ["engine.name=novalue"], plugins=rlcore_plugin_manager)
+    resolve(cfg, pm)  # grpo needs no critic
+
+
+def test_check_json_lists_the_ppo_stack(capsys):
+    assert main(["check", TINY, "algorithm.name=ppo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "ppo" in json.dumps(out)
