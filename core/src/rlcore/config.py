@@ -20,7 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from rlcore.algorithms.spec import LOSS_AGGREGATIONS
+from rlcore.algorithm_settings import check_mismatch
+from rlcore.algorithms.spec import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
 from rlcore.errors import ConfigError
 from rlcore.model_settings import check_model
@@ -127,6 +128,8 @@ class MismatchConfig:
     tis_cap: float = 0.0
     mask_low: float = 0.0
     mask_high: float = 0.0
+    reject: str = ""  #: reject whole sequences by a mismatch statistic (rlcore.algorithm_settings.REJECT_STATS)
+    reject_max: float = 0.0
 
 
 @dataclass
@@ -407,7 +410,7 @@ _CHOICES = {
     "rollout.release_kv_cache": ("auto", "always", "never"),
     "rollout.local_update": LOCAL_UPDATE_MODES,
     "algorithm.loss_agg": (*LOSS_AGGREGATIONS, "auto"),
-    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.kl_estimator": KL_ESTIMATORS,
     "algorithm.kl_in": ("loss", "reward"),
     "algorithm.old_logprobs": ("auto", "rollout", "recompute"),
     "algorithm.mismatch.level": ("token", "sequence", "geometric"),
@@ -565,18 +568,7 @@ def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
     for key in ("kl_coef", "entropy_coef", "norm_tokens"):
         if a[key] < 0:
             raise ConfigError(f"bad value for config key 'algorithm.{key}': must be >= 0", key=f"algorithm.{key}")
-    mm = a.mismatch
-    for key in ("tis_cap", "mask_low", "mask_high"):
-        if mm[key] < 0:
-            raise ConfigError(f"bad value for config key 'algorithm.mismatch.{key}': must be >= 0 (0 = off)",
-                              key=f"algorithm.mismatch.{key}")
-    if mm.mask_high and mm.mask_low and mm.mask_low >= mm.mask_high:
-        raise ConfigError("bad value for config key 'algorithm.mismatch.mask_low': must be below mask_high",
-                          key="algorithm.mismatch.mask_low")
-    if mm.tis_cap and mm.tis_cap < 1:
-        raise ConfigError("bad value for config key 'algorithm.mismatch.tis_cap': must be >= 1 (weights are "
-                          "truncated at it) or 0 (off)", key="algorithm.mismatch.tis_cap")
-    corrects = bool(mm.tis_cap or mm.mask_low or mm.mask_high)
+    corrects = check_mismatch(a.mismatch)  # TIS, masks or rejection (rlcore.algorithm_settings)
     if a.old_logprobs == "auto":
         a.old_logprobs = "recompute" if corrects else "rollout"
     elif corrects and a.old_logprobs == "rollout":

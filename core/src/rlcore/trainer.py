@@ -162,8 +162,7 @@ class Trainer:
             self.algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
             kl_estimator=a.kl_estimator, entropy_coef=float(a.entropy_coef),
         )
-        self.correction = MismatchCorrection(a.mismatch.level, float(a.mismatch.tis_cap), float(a.mismatch.mask_low),
-                                             float(a.mismatch.mask_high))
+        self.correction = MismatchCorrection.from_config(a.mismatch)
         #: the field the ratio's denominator comes from
         self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
         self.router = self.pm.router_hook if self.pm.has_router_hooks() else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcore.algorithms.spec import PolicyLoss, TokenInputs, TokenLoss
+from rlcore.algorithms.spec import KL_ESTIMATORS, PolicyLoss, TokenInputs, TokenLoss
 
 
 def _log_ratio(logprobs: torch.Tensor, x: TokenInputs) -> torch.Tensor:
@@ -171,26 +171,60 @@ class CISPO:
 # core's terms
 # ---------------------------------------------------------------------------------------------
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+#: |ref − logp| is clamped to this many nats before any estimator (verl's bound); beyond it the
+#: token's KL term is constant (zero gradient)
+KL_LOG_RATIO_BOUND = 20.0
+#: k3's value is clamped to [0, this] (verl's ``low_var_kl`` bound); beyond it, zero gradient
+K3_VALUE_BOUND = 10.0
+#: the largest |value| each estimator can take (straight-through ``<est>+``: that of ``<est>``)
+KL_VALUE_BOUND = {"k1": KL_LOG_RATIO_BOUND, "k2": 0.5 * KL_LOG_RATIO_BOUND ** 2, "k3": K3_VALUE_BOUND,
+                  "low_var_kl": K3_VALUE_BOUND}
+#: the largest |∂value/∂logp|: k1 1, k2 |d| ≤ 20, k3 |1 − e^d| where e^d − d − 1 ≤ 10 (d ≤ 2.6105,
+#: so < 12.61); straight-through variants have k2's gradient
+KL_GRAD_BOUND = {"k1": 1.0, "k2": KL_LOG_RATIO_BOUND, "k3": 12.61, "low_var_kl": 12.61,
+                 "k1+": KL_LOG_RATIO_BOUND, "k3+": KL_LOG_RATIO_BOUND, "low_var_kl+": KL_LOG_RATIO_BOUND}
+
+
+def _kl_terms(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str):
+    """The bounded estimator's value (differentiable), its closed-form derivative w.r.t.
+    ``logp`` and k2's (for the straight-through variants)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of: {', '.join(KL_ESTIMATORS)}")
+    raw = ref_logprobs.to(logprobs.device, logprobs.dtype) - logprobs
+    d = raw.clamp(-KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND)
+    inside = ((raw >= -KL_LOG_RATIO_BOUND) & (raw <= KL_LOG_RATIO_BOUND)).to(d.dtype)
+    k2_grad = (-d * inside).detach()
+    base = estimator.rstrip("+")
+    if base == "k1":
+        return -d, inside.detach(), k2_grad
+    if base == "k2":
+        return 0.5 * d.square(), k2_grad, k2_grad
+    e = torch.exp(d)
+    k3 = e - d - 1.0  # >= 0
+    value = k3.clamp(max=K3_VALUE_BOUND)
+    grad = torch.where(k3 <= K3_VALUE_BOUND, (1.0 - e) * inside, torch.zeros_like(e)).detach()
+    return value, grad, k2_grad
 
 
 def kl_value_and_grad(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token estimate of KL(π‖π_ref) from the sampled token and its derivative w.r.t.
-    ``logp``. With ``d = ref − logp``: k1 ``−d`` (∂: 1), k2 ``d²/2`` (∂: ``−d``), k3
-    ``e^d − d − 1`` (∂: ``1 − e^d``). Source: J. Schulman, "Approximating KL Divergence" (2020)."""
-    d = ref_logprobs.to(logprobs.device, logprobs.dtype) - logprobs
-    if estimator == "k1":
-        return -d, torch.ones_like(d)
-    if estimator == "k2":
-        return 0.5 * d.square(), -d
-    if estimator == "k3":
-        e = torch.exp(d)
-        return e - d - 1.0, 1.0 - e
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of: {', '.join(KL_ESTIMATORS)}")
+    ``logp`` in closed form (the value is differentiable too). With ``d = clamp(ref − logp, ±20)``: k1 ``−d`` (∂: 1), k2
+    ``d²/2`` (∂: ``−d``), k3 = ``low_var_kl`` ``min(e^d − d − 1, 10)`` (∂: ``1 − e^d``, 0 where
+    clamped); ``<est>+``: the value of ``<est>``, the derivative of k2 (straight-through: k2's
+    gradient is the unbiased gradient of KL). Bounds: :data:`KL_VALUE_BOUND`,
+    :data:`KL_GRAD_BOUND`. Source: J. Schulman, "Approximating KL Divergence" (2020); the
+    clamps and the straight-through form as verl's ``kl_penalty`` (``core_algos.py``)."""
+    value, grad, k2_grad = _kl_terms(logprobs, ref_logprobs, estimator)
+    if not estimator.endswith("+"):
+        return value, grad
+    # straight-through: the value of the estimator, the gradient of k2 (differentiable as such)
+    k2 = 0.5 * (ref_logprobs.to(logprobs.device, logprobs.dtype) - logprobs).clamp(
+        -KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND).square()
+    return k2 - k2.detach() + value.detach(), k2_grad
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """The value of :func:`kl_value_and_grad` (differentiable)."""
+    """The value of :func:`kl_value_and_grad` (differentiable, with the same derivative)."""
     return kl_value_and_grad(logprobs, ref_logprobs, estimator)[0]
 
 

@@ -24,16 +24,27 @@ class MismatchCorrection:
     q_t)``, the product over the sequence) or ``geometric`` (``exp(mean_t …)``, length
     independent); a sequence-level ρ applies to every token of the sequence.
     ``tis_cap`` > 0: weight ``min(ρ, tis_cap)``; ``mask_low``/``mask_high`` > 0: weight 0
-    where ``ρ < mask_low`` / ``ρ > mask_high``."""
+    where ``ρ < mask_low`` / ``ρ > mask_high``. ``reject`` (one of
+    :data:`rlcore.algorithm_settings.REJECT_STATS`, e.g. ``seq_max_k3``): weight 0 for every
+    token of a sequence whose statistic exceeds ``reject_max`` (k1 statistics: in absolute
+    value), on top of the above."""
 
     level: str = "token"
     tis_cap: float = 0.0
     mask_low: float = 0.0
     mask_high: float = 0.0
+    reject: str = ""
+    reject_max: float = 0.0
+
+    @classmethod
+    def from_config(cls, mm) -> MismatchCorrection:
+        """From the ``algorithm.mismatch`` config section."""
+        return cls(mm.level, float(mm.tis_cap), float(mm.mask_low), float(mm.mask_high), str(mm.reject),
+                   float(mm.reject_max))
 
     @property
     def active(self) -> bool:
-        return self.tis_cap > 0 or self.mask_low > 0 or self.mask_high > 0
+        return self.tis_cap > 0 or self.mask_low > 0 or self.mask_high > 0 or bool(self.reject)
 
 
 @dataclass
@@ -44,6 +55,34 @@ class MismatchResult:
 
 def _seq_reduce(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq_index, x)
+
+
+#: |log ρ| is clamped to this before the rejection statistics (verl's SAFETY_BOUND), so that they
+#: stay finite (k3 ≤ e^20): a sequence with a token past it is rejected by any k2/k3 threshold
+LOG_RATIO_BOUND = 20.0
+
+
+def rejection_statistic(d: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, num_seqs: int,
+                        stat: str) -> torch.Tensor:
+    """``[B]``: the per-sequence ``sum``/``mean``/``max`` (``stat`` ``seq_<reduce>_<k>``) of the
+    per-token k1 ``−d``, k2 ``d²/2`` or k3 ``e^d − 1 − d`` of KL(rollout‖trainer), ``d = log ρ``
+    clamped to ±:data:`LOG_RATIO_BOUND`, over loss tokens (0 for a sequence without any); k1
+    statistics are returned in absolute value. As verl's ``compute_rollout_rejection_mask``
+    (``rollout_corr_helper.py``), whose k1 thresholds are ratios (``exp`` of ours)."""
+    _, reduce, k = stat.split("_")
+    d = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    per_token = {"k1": -d, "k2": 0.5 * d.square(), "k3": torch.exp(d) - 1.0 - d}[k]
+    mf = mask.to(per_token.dtype)
+    if reduce == "max":
+        filled = torch.where(mask, per_token, torch.full_like(per_token, -torch.inf))
+        out = torch.full((num_seqs,), -torch.inf, dtype=per_token.dtype, device=d.device)
+        out = out.scatter_reduce(0, seq_index, filled, reduce="amax")
+        out = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+    else:
+        out = _seq_reduce(per_token * mf, seq_index, num_seqs)
+        if reduce == "mean":
+            out = out / _seq_reduce(mf, seq_index, num_seqs).clamp_min(1.0)
+    return out.abs() if k == "k1" else out
 
 
 def mismatch(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -87,6 +126,15 @@ def mismatch(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mas
         masked |= rho < cfg.mask_low
     if cfg.mask_high > 0:
         masked |= rho > cfg.mask_high
+    if cfg.reject:
+        stat = rejection_statistic(d, m, seq_index, num_seqs, cfg.reject)
+        rejected = stat > cfg.reject_max
+        masked |= rejected[seq_index]
+        metrics.update({
+            "mismatch/rejected_seq_frac": float(rejected[has].double().mean()) if bool(has.any()) else 0.0,
+            "mismatch/reject_stat_mean": float(stat[has].mean()) if bool(has.any()) else 0.0,
+            "mismatch/reject_stat_max": float(stat[has].max()) if bool(has.any()) else 0.0,
+        })
     masked &= m
     if cfg.tis_cap <= 0:  # masking only: the kept tokens keep weight 1 (rejection, not IS)
         weight = torch.ones_like(weight)

@@ -3,6 +3,7 @@
 without an upward import); plugins take them from :mod:`rlcore.types` or :mod:`rlcore.algorithms`."""
 
 from rlcore.types.algorithms import (
+    KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     AdvantageEstimator,
     AdvantageInput,
@@ -14,6 +15,7 @@ from rlcore.types.algorithms import (
 )
 
 __all__ = [
+    "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "AdvantageEstimator",
     "AdvantageInput",

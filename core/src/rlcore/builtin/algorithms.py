@@ -200,6 +200,9 @@ def algorithm():
         loss_agg="token-mean", description="clipped, detached IS weight on REINFORCE (no token dropped)",
         source="MiniMax 2025, MiniMax-M1 (arXiv:2506.13585) eqs. 4-5",
     )
+    from rlcore.builtin.more_algorithms import specs  # SAPO, GPG, Clip/KL-Cov, GMPO, DPPO, OPO, pass@k
+
+    yield from specs()
     yield ppo.SPEC  # PPO with a critic: rlcore/builtin/ppo.py
 
 

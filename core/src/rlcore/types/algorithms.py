@@ -50,6 +50,11 @@ LOSS_AGGREGATIONS = (
     "seq-mean-token-sum-norm",
 )
 
+#: ``algorithm.kl_estimator``: Schulman's k1/k2/k3 (``low_var_kl``: k3 under verl's name; all
+#: bounded, rlcore.algorithms.losses) and the straight-through ``<est>+`` (value of ``<est>``,
+#: gradient of k2)
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "k1+", "k3+", "low_var_kl+")
+
 
 @dataclass(frozen=True)
 class AdvantageInput:
