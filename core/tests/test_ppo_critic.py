@@ -3,6 +3,10 @@ critic is checkpointed and resumed exactly (within one process), its settings ar
 naming the key, and an engine that cannot build a value model is refused at check time."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -48,20 +52,28 @@ def _critic_state(out: Path, step: int):
     return torch.load(out / "checkpoints" / f"step-{step:08d}.pt", weights_only=False)
 
 
-def test_resume_reproduces_the_uninterrupted_run_with_the_critic(tmp_path):
-    """Same process, same machine: the resumed run's metrics and its final critic (weights and
-    AdamW state) are identical to the uninterrupted run's (torch.equal, compared in-process)."""
-    common = ("training.steps=6", "output.checkpoint_every=3", "data.prompts_per_step=4", "rollout.n=4",
-              "algorithm.updates_per_step=2")
+def test_killed_run_resumes_to_the_uninterrupted_run_with_the_critic(tmp_path):
+    """SIGKILLed when step 4's samples come back (RLCORE_FAULT, rlcore.faults), resumed from step
+    3's checkpoint: the resumed steps' metrics and the final critic (weights and AdamW state)
+    equal the uninterrupted run's, torch.equal. Both are computed in this process; only the
+    checkpoint comes from the killed process (CPU, same machine: a step is a pure function of
+    the checkpointed state, as tests/test_fault_injection.py relies on for GRPO)."""
+    common = ["training.steps=6", "output.checkpoint_every=2", "data.prompts_per_step=4", "rollout.n=4",
+              "algorithm.updates_per_step=2", "output.tensorboard=false"]
     assert _train(tmp_path / "full", *common) == 0
-    assert _train(tmp_path / "cut", *common[1:], "training.steps=3") == 0
-    assert _train(tmp_path / "cut", *common, resume=True) == 0
-    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
-    assert [r["step"] for r in cut] == list(range(6))
-    for a, b in zip(full, cut, strict=True):
+    cut = tmp_path / "cut"
+    proc = subprocess.run([sys.executable, "-m", "rlcore.cli", "train", TINY, "--output", str(cut), "algorithm.name=ppo",
+                           "output.plot=false", "output.progress=false", *common],
+                          env=dict(os.environ, RLCORE_FAULT="rollout:5"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(cut)] == [0, 1, 2, 3]
+    assert _train(cut, *common, resume=True) == 0
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(cut)
+    assert [r["step"] for r in resumed] == list(range(6))
+    for a, b in zip(full[4:], resumed[4:], strict=True):
         for key in ("reward_mean", "loss", "grad_norm", *CRITIC_KEYS):
             assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} != {b[key]}"
-    a, b = _critic_state(tmp_path / "full", 5)["critic"], _critic_state(tmp_path / "cut", 5)["critic"]
+    a, b = _critic_state(tmp_path / "full", 5)["critic"], _critic_state(cut, 5)["critic"]
     assert a["optimizer"]["state"], "the critic's AdamW state is in the checkpoint"
     for part in ("trunk", "head"):
         assert a[part].keys() == b[part].keys()
