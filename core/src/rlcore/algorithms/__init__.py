@@ -1,6 +1,6 @@
 """Algorithms as plugins: the contract (:mod:`.spec`, imported here, torch-free; also in
-:mod:`rlcore.types`) and the built-in advantage estimators (:mod:`.advantages`), policy losses
-(:mod:`.losses`), aggregations (:mod:`.aggregation`) and rollout–trainer mismatch correction
+:mod:`rlcore.types`) and the built-in advantage estimators (:mod:`.advantages`, :mod:`.baselines`), policy
+losses (:mod:`.losses`, :mod:`.surrogates`), aggregations (:mod:`.aggregation`) and rollout–trainer mismatch correction
 (:mod:`.mismatch`). docs/algorithms.md lists each with its formula and source.
 
 The built-in policy losses and estimators are public, so a new algorithm can pair its own
@@ -41,6 +41,15 @@ _IMPLEMENTATIONS = {
     "ReinforcePPAdvantage": "advantages",
     "ReinforcePPBaselineAdvantage": "advantages",
     "group_normalised": "advantages",
+    "SAPO": "surrogates",
+    "GPG": "surrogates",
+    "ClipCov": "surrogates",
+    "KLCov": "surrogates",
+    "GMPO": "surrogates",
+    "DPPO": "surrogates",
+    "OPOAdvantage": "baselines",
+    "PassKAdvantage": "baselines",
+    "GPGAdvantage": "baselines",
 }
 
 __all__ = [
