@@ -23,6 +23,7 @@ from omegaconf import errors as oc_errors
 from rlcore.algorithm_settings import check_mismatch
 from rlcore.algorithms.spec import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
+from rlcore.dapo_settings import DapoConfig, check_dapo
 from rlcore.errors import ConfigError
 from rlcore.model_settings import check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
@@ -159,6 +160,7 @@ class AlgorithmConfig:
     old_logprobs: str = "auto"
     updates_per_step: int = 1
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    dapo: DapoConfig = field(default_factory=DapoConfig)  #: rlcore.dapo_settings
 
 
 @dataclass
@@ -435,6 +437,7 @@ def _check_values(cfg: DictConfig) -> None:
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError("bad value for config key 'rollout.top_p': must be in (0, 1]", key="rollout.top_p")
     check_local_rollout(cfg)
+    check_dapo(cfg)
     for key in ("data.task", "data.reward"):
         val = OmegaConf.select(cfg, key)
         if ":" not in val:

@@ -40,7 +40,6 @@ from rlcore.preflight import preflight
 from rlcore.push import push_weights, rollout_metrics
 from rlcore.ranks import SINGLE, Ranks, on_writer
 from rlcore.rewards import RewardCalls, score_on_writer
-from rlcore.rollout_seeds import step_seed
 from rlcore.run_output import (
     MetricsWriter,
     NullMetrics,
@@ -54,6 +53,7 @@ from rlcore.run_output import (
 )
 from rlcore.run_report import RunReport
 from rlcore.run_stop import StopSignals
+from rlcore.sampling_rounds import loss_lengths, mask_overlong, prompt_seed, round_prompts, sample_step
 from rlcore.stack import Stack, check_engine_head, config_yaml
 from rlcore.sync import sync_level
 from rlcore.tasks import RewardInput, Task, load_callable, make_prompts
@@ -65,7 +65,6 @@ from rlcore.types import (
     ModelOutput,
     Prompt,
     Sample,
-    SamplingSettings,
     StepContext,
 )
 
@@ -251,9 +250,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- steps --
 
-    def _prompts(self) -> tuple[list[Prompt], list[Any]]:
-        rng = random.Random(self.cfg.training.seed * 1_000_003 + self.step)
-        task_prompts = make_prompts(self.task, rng, self.cfg.data.prompts_per_step, f"step {self.step}")
+    def _prompts(self, round_: int = 0) -> tuple[list[Prompt], list[Any]]:
+        rng = random.Random(prompt_seed(self.cfg, self.step, round_))  # round 0: the step's own prompts
+        task_prompts = make_prompts(self.task, rng, round_prompts(self.cfg), f"step {self.step} round {round_}")
         prompts = [
             Prompt(ids=self.tokenizer(tp.text, add_special_tokens=False)["input_ids"], index=i, meta=tp.meta)
             for i, tp in enumerate(task_prompts)
@@ -387,21 +386,12 @@ class Trainer:
     def _train_step(self) -> StepResult:
         cfg = self.cfg
         t0 = time.perf_counter()
-        prompts, task_prompts = self._prompts()
-        params = SamplingSettings(
-            n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-            max_new_tokens=cfg.rollout.max_new_tokens, seed=step_seed(cfg, self.step),
-            stop_token_ids=tuple(x for x in [self.engine.info.eos_token_id] if x is not None),
-            return_routed_experts=cfg.rollout.return_routed_experts,
-        )
-        samples = self.backend.generate(prompts, params)
-        fault_point("rollout")
-        t_gen = time.perf_counter() - t0
-        stale = [s.weight_version for s in samples if s.weight_version != self.version]
-        if stale:
-            raise RolloutError(f"rollout returned samples of weight version {stale[0]}, expected {self.version}")
-        rewards = self._rewards(samples, prompts, task_prompts)
+        # generation rounds and rewards; DAPO's dynamic sampling and overlong shaping (rlcore/sampling_rounds.py)
+        sampled = sample_step(cfg, self.step, self.backend, self.version, self.engine.info.eos_token_id,
+                              self._prompts, self._rewards)
+        samples, rewards, t_gen = sampled.samples, sampled.rewards, sampled.generate_seconds
         batch = self._pack(samples, rewards)
+        mask_overlong(batch, samples, cfg.algorithm)
         device = getattr(self.engine, "device", None)
         if device is not None:  # one host-to-device copy per step; micro-batches are views of it
             batch = batch.to(device)
@@ -410,7 +400,7 @@ class Trainer:
         batch.fields[objmod.AGG_NUMERATOR] = weights.numerator
         totals = StepTotals(loss_tokens=batch.num_loss_tokens, num_seqs=batch.num_seqs, divisor=weights.divisor)
 
-        metrics: dict[str, Any] = rollout_metrics(self.backend)  # acceptance per draft depth
+        metrics: dict[str, Any] = {**rollout_metrics(self.backend), **sampled.metrics}  # acceptance per draft depth
         self.engine.train(False)
         old_metrics = self._forward_pass(batch, "old_logprob", self.engine, totals, grad=False)
         metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
@@ -467,7 +457,7 @@ class Trainer:
         if mm.correction is not None:
             batch.fields[objmod.CORRECTION] = mm.correction.to(batch.fields[RECOMPUTED].device)
         counts = batch.seq_sum(mask.to(torch.long)).tolist()
-        lens = [len(s.response_ids) for s in samples]
+        lens = loss_lengths(samples, a)  # 0 for a sample overlong filtering masks
         if counts != lens:
             raise RuntimeError(f"loss tokens per sequence {counts} differ from the response lengths {lens}")
 
