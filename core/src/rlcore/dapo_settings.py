@@ -70,7 +70,8 @@ def check_dapo(cfg: Any) -> None:
     if ds.metric not in FILTER_METRICS:
         raise _bad("dynamic_sampling.metric", f"{ds.metric!r}; choose one of: {', '.join(FILTER_METRICS)}")
     if ds.on_max_rounds not in ON_MAX_ROUNDS:
-        raise _bad("dynamic_sampling.on_max_rounds", f"{ds.on_max_rounds!r}; choose one of: {', '.join(ON_MAX_ROUNDS)}")
+        raise _bad("dynamic_sampling.on_max_rounds",
+                   f"{ds.on_max_rounds!r}; choose one of: {', '.join(ON_MAX_ROUNDS)}")
     if not 1 <= ds.max_rounds <= MAX_ROUNDS_LIMIT:
         raise _bad("dynamic_sampling.max_rounds", f"{ds.max_rounds}; must be in [1, {MAX_ROUNDS_LIMIT}]")
     if ds.prompts_per_round < 0:

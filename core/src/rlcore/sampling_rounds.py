@@ -7,18 +7,18 @@ shaping (Yu et al. 2025, "DAPO", arXiv:2503.14476; settings: :mod:`rlcore.dapo_s
   ``r * 2**53`` to both (:func:`prompt_seed`, :func:`sampling_seed`), past every round-0 value
   (``training.seed`` and ``rollout.seed`` are below 2**32, so round-0 values stay below 2**52 +
   step), so rounds repeat exactly when a resumed run redoes the step.
-* **Dynamic sampling** (``dynamic_sampling.enable``, DAPO §3.2 eq. 11): a group (the samples of
+* **Dynamic sampling** (``dynamic_sampling.enable``, DAPO §3.2): a group (the samples of
   one prompt) whose ``metric`` is exactly equal for all its samples gives every group-baseline
   estimator a zero advantage; it is dropped, and rounds go on until ``data.prompts_per_step``
   groups are kept (groups beyond that in the last round are left unused) or ``max_rounds`` rounds
   ran. At the cap, ``on_max_rounds: train`` (the default) trains on the groups kept and
   ``stop`` ends the run; a step that kept no group at all stops the run either way (there is
   nothing to learn from and nothing sensible to train on).
-* **Soft overlong punishment** (``overlong.buffer_tokens`` > 0, DAPO §3.4 eq. 13): with
+* **Soft overlong punishment** (``overlong.buffer_tokens`` > 0, DAPO §3.4, ``R_length``): with
   ``L = rollout.max_new_tokens``, ``B = buffer_tokens`` and ``|y|`` the response's tokens, the
   reward gets ``0`` for ``|y| <= L − B``, ``((L − B) − |y|) / B · penalty_factor`` up to ``L``,
   ``−penalty_factor`` beyond; before dynamic sampling and the advantages.
-* **Overlong filtering** (``overlong.filter``, DAPO §3.3): a sample the rollout cut at ``L``
+* **Overlong filtering** (``overlong.filter``, DAPO §3.4): a sample the rollout cut at ``L``
   (finish reason ``length``) keeps its reward in its group's baseline but is masked out of the
   loss, through the packed batch's loss mask (:func:`mask_overlong`).
 """
@@ -116,6 +116,7 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
     samples: list[Sample] = []
     rewards: list[float] = []
     penalties: list[float] = []
+    generated_rewards: list[float] = []  # every round's, kept or not: the policy's own reward rate
     seconds, generated, filtered, kept, rounds = 0.0, 0, 0, 0, 0
     for r in range(int(ds.max_rounds) if ds.enable else 1):
         rounds = r + 1
@@ -140,6 +141,7 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
         if not ds.enable:
             samples, rewards, penalties = got, shaped, pen
             break
+        generated_rewards += raw
         groups = [s.prompt_index for s in got]
         drop = uniform_groups(raw if ds.metric == "reward" else shaped, groups)
         generated += len(prompts)
@@ -160,7 +162,8 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
     if ds.enable:
         metrics.update({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups_generated": generated,
                         "dynamic_sampling/groups_filtered": filtered, "dynamic_sampling/groups_kept": kept,
-                        "dynamic_sampling/cap_hit": float(kept < want)})
+                        "dynamic_sampling/cap_hit": float(kept < want),
+                        "dynamic_sampling/reward_generated": sum(generated_rewards) / len(generated_rewards)})
         _check_cap(ds, kept, want, rounds, generated, filtered, step)
     if ov.filter or ov.buffer_tokens:
         truncated = sum(s.finish_reason == "length" for s in samples)
