@@ -306,7 +306,7 @@ def test_new_settings_are_validated_naming_the_key():
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ["algorithm.name=sapo", "algorithm.updates_per_step=2"],
-    ["algorithm.name=gpg"],
+    ["algorithm.name=gpg", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward", "algorithm.kl_control.target=0.01"],
     ["algorithm.name=clip_cov", "algorithm.updates_per_step=2"],
     ["algorithm.name=kl_cov", "algorithm.updates_per_step=2"],
     ["algorithm.name=gmpo", "algorithm.updates_per_step=2", "training.micro_batch_tokens=64"],
@@ -334,3 +334,69 @@ def test_new_algorithms_train_on_the_embedded_default(tmp_path, overrides):
         assert math.isfinite(row["loss"]) and row["grad_norm"] > 0
     if any("reject" in o for o in overrides):
         assert "mismatch/rejected_seq_frac" in rows[0]
+    if any("kl_control" in o for o in overrides):  # KL in the reward, adaptive β (0 KL at step 0: it shrinks)
+        assert rows[0]["kl_control/beta"] < 0.05 and "kl_reward_penalty" in rows[1]
+
+
+# ------------------------------------------------------------------- adaptive KL control --
+
+def test_adaptive_kl_controller_by_hand():
+    """β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon) (verl's AdaptiveKLController)."""
+    from rlcore.algorithms.kl_control import KLControl
+
+    c = KLControl(0.1, target=0.02, horizon=100)
+    assert c.update(0.05, n_steps=10) == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))  # error clipped at +0.2
+    b = c.beta
+    assert c.update(0.019, n_steps=10) == pytest.approx(b * (1 + (0.019 / 0.02 - 1) * 10 / 100))
+    fixed = KLControl(0.1)
+    assert fixed.update(5.0, n_steps=10) == 0.1 and not fixed.adaptive
+
+
+def test_kl_control_settings_are_validated():
+    from rlcore.testing.algorithm_conformance import algorithm_section
+
+    with pytest.raises(ConfigError, match="algorithm.kl_control.target"):
+        algorithm_section(SPECS["grpo"], ["algorithm.kl_control.target=0.1"])  # kl_coef 0: nothing to adapt
+    with pytest.raises(ConfigError, match="algorithm.kl_control.horizon"):
+        algorithm_section(SPECS["grpo"], ["algorithm.kl_coef=0.1", "algorithm.kl_control.target=0.1",
+                                          "algorithm.kl_control.horizon=0"])
+    a = algorithm_section(SPECS["grpo"], ["algorithm.kl_coef=0.1", "algorithm.kl_control.target=0.1"])
+    assert a.kl_control.target == 0.1
+
+
+@pytest.mark.slow
+def test_adaptive_kl_adapts_beta_and_resumes_with_it(tmp_path, kl_in="loss"):
+    """β moves every step by verl's rule and the KL term uses it; killed at step 3's rollout and resumed from step 1's checkpoint, the
+    resumed steps equal the uninterrupted run's (β, loss, KL), as the checkpoint holds β."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlcore.cli import main
+    from rlcore.run_output import read_metrics
+
+    tiny = str(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")
+    common = ["training.steps=4", "output.checkpoint_every=2", "data.prompts_per_step=4", "rollout.n=4",
+              "algorithm.kl_coef=0.1", "algorithm.kl_control.target=1e-9", "algorithm.kl_control.horizon=20",
+              f"algorithm.kl_in={kl_in}", "algorithm.updates_per_step=2", "output.plot=false",
+              "output.progress=false", "output.tensorboard=false"]
+    assert main(["train", tiny, "--output", str(tmp_path / "full"), *common]) == 0
+    full = read_metrics(tmp_path / "full")
+    betas = [r["kl_control/beta"] for r in full]
+    # step 0 samples from the reference itself: KL 0 < target, β shrinks by the capped 20 %·n/horizon
+    # (n = 16 samples); from step 1 on KL > 1e-9: it grows by as much each step
+    assert full[0]["kl_control/kl"] == 0.0 and betas[0] == pytest.approx(0.1 * (1 - 0.2 * 16 / 20))
+    for prev, (row, beta) in zip(betas, list(zip(full, betas))[1:], strict=False):
+        assert row["kl_control/kl"] > 0 and beta == pytest.approx(prev * (1 + 0.2 * 16 / 20))
+    cut = tmp_path / "cut"
+    proc = subprocess.run([sys.executable, "-m", "rlcore.cli", "train", tiny, "--output", str(cut), *common],
+                          env=dict(os.environ, RLCORE_FAULT="rollout:4"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert main(["train", tiny, "--output", str(cut), "--resume", *common]) == 0
+    resumed = read_metrics(cut)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    for a, b in zip(full[2:], resumed[2:], strict=True):
+        for key in ("kl_control/beta", "kl_control/kl", "loss", "grad_norm", "reward_mean"):
+            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} != {b[key]}"

@@ -1,10 +1,12 @@
 """Config checks of core's algorithm modifiers that :mod:`rlcore.config` delegates (kept apart from
-it as :mod:`rlcore.rollout_settings` is): the rollout–trainer mismatch correction (truncated
-importance weights, masks, and the rejection of whole sequences by a mismatch statistic).
-Torch-free; each check names the key it refuses. The formulas are in docs/algorithms.md."""
+it as :mod:`rlcore.rollout_settings` is): the adaptive KL controller and the rollout–trainer
+mismatch correction (truncated importance weights, masks, and the rejection of whole sequences
+by a mismatch statistic). Torch-free; each check names the key it refuses. The formulas are in
+docs/algorithms.md."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rlcore.errors import ConfigError
@@ -14,6 +16,37 @@ from rlcore.errors import ConfigError
 #: statistic exceeds ``reject_max`` (k1: whose absolute value does) gets weight 0
 REJECT_STATS = ("seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
                 "seq_max_k2", "seq_max_k3")
+
+
+@dataclass
+class KLControlConfig:
+    """``algorithm.kl_control``: ``target`` > 0 adapts β (``algorithm.kl_coef`` its start) after
+    every step towards a per-token KL of ``target`` (rlcore.algorithms.kl_control); ``horizon``:
+    how slowly (verl's default 10000). 0: β fixed."""
+
+    target: float = 0.0
+    horizon: int = 10000
+
+
+def check_modifiers(a: Any) -> bool:
+    """Check the ``algorithm:`` section's modifiers (KL control, mismatch correction); True when
+    a mismatch correction is on (:func:`check_mismatch`)."""
+    check_kl_control(a)
+    return check_mismatch(a.mismatch)
+
+
+def check_kl_control(a: Any) -> None:
+    kc = a.kl_control
+    if kc.target < 0:
+        raise ConfigError("bad value for config key 'algorithm.kl_control.target': must be >= 0 (0 = fixed kl_coef)",
+                          key="algorithm.kl_control.target")
+    if kc.horizon < 1:
+        raise ConfigError("bad value for config key 'algorithm.kl_control.horizon': must be >= 1",
+                          key="algorithm.kl_control.horizon")
+    if kc.target > 0 and not a.kl_coef > 0:
+        raise ConfigError("algorithm.kl_control.target adapts algorithm.kl_coef, which is 0 (no KL term): set "
+                          "algorithm.kl_coef > 0 (the starting coefficient) or kl_control.target=0",
+                          key="algorithm.kl_control.target")
 
 
 def check_mismatch(mm: Any) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from rlcore.algorithm_settings import check_mismatch
+from rlcore.algorithm_settings import KLControlConfig, check_modifiers
 from rlcore.algorithms.spec import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
 from rlcore.dapo_settings import DapoConfig, check_dapo
@@ -160,6 +160,7 @@ class AlgorithmConfig:
     old_logprobs: str = "auto"
     updates_per_step: int = 1
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    kl_control: KLControlConfig = field(default_factory=KLControlConfig)  #: adaptive β (rlcore.algorithm_settings)
     dapo: DapoConfig = field(default_factory=DapoConfig)  #: rlcore.dapo_settings
 
 
@@ -571,7 +572,7 @@ def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
     for key in ("kl_coef", "entropy_coef", "norm_tokens"):
         if a[key] < 0:
             raise ConfigError(f"bad value for config key 'algorithm.{key}': must be >= 0", key=f"algorithm.{key}")
-    corrects = check_mismatch(a.mismatch)  # TIS, masks or rejection (rlcore.algorithm_settings)
+    corrects = check_modifiers(a)  # KL control; mismatch TIS, masks or rejection (rlcore.algorithm_settings)
     if a.old_logprobs == "auto":
         a.old_logprobs = "recompute" if corrects else "rollout"
     elif corrects and a.old_logprobs == "rollout":

@@ -25,6 +25,7 @@ import torch
 from rlcore import __version__, guards
 from rlcore.algorithms import objective as objmod
 from rlcore.algorithms.advantages import shaped_rewards
+from rlcore.algorithms.kl_control import KLControl
 from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
@@ -161,6 +162,7 @@ class Trainer:
             self.algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
             kl_estimator=a.kl_estimator, entropy_coef=float(a.entropy_coef),
         )
+        self.kl_control = KLControl.from_config(a)  # β: fixed, or adaptive (algorithm.kl_control)
         self.correction = MismatchCorrection.from_config(a.mismatch)
         #: the field the ratio's denominator comes from
         self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
@@ -210,6 +212,7 @@ class Trainer:
         try:  # a checkpoint of another model or engine fails here: name the file, not a traceback
             self.engine.load_state_dict(state["engine"])
             restore_critic(self.critic, state)
+            self.objective = self.kl_control.restore(state, self.objective)
             step = int(state["step"])
             self.version = int(state["version"])
             self.wall_before = float(state["wall_seconds"])
@@ -230,6 +233,7 @@ class Trainer:
         on_writer(self.ranks, lambda: save_checkpoint(self.out, {
             "engine": self.engine.state_dict(),
             **checkpoint_entry(self.critic),
+            **self.kl_control.state(),
             "step": self.step,
             "version": self.version,
             "wall_seconds": wall,
@@ -430,9 +434,10 @@ class Trainer:
                 raise self._nonfinite("grad_norm",
                                       f"{grad_norm} reported by the optimizer step (which left the weights finite)")
         t_train = time.perf_counter() - t0 - t_gen
+        self.objective, kl_metrics = self.kl_control.step_end(self.objective, batch)  # the next step's β
 
         resp_lens = [len(s.response_ids) for s in samples]
-        metrics.update(train_metrics)
+        metrics.update({**train_metrics, **kl_metrics})
         metrics.update({
             "reward_mean": sum(rewards) / len(rewards),
             "reward_std": float(torch.tensor(rewards).std(unbiased=False)),
@@ -467,7 +472,7 @@ class Trainer:
         out: dict[str, float] = {}
         penalty = None
         if a.kl_in == "reward" and a.kl_coef > 0:
-            penalty = per_sample(-float(a.kl_coef) * kl_penalty(batch.fields[RECOMPUTED], batch.fields["ref_logprobs"],
+            penalty = per_sample(-self.kl_control.beta * kl_penalty(batch.fields[RECOMPUTED], batch.fields["ref_logprobs"],
                                                                  a.kl_estimator))
             out["kl_reward_penalty"] = float(sum(float(p.sum()) for p in penalty)) / max(len(penalty), 1)
         token_rewards, seq_rewards = shaped_rewards(rewards, counts, penalty, self.algorithm.token_level_rewards)
