@@ -4,7 +4,12 @@ import pytest
 from rlcore.algorithms.losses import TokenObjective
 from rlcore.algorithms.spec import LOSS_AGGREGATIONS
 from rlcore.builtin.algorithms import algorithm
-from rlcore.testing.algorithm_conformance import AlgorithmConformance, closed_form_step, random_step, step_loss
+from rlcore.testing.algorithm_conformance import (
+    AlgorithmConformance,
+    closed_form_step,
+    random_step,
+    step_loss,
+)
 
 SPECS = {s.name: s for s in algorithm()}
 #: Clip-Cov and KL-Cov pick their tokens by a covariance over the tokens one loss call sees (a

@@ -25,8 +25,8 @@ import torch
 from rlcore import __version__, guards
 from rlcore.algorithms import objective as objmod
 from rlcore.algorithms.advantages import shaped_rewards
-from rlcore.algorithms.kl_control import KLControl
 from rlcore.algorithms.aggregation import step_weights
+from rlcore.algorithms.kl_control import KLControl
 from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.spec import AdvantageInput
