@@ -27,6 +27,20 @@ ESTIMATORS = {
     "reinforce_pp (PPO-clip)": ["algorithm.name=reinforce_pp"],
 }
 
+#: --more: the losses and estimators added for issue 30 (grpo as the reference curve)
+MORE = {
+    "grpo (PPO-clip)": ["algorithm.name=grpo"],
+    "sapo": ["algorithm.name=sapo"],
+    "gpg": ["algorithm.name=gpg"],
+    "clip_cov": ["algorithm.name=clip_cov"],
+    "kl_cov": ["algorithm.name=kl_cov"],
+    "gmpo": ["algorithm.name=gmpo"],
+    "dppo_tv": ["algorithm.name=dppo_tv"],
+    "dppo_kl": ["algorithm.name=dppo_kl"],
+    "opo (PPO-clip)": ["algorithm.name=opo"],
+    "grpo_passk (PPO-clip)": ["algorithm.name=grpo_passk"],
+}
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -36,8 +50,9 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help="run these labels only (others are read from --out)")
     ap.add_argument("--estimators", action="store_true", help="also dr_grpo, rloo, reinforce_pp")
     ap.add_argument("--updates", type=int, default=1, help="algorithm.updates_per_step (PPO epochs per step)")
+    ap.add_argument("--more", action="store_true", help="instead: grpo and the algorithms added in issue 30")
     args = ap.parse_args()
-    runs = {**LOSSES, **(ESTIMATORS if args.estimators else {})}
+    runs = MORE if args.more else {**LOSSES, **(ESTIMATORS if args.estimators else {})}
     out = ROOT / args.out
     rlcore = str(Path(sys.executable).parent / "rlcore")
     summary = {}
