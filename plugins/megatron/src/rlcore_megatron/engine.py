@@ -347,6 +347,13 @@ class MegatronEngine:
             p.requires_grad_(False)
         return ref
 
+    def make_value_model(self, seed: int = 0) -> Any:
+        """PPO's critic (``Cap.VALUE_MODEL``): the policy's weights under the same layout, with
+        a scalar head (:mod:`rlcore_megatron.value`)."""
+        from rlcore_megatron.value import MegatronValueModel
+
+        return MegatronValueModel(self, seed)
+
     # ----------------------------------------------------------------- weights -----------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
