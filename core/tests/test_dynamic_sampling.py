@@ -321,6 +321,16 @@ def test_overlong_filtering_and_punishment_in_the_trainer(tmp_path):
         assert row["loss"] is not None and row["grad_norm"] is not None
 
 
+def test_a_step_whose_every_sample_is_masked_trains_on_nothing(tmp_path):
+    # one new token, and the untrained model's first token is not the stop token in any of these 8 draws
+    rows = _train(tmp_path / "run", "training.steps=1", "data.prompts_per_step=2", "rollout.n=4",
+                  "rollout.max_new_tokens=1", "output.checkpoint_every=0", OV + "filter=true",
+                  "algorithm.kl_coef=0.05", "algorithm.loss_agg=seq-mean-token-mean")
+    row = rows[0]
+    assert row["overlong/masked"] == row["samples"] == 8
+    assert row["loss"] == 0.0 and row["grad_norm"] == 0.0 and row["kl"] == 0.0
+
+
 @pytest.mark.slow
 def test_dynamic_sampling_learns_the_embedded_default(tmp_path):
     """25 steps of examples/tiny.yaml with dynamic sampling (docs/algorithms/dapo_curves.png: 0.15 ->
