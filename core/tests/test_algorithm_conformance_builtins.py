@@ -18,7 +18,11 @@ SPECS = {s.name: s for s in algorithm()}
 MICRO_BATCH_LOCAL = ("clip_cov", "kl_cov")
 
 
-@pytest.fixture(params=sorted(set(SPECS) - set(MICRO_BATCH_LOCAL)))
+#: ReMax's estimator needs AdvantageInput.baseline_rewards (the trainer's greedy responses)
+NEEDS_BASELINES = ("remax",)
+
+
+@pytest.fixture(params=sorted(set(SPECS) - set(MICRO_BATCH_LOCAL) - set(NEEDS_BASELINES)))
 def builtin_spec(request):
     return SPECS[request.param]
 
@@ -94,3 +98,39 @@ class TestGMPOTightClipWithRLOO(AlgorithmConformance):
     @pytest.fixture
     def spec(self):
         return SPECS["gmpo"]
+
+
+class TestReMax(AlgorithmConformance):
+    """The advantage checks with greedy baselines in the input, as the trainer passes them."""
+
+    @pytest.fixture
+    def spec(self):
+        return SPECS["remax"]
+
+    @staticmethod
+    def _with_baselines(inp):
+        import dataclasses
+
+        import torch
+
+        b = torch.linspace(0.0, 2.0, len(inp.token_rewards))
+        return dataclasses.replace(inp, baseline_rewards=b)
+
+    def test_advantages_shape_and_finite(self, spec, built):
+        from rlcore.testing import algorithm_conformance as ac
+
+        inp = self._with_baselines(ac._advantage_input(1))
+        adv = built.advantages(inp)
+        assert [tuple(a.shape) for a in adv] == [tuple(t.shape) for t in inp.token_rewards]
+        assert all(bool(a.isfinite().all()) for a in adv)
+
+    def test_advantages_follow_the_samples_order(self, spec, built):
+        from rlcore.testing import algorithm_conformance as ac
+
+        inp = self._with_baselines(ac._advantage_input(2))
+        perm = [3, 0, 8, 1, 5, 2, 7, 4, 6]
+        shuffled = type(inp)(inp.rewards[perm], inp.groups[perm], [inp.token_rewards[i] for i in perm],
+                             [inp.logprobs[i] for i in perm], baseline_rewards=inp.baseline_rewards[perm])
+        a, b = built.advantages(inp), built.advantages(shuffled)
+        for j, i in enumerate(perm):
+            assert b[j].tolist() == pytest.approx(a[i].tolist())

@@ -1,5 +1,5 @@
 """The estimators and losses added for issue 30 (SAPO, GPG, clip-cov, KL-cov, GMPO, DPPO-TV/KL,
-OPO, pass@k), the bounded and straight-through KL estimators and the rejection of whole sequences
+OPO, pass@k, ReMax), the bounded and straight-through KL estimators and the rejection of whole sequences
 by mismatch statistics: each against hand-computed small cases and autograd; config errors name
 the key; a few steps of each on the embedded default (examples/tiny.yaml)."""
 
@@ -12,7 +12,7 @@ from rlcore.builtin.algorithms import algorithm
 from rlcore.errors import ConfigError
 
 SPECS = {s.name: s for s in algorithm()}
-NEW = ("sapo", "gpg", "clip_cov", "kl_cov", "gmpo", "dppo_tv", "dppo_kl", "opo", "grpo_passk")
+NEW = ("sapo", "gpg", "clip_cov", "kl_cov", "gmpo", "dppo_tv", "dppo_kl", "opo", "grpo_passk", "remax")
 
 
 def _inputs(logp_old, adv, seq_index=None, mask=None):
@@ -228,6 +228,20 @@ def test_passk_gives_only_the_best_sample_the_gap_to_the_second():
     assert adv[1] == pytest.approx(2.0 / (std + 1e-6))
 
 
+def test_remax_baseline_is_the_greedy_reward_of_the_prompt():
+    """A_t = G_t − r_greedy: returns of the token rewards (KL penalty per token, outcome last)."""
+    trs = [torch.tensor([-0.1, -0.1, 1.0]), torch.tensor([0.0, 0.5])]
+    inp = AdvantageInput(rewards=torch.tensor([0.8, 0.5]), groups=torch.tensor([0, 1]), token_rewards=trs,
+                         logprobs=[torch.zeros(3), torch.zeros(2)], baseline_rewards=torch.tensor([0.25, 1.0]))
+    adv = _built("remax").advantages(inp)
+    assert adv[0].tolist() == pytest.approx([0.8 - 0.25, 0.9 - 0.25, 1.0 - 0.25])
+    assert adv[1].tolist() == pytest.approx([0.5 - 1.0, 0.5 - 1.0])
+    with pytest.raises(ValueError, match="baseline_rewards"):
+        _built("remax").advantages(_adv_input([1.0], [0], [1]))
+    with pytest.raises(ConfigError, match="algorithm.dapo.dynamic_sampling.enable"):
+        _section("remax", "algorithm.dapo.dynamic_sampling.enable=true")
+
+
 def test_gpg_advantage_scales_by_the_fraction_of_nonzero_rewards():
     inp = _adv_input([1.0, 0.0, 0.0, 0.0], [0, 0, 1, 1], [1, 1, 1, 1])
     adv = [float(a[0]) for a in _built("gpg").advantages(inp)]
@@ -314,6 +328,7 @@ def test_new_settings_are_validated_naming_the_key():
     ["algorithm.name=dppo_kl", "algorithm.kl_coef=0.05", "algorithm.kl_estimator=k3+"],
     ["algorithm.name=opo"],
     ["algorithm.name=grpo_passk", "algorithm.mismatch.reject=seq_max_k3", "algorithm.mismatch.reject_max=1"],
+    ["algorithm.name=remax", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward"],
 ])
 def test_new_algorithms_train_on_the_embedded_default(tmp_path, overrides):
     from pathlib import Path
@@ -334,6 +349,8 @@ def test_new_algorithms_train_on_the_embedded_default(tmp_path, overrides):
         assert math.isfinite(row["loss"]) and row["grad_norm"] > 0
     if any("reject" in o for o in overrides):
         assert "mismatch/rejected_seq_frac" in rows[0]
+    if any("remax" in o for o in overrides):  # one greedy response per prompt, scored, each step
+        assert all(0.0 <= r["remax/greedy_reward_mean"] <= 1.0 and r["remax/greedy_seconds"] > 0 for r in rows)
     if any("kl_control" in o for o in overrides):  # KL in the reward, adaptive β (0 KL at step 0: it shrinks)
         assert rows[0]["kl_control/beta"] < 0.05 and "kl_reward_penalty" in rows[1]
 

@@ -29,6 +29,7 @@ from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.kl_control import KLControl
 from rlcore.algorithms.losses import TokenObjective, kl_penalty
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
+from rlcore.algorithms.remax import baselines_for, greedy_rewards
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
 from rlcore.config import training_fingerprint
@@ -405,6 +406,8 @@ class Trainer:
         totals = StepTotals(loss_tokens=batch.num_loss_tokens, num_seqs=batch.num_seqs, divisor=weights.divisor)
 
         metrics: dict[str, Any] = {**rollout_metrics(self.backend), **sampled.metrics}  # acceptance per draft depth
+        greedy = greedy_rewards(cfg, self.backend, self.version, self.engine.info.eos_token_id, *self._prompts(0),
+                                self._rewards, metrics) if self.algorithm.greedy_baseline else None  # ReMax
         self.engine.train(False)
         old_metrics = self._forward_pass(batch, "old_logprob", self.engine, totals, grad=False)
         metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
@@ -414,7 +417,7 @@ class Trainer:
         metrics["logprob_mismatch_max"] = float(d.max()) if d.numel() else 0.0
         if self.reference is not None:
             self._forward_pass(batch, "ref_logprob", self.reference, totals, grad=False)
-        metrics.update(self._algorithm_inputs(batch, samples, rewards))
+        metrics.update(self._algorithm_inputs(batch, samples, rewards, greedy))
         problem = guards.advantages_problem(batch.fields["advantages"], batch.seq_fields.get("advantage"), rewards)
         if problem:
             raise self._nonfinite("advantages", problem)
@@ -451,7 +454,8 @@ class Trainer:
         metrics.update(self.pm.step_end(StepContext(self.step, batch, metrics, cfg)))
         return StepResult(metrics, batch)
 
-    def _algorithm_inputs(self, batch: PackedBatch, samples: list[Sample], rewards: list[float]) -> dict[str, float]:
+    def _algorithm_inputs(self, batch: PackedBatch, samples: list[Sample], rewards: list[float],
+                          greedy: dict[int, float] | None = None) -> dict[str, float]:
         """Fill the step batch's mismatch weights and advantages (after the no-grad passes:
         both may need the trainer's and the reference's log-probs)."""
         a = self.cfg.algorithm
@@ -477,7 +481,8 @@ class Trainer:
             out["kl_reward_penalty"] = float(sum(float(p.sum()) for p in penalty)) / max(len(penalty), 1)
         token_rewards, seq_rewards = shaped_rewards(rewards, counts, penalty, self.algorithm.token_level_rewards)
         inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
-                             token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]))
+                             token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]),
+                             baseline_rewards=baselines_for(greedy, samples))
         inp = self.critic.advantage_input(batch, inp) if self.critic else inp  # PPO: values, returns
         adv = self.algorithm.advantages(inp)
         if len(adv) != len(samples) or [int(x.shape[0]) for x in adv] != counts:

@@ -1,5 +1,5 @@
 """Built-in ``algorithm`` providers added beside GRPO's family (issue 30): SAPO, GPG, Clip-Cov,
-KL-Cov, GMPO, DPPO (binary TV and KL), OPO and pass@k, yielded by
+KL-Cov, GMPO, DPPO (binary TV and KL), OPO, ReMax and pass@k, yielded by
 :func:`rlcore.builtin.algorithms.algorithm`. Each has its own settings under ``algorithm:``;
 docs/algorithms.md lists formula, settings and source. Cheap to import: the factories import
 torch."""
@@ -215,6 +215,21 @@ def _validate_gpg(s: Any) -> None:
     _positive(s, "f_norm")
 
 
+def _build_remax(s: Any) -> Algorithm:
+    from rlcore.algorithms.remax import ReMaxAdvantage
+
+    return Algorithm(advantages=ReMaxAdvantage(), loss=_ppo(s), token_level_rewards=True, greedy_baseline=True)
+
+
+def _validate_remax(s: Any) -> None:
+    _check_clip(s)
+    dapo = s.get("dapo")
+    if dapo is not None and dapo.dynamic_sampling.enable:
+        raise ConfigError("algorithm.name=remax takes its greedy baselines for the step's own prompts; DAPO's dynamic "
+                          "sampling draws more rounds of prompts: set algorithm.dapo.dynamic_sampling.enable=false",
+                          key="algorithm.dapo.dynamic_sampling.enable")
+
+
 def specs():
     from rlcore.builtin.algorithms import PPOClipSettings
 
@@ -254,6 +269,12 @@ def specs():
         name="opo", factory=_build_opo, settings=PPOClipSettings, validate=lambda s: _check_clip(s),
         loss_agg="token-mean", description="length-weighted group baseline + PPO-clip",
         source=f"On-Policy RL with Optimal Reward Baseline (arXiv:2505.23585); verl compute_opo_outcome_advantage; {PPO}",
+    )
+    yield AlgorithmSpec(
+        name="remax", factory=_build_remax, settings=PPOClipSettings, validate=_validate_remax,
+        loss_agg="token-mean", description="REINFORCE with the greedy response's reward as baseline (one more "
+        "generation per step) + PPO-clip", source=f"Li et al. 2023, ReMax (arXiv:2310.10505); verl "
+        f"compute_remax_outcome_advantage; {PPO}",
     )
     yield AlgorithmSpec(
         name="grpo_passk", factory=_build_passk, settings=PassKSettings, validate=_validate_grpo,

@@ -71,6 +71,8 @@ class AdvantageInput:
     :param logprobs: per sample, ``[n_i]`` rollout (behaviour) log-probs of the response.
     :param values: per sample, ``[n_i]`` the critic's values at the response tokens, when the
         algorithm trains one (PPO: settings with a ``critic`` group); ``None`` otherwise.
+    :param baseline_rewards: ``[N]`` float, per sample the reward of one greedy response to its
+        prompt (ReMax's baseline); set only for an algorithm with ``Algorithm.greedy_baseline``.
     """
 
     rewards: torch.Tensor
@@ -78,6 +80,7 @@ class AdvantageInput:
     token_rewards: Sequence[torch.Tensor]
     logprobs: Sequence[torch.Tensor]
     values: Sequence[torch.Tensor] | None = None
+    baseline_rewards: torch.Tensor | None = None
 
     @property
     def response_lengths(self) -> list[int]:
@@ -176,6 +179,9 @@ class Algorithm:
     #: uses per-token rewards (REINFORCE++): the KL-in-reward penalty stays per token instead
     #: of being summed into the sample's reward
     token_level_rewards: bool = False
+    #: the estimator needs each prompt's greedy response's reward (ReMax): core generates one more
+    #: response per prompt (``top_k = 1``) each step and passes it in ``AdvantageInput.baseline_rewards``
+    greedy_baseline: bool = False
 
 
 @dataclass(frozen=True)
