@@ -39,6 +39,7 @@ MORE = {
     "dppo_kl": ["algorithm.name=dppo_kl"],
     "opo (PPO-clip)": ["algorithm.name=opo"],
     "grpo_passk (PPO-clip)": ["algorithm.name=grpo_passk"],
+    "remax (PPO-clip)": ["algorithm.name=remax"],
 }
 
 

@@ -50,6 +50,7 @@ _IMPLEMENTATIONS = {
     "OPOAdvantage": "baselines",
     "PassKAdvantage": "baselines",
     "GPGAdvantage": "baselines",
+    "ReMaxAdvantage": "remax",
 }
 
 __all__ = [
