@@ -84,12 +84,13 @@ def test_killed_run_resumes_to_the_uninterrupted_run_with_the_critic(tmp_path):
             assert torch.equal(v, b["optimizer"]["state"][i][k]), f"critic optimizer state {i}.{k}"
 
 
-def test_checkpoint_without_a_critic_does_not_resume_a_ppo_run(tmp_path):
+def test_checkpoint_without_a_critic_does_not_resume_a_ppo_run(tmp_path, capsys):
     assert main(["train", TINY, "--output", str(tmp_path), "training.steps=1", "output.checkpoint_every=1",
                  "output.plot=false", "output.progress=false", "data.prompts_per_step=2", "rollout.n=2"]) == 0
     code = _train(tmp_path, "training.steps=2", "output.checkpoint_every=1", "data.prompts_per_step=2", "rollout.n=2",
                   "--allow-config-change", resume=True)
     assert code != 0
+    assert "does not fit this run: KeyError: 'critic'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("override", "key"), [
