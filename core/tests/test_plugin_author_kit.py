@@ -54,20 +54,20 @@ def opo_plugin(calls: list | None = None) -> types.ModuleType:
 
     mod = types.ModuleType("rlcore_opo")
     mod.PLUGIN_API = PLUGIN_API
-    mod.algorithm = hookimpl(lambda: [AlgorithmSpec(name="opo", factory=build, settings=OPOSettings,
+    mod.algorithm = hookimpl(lambda: [AlgorithmSpec(name="outsider_opo", factory=build, settings=OPOSettings,
                                                     loss_agg="token-mean", source="a test")])
     return mod
 
 
 def test_rlcore_config_fixture_sees_a_registered_plugins_algorithm(register_plugin, rlcore_config):
     register_plugin(opo_plugin(), "opo")
-    cfg = rlcore_config("algorithm.name=opo", "algorithm.baseline_scale=0.5")
-    assert cfg.algorithm.name == "opo" and cfg.algorithm.baseline_scale == 0.5
+    cfg = rlcore_config("algorithm.name=outsider_opo", "algorithm.baseline_scale=0.5")
+    assert cfg.algorithm.name == "outsider_opo" and cfg.algorithm.baseline_scale == 0.5
     assert cfg.algorithm.loss_agg == "token-mean"  # the spec's own aggregation resolved `auto`
     from rlcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match="algorithm.baseline_scale"):
-        rlcore_config("algorithm.name=opo", "algorithm.baseline_scale=abc")
+        rlcore_config("algorithm.name=outsider_opo", "algorithm.baseline_scale=abc")
 
 
 def test_the_algorithm_contract_is_importable_from_rlcore_types():
@@ -168,7 +168,7 @@ from rlcore.types import ForwardFnSpec
 
 @hookimpl
 def algorithm():
-    yield AlgorithmSpec(name="opo", factory=lambda section: None, source="a test")
+    yield AlgorithmSpec(name="outsider_opo", factory=lambda section: None, source="a test")
 
 @hookimpl
 def forward_fn():
@@ -184,13 +184,13 @@ def test_an_installed_but_inactive_algorithm_plugin_is_named(fake_distribution, 
     fake_distribution("rlcore-opo", "0.3", entry_points={"opo-plugin": "rlcore_opo_plugin"},
                       modules={"rlcore_opo_plugin": OPO_PLUGIN_SOURCE})
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["algorithm.name=opo"])
+        load_config(None, ["algorithm.name=outsider_opo"])
     text = str(err.value)
     assert err.value.key == "algorithm.name"
     assert "'opo-plugin'" in text and "rlcore-opo 0.3" in text and "installed but not active" in text
     assert "plugins:" in text
-    cfg, _ = load_config(None, ["algorithm.name=opo", "plugins=[opo-plugin]"])  # the hint's fix works
-    assert cfg.algorithm.name == "opo"
+    cfg, _ = load_config(None, ["algorithm.name=outsider_opo", "plugins=[opo-plugin]"])  # the hint's fix works
+    assert cfg.algorithm.name == "outsider_opo"
     # the same for a third-party plugin's other providers, as for first-party ones
     cfg, pm = load_config(None, ["forward.name=opo-head"])
     with pytest.raises(ConfigError, match="'opo-plugin' .*installed but not active") as err:
@@ -219,7 +219,7 @@ def test_a_third_party_estimator_with_the_builtin_ppo_clip_loss_trains(tmp_path,
     calls: list[int] = []
     register_plugin(opo_plugin(calls), "opo")
     cfg, pm = load_config(ROOT / "examples" / "tiny.yaml",
-                          ["training.steps=2", "rollout.n=4", "data.prompts_per_step=4", "algorithm.name=opo",
+                          ["training.steps=2", "rollout.n=4", "data.prompts_per_step=4", "algorithm.name=outsider_opo",
                            "algorithm.baseline_scale=1.0", f"output.dir={tmp_path}", "output.plot=false",
                            "output.tensorboard=false", "output.progress=false", "output.checkpoint_every=0"],
                           plugins=rlcore_plugin_manager)
