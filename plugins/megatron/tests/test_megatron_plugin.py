@@ -49,7 +49,8 @@ def test_plugin_is_found_through_its_entry_point():
     pm.activate(["megatron"])
     spec = pm.select("engine", "megatron", key="engine.name")
     assert spec.distribution.startswith("rlcore-megatron ")
-    assert spec.capabilities == {"moe", "mtp", "router_hook", "record_routes", "tensor_parallel", "expert_parallel"}
+    assert spec.capabilities == {"moe", "mtp", "router_hook", "record_routes", "tensor_parallel", "expert_parallel",
+                                 "value_model"}
 
 
 def test_settings_section_validates(register_plugin, rlcore_config):
