@@ -12,7 +12,7 @@ from rlcore.builtin.algorithms import algorithm
 from rlcore.errors import ConfigError
 
 SPECS = {s.name: s for s in algorithm()}
-NEW = ("sapo", "gpg", "clip_cov", "kl_cov", "gmpo", "dppo_tv", "dppo_kl", "opo", "grpo_passk", "remax")
+NEW = ("sapo", "gpg", "clip_cov", "kl_cov", "gmpo", "dppo_tv", "dppo_kl", "dro", "opo", "grpo_passk", "remax")
 
 
 def _inputs(logp_old, adv, seq_index=None, mask=None):
@@ -164,6 +164,14 @@ def test_dppo_tv_and_kl_trust_regions_by_hand():
     # the truncation c (clip_ratio_c, default 20) bounds the detached ratio
     _, g = _autograd(tv, [math.log(0.5)], _inputs([math.log(0.01)], [-1.0]))
     assert g.tolist() == pytest.approx([20.0], rel=1e-5)
+
+
+def test_dro_quadratic_penalty_by_hand():
+    loss = _built("dro", "algorithm.beta=2.0").loss
+    x = _inputs([-1.0, -2.0], [0.5, -1.0])
+    v, g = _autograd(loss, [-0.7, -2.5], x)
+    assert v.tolist() == pytest.approx([0.35 + 0.3 ** 2, -2.5 + 0.5 ** 2])
+    assert g.tolist() == pytest.approx([-0.5 + 2.0 * 0.3, 1.0 + 2.0 * -0.5])
 
 
 def test_clip_cov_detaches_the_selected_high_covariance_tokens():
@@ -327,6 +335,7 @@ def test_new_settings_are_validated_naming_the_key():
     ["algorithm.name=dppo_tv", "algorithm.updates_per_step=2"],
     ["algorithm.name=dppo_kl", "algorithm.kl_coef=0.05", "algorithm.kl_estimator=k3+"],
     ["algorithm.name=opo"],
+    ["algorithm.name=dro", "algorithm.updates_per_step=2"],
     ["algorithm.name=grpo_passk", "algorithm.mismatch.reject=seq_max_k3", "algorithm.mismatch.reject_max=1"],
     ["algorithm.name=remax", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward"],
 ])

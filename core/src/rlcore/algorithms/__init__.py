@@ -47,6 +47,7 @@ _IMPLEMENTATIONS = {
     "KLCov": "surrogates",
     "GMPO": "surrogates",
     "DPPO": "surrogates",
+    "DRO": "surrogates",
     "OPOAdvantage": "baselines",
     "PassKAdvantage": "baselines",
     "GPGAdvantage": "baselines",

@@ -309,3 +309,32 @@ class DPPO:
     def metrics(self, logprobs, x, seq_log_ratio=None):
         _, _, valid = self._weight(logprobs, x)
         return _behaviour_metrics(logprobs, x, ~valid)
+
+
+@dataclass(frozen=True)
+class DRO:
+    """DRO's policy loss: REINFORCE with a quadratic penalty on the log-ratio to the sampling
+    policy, ``pg_t = −A·logp_t + (β/2)·(logp_t − old_t)²``, ``∂pg_t/∂logp_t = −A + β·(logp_t −
+    old_t)`` (= ``−A`` at the proximal policy).
+
+    Source: the ``dro`` loss of Thinking Machines' Tinker (its loss-function reference: objective
+    ``logp·A − ½β(logp − logp_sampling)²``, β 1); after Richemond et al. 2024, "Offline
+    Regularised Reinforcement Learning for Large Language Models Alignment" (arXiv:2405.19107),
+    Direct Reward Optimization. Not in verl's ``core_algos``.
+    """
+
+    beta: float = 1.0
+    sequence_level: bool = False
+
+    def value(self, logprobs, x, seq_log_ratio=None):
+        d = _log_ratio(logprobs, x)
+        return -_adv(logprobs, x) * _zero_masked(logprobs, x) + 0.5 * self.beta * d.square()
+
+    def grad(self, logprobs, x, seq_log_ratio=None):
+        adv = _adv(logprobs, x)
+        d = _log_ratio(logprobs, x)
+        return (-adv * _zero_masked(logprobs, x) + 0.5 * self.beta * d.square(),
+                _zero_masked(-adv + self.beta * d, x))
+
+    def metrics(self, logprobs, x, seq_log_ratio=None):
+        return _behaviour_metrics(logprobs, x)

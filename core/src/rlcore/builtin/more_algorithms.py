@@ -1,5 +1,5 @@
 """Built-in ``algorithm`` providers added beside GRPO's family (issue 30): SAPO, GPG, Clip-Cov,
-KL-Cov, GMPO, DPPO (binary TV and KL), OPO, ReMax and pass@k, yielded by
+KL-Cov, GMPO, DPPO (binary TV and KL), DRO, OPO, ReMax and pass@k, yielded by
 :func:`rlcore.builtin.algorithms.algorithm`. Each has its own settings under ``algorithm:``;
 docs/algorithms.md lists formula, settings and source. Cheap to import: the factories import
 torch."""
@@ -90,6 +90,15 @@ class DPPOSettings:
 class DPPOKLSettings(DPPOSettings):
     clip_low: float = 0.05
     clip_high: float = 0.05
+
+
+@dataclass
+class DROSettings:
+    """``beta``: the weight of the quadratic log-ratio penalty."""
+
+    beta: float = 1.0
+    advantage: str = "grpo"
+    std: str = "population"
 
 
 @dataclass
@@ -191,6 +200,18 @@ def _dppo(divergence: str):
     return make
 
 
+def _dro(s):
+    from rlcore.algorithms.surrogates import DRO
+
+    return DRO(float(s.beta))
+
+
+def _validate_dro(s: Any) -> None:
+    if float(s.beta) < 0:
+        raise ConfigError("bad value for config key 'algorithm.beta': must be >= 0", key="algorithm.beta")
+    _check_choice_pair(s)
+
+
 def _build_gpg(s: Any) -> Algorithm:
     from rlcore.algorithms.baselines import GPGAdvantage
     from rlcore.algorithms.surrogates import GPG
@@ -265,6 +286,11 @@ def specs():
             f"trust region", source=f"Rethinking the Trust Region in LLM RL (arXiv:2602.04879); verl "
             f"compute_policy_loss_dppo_{div}",
         )
+    yield AlgorithmSpec(
+        name="dro", factory=_with(_dro), settings=DROSettings, validate=_validate_dro, loss_agg="token-mean",
+        description="REINFORCE on logp with a quadratic penalty on the log-ratio to the sampling policy",
+        source="Tinker's dro loss; Richemond et al. 2024 (arXiv:2405.19107), Direct Reward Optimization",
+    )
     yield AlgorithmSpec(
         name="opo", factory=_build_opo, settings=PPOClipSettings, validate=lambda s: _check_clip(s),
         loss_agg="token-mean", description="length-weighted group baseline + PPO-clip",
