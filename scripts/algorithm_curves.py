@@ -37,6 +37,7 @@ MORE = {
     "gmpo": ["algorithm.name=gmpo"],
     "dppo_tv": ["algorithm.name=dppo_tv"],
     "dppo_kl": ["algorithm.name=dppo_kl"],
+    "dro": ["algorithm.name=dro"],
     "opo (PPO-clip)": ["algorithm.name=opo"],
     "grpo_passk (PPO-clip)": ["algorithm.name=grpo_passk"],
     "remax (PPO-clip)": ["algorithm.name=remax"],
