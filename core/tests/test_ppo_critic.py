@@ -34,6 +34,7 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
+@pytest.mark.slow
 def test_ppo_learns_on_the_embedded_default(tmp_path):
     """~10 s: the successor task from chance level; the longer curve is docs/algorithms/ppo_tiny.png."""
     assert _train(tmp_path / "run", "training.steps=45", "output.checkpoint_every=0") == 0
@@ -52,6 +53,7 @@ def _critic_state(out: Path, step: int):
     return torch.load(out / "checkpoints" / f"step-{step:08d}.pt", weights_only=False)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_uninterrupted_run_with_the_critic(tmp_path):
     """SIGKILLed when step 4's samples come back (RLCORE_FAULT, rlcore.faults), resumed from step
     3's checkpoint: the resumed steps' metrics and the final critic (weights and AdamW state)
