@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlcore import PLUGIN_API, hookimpl
+from rlcore.algorithm_settings import check_clip
 from rlcore.algorithms.spec import Algorithm, AlgorithmSpec
 from rlcore.builtin import ppo
 from rlcore.errors import ConfigError
@@ -75,38 +76,26 @@ def _check_choice(s: Any, key: str, choices: tuple[str, ...]) -> None:
                           key=f"algorithm.{key}")
 
 
-def _check_clip(s: Any, *, ppo_low: bool = True) -> None:
-    for key in ("clip_low", "clip_high"):
-        if float(s[key]) < 0:
-            raise ConfigError(f"bad value for config key 'algorithm.{key}': must be >= 0", key=f"algorithm.{key}")
-    if ppo_low and float(s.clip_low) >= 1:
-        raise ConfigError("bad value for config key 'algorithm.clip_low': must be < 1 (the ratio's lower bound "
-                          "1 - clip_low must stay positive)", key="algorithm.clip_low")
-    if "clip_ratio_c" in s and float(s.clip_ratio_c) != 0 and float(s.clip_ratio_c) <= 1:
-        raise ConfigError("bad value for config key 'algorithm.clip_ratio_c': must be > 1 (dual-clip bound) or 0 (off)",
-                          key="algorithm.clip_ratio_c")
-
-
 def _validate_ppo(s: Any) -> None:
-    _check_clip(s)
+    check_clip(s)
 
 
 def _validate_grpo(s: Any) -> None:
-    _check_clip(s)
+    check_clip(s)
     _check_choice(s, "std", STD_MODES)
     if float(s.eps) <= 0:
         raise ConfigError("bad value for config key 'algorithm.eps': must be > 0", key="algorithm.eps")
 
 
 def _validate_reinforce(s: Any) -> None:
-    _check_clip(s)
+    check_clip(s)
     if not 0 < float(s.gamma) <= 1:
         raise ConfigError("bad value for config key 'algorithm.gamma': must be in (0, 1]", key="algorithm.gamma")
 
 
 def _validate_with_advantage(ppo_low: bool):
     def check(s: Any) -> None:
-        _check_clip(s, ppo_low=ppo_low)
+        check_clip(s, ppo_low=ppo_low)
         _check_choice(s, "advantage", ADVANTAGES)
         _check_choice(s, "std", STD_MODES)
     return check

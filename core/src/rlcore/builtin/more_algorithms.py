@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlcore.algorithm_settings import check_clip
 from rlcore.algorithms.spec import Algorithm, AlgorithmSpec
 from rlcore.builtin.algorithms import (
     PPO,
     GRPOSettings,
     _check_choice,
-    _check_clip,
     _estimator,
     _ppo,
     _validate_grpo,
@@ -131,7 +131,7 @@ def _check_choice_pair(s: Any) -> None:
 
 
 def _validate_clip_cov(s: Any) -> None:
-    _check_clip(s)
+    check_clip(s)
     _fraction(s, "clip_cov_ratio")
     if float(s.clip_cov_lb) >= float(s.clip_cov_ub):
         raise ConfigError("bad value for config key 'algorithm.clip_cov_lb': must be below clip_cov_ub",
@@ -147,12 +147,12 @@ def _validate_kl_cov(s: Any) -> None:
 
 
 def _validate_gmpo(s: Any) -> None:
-    _check_clip(s, ppo_low=False)
+    check_clip(s, ppo_low=False)
     _check_choice_pair(s)
 
 
 def _validate_dppo(s: Any) -> None:
-    _check_clip(s, ppo_low=False)
+    check_clip(s, ppo_low=False)
     if float(s.clip_ratio_c) < 1:
         raise ConfigError("bad value for config key 'algorithm.clip_ratio_c': must be >= 1 (the detached ratio is "
                           "truncated at it)", key="algorithm.clip_ratio_c")
@@ -243,7 +243,7 @@ def _build_remax(s: Any) -> Algorithm:
 
 
 def _validate_remax(s: Any) -> None:
-    _check_clip(s)
+    check_clip(s)
     dapo = s.get("dapo")
     if dapo is not None and dapo.dynamic_sampling.enable:
         raise ConfigError("algorithm.name=remax takes its greedy baselines for the step's own prompts; DAPO's dynamic "
@@ -292,7 +292,7 @@ def specs():
         source="Tinker's dro loss; Richemond et al. 2024 (arXiv:2405.19107), Direct Reward Optimization",
     )
     yield AlgorithmSpec(
-        name="opo", factory=_build_opo, settings=PPOClipSettings, validate=lambda s: _check_clip(s),
+        name="opo", factory=_build_opo, settings=PPOClipSettings, validate=lambda s: check_clip(s),
         loss_agg="token-mean", description="length-weighted group baseline + PPO-clip",
         source=f"On-Policy RL with Optimal Reward Baseline (arXiv:2505.23585); verl compute_opo_outcome_advantage; {PPO}",
     )

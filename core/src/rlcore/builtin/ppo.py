@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcore.algorithm_settings import check_clip
 from rlcore.algorithms.spec import Algorithm, AlgorithmSpec
 from rlcore.errors import ConfigError
 from rlcore.types import Cap, RequiresCapability
@@ -46,9 +47,8 @@ def _bad(key: str, why: str) -> ConfigError:
 
 
 def validate(s: Any) -> None:
-    from rlcore.builtin.algorithms import _check_clip
 
-    _check_clip(s)
+    check_clip(s)
     for key in ("gamma", "lam"):
         if not 0 <= float(s[key]) <= 1:
             raise _bad(key, "must be in [0, 1]")

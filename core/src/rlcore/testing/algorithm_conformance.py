@@ -35,6 +35,7 @@ from rlcore.algorithms.losses import TokenObjective
 from rlcore.algorithms.spec import LOSS_AGGREGATIONS, AdvantageInput, Algorithm, AlgorithmSpec, PolicyLoss
 from rlcore.batch import PackedBatch
 from rlcore.testing.contracts import assert_close
+from rlcore.types import implements
 
 RECOMPUTED = "recomputed_logprobs"
 
@@ -163,7 +164,7 @@ class AlgorithmConformance:
         who = _who(spec)
         assert isinstance(built, Algorithm), f"{who}: factory(section) must return an Algorithm, got {type(built).__name__}"
         assert callable(built.advantages), f"{who}: Algorithm.advantages must be callable (an AdvantageEstimator)"
-        assert isinstance(built.loss, PolicyLoss), (
+        assert implements(built.loss, PolicyLoss), (
             f"{who}: Algorithm.loss must be a PolicyLoss (value, grad, metrics, sequence_level)")
         assert isinstance(built.loss.sequence_level, bool), f"{who}: PolicyLoss.sequence_level must be a bool"
 
