@@ -4,14 +4,12 @@ import json
 import math
 import os
 import pickle
-import resource
-import signal
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from rlcore.config import fingerprint_diff
 from rlcore.errors import CheckpointError, RLCoreError, RunOutputError
 from rlcore.run_output import (
@@ -277,32 +275,41 @@ def test_pruning_touches_only_rlcore_names(tmp_path):
     assert all((d / name).read_text() == "the user's" for name in user)
 
 
-@pytest.fixture
-def file_size_limit():
-    """RLIMIT_FSIZE for this process (what a full disk does to a write: it fails part-way), with
-    SIGXFSZ ignored so that write() returns EFBIG instead of killing the process. Works as root."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-    def limit(nbytes):
-        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, old)
+#: run in a child process: RLIMIT_FSIZE limits every file the process writes, and pytest's own
+#: output, redirected to a log file in CI, fails with EFBIG under it (an INTERNALERROR that ended
+#: the suite). SIGXFSZ is ignored so that write() returns EFBIG instead of killing the child.
+_SAVE_UNDER_LIMIT = """
+import resource, signal, sys, torch
+from rlcore.errors import CheckpointError
+from rlcore.run_output import save_checkpoint
+out, floats, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    save_checkpoint(out, {"engine": {"model": {"w": torch.zeros(floats)}}, "step": 2},
+                    {"step": 2, "config": {"training.lr": 0.001}}, keep=3)
+except CheckpointError as exc:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print("CheckpointError:", exc)
+    sys.exit(0)
+print("no error")
+sys.exit(1)
+"""
 
 
 @pytest.mark.parametrize("floats", [1 << 16, 1 << 10], ids=["torch-runtime-error", "oserror-at-flush"])
-def test_a_checkpoint_that_does_not_fit_is_an_error_and_leaves_no_temporary(tmp_path, file_size_limit, floats):
-    """torch.save raises a RuntimeError ("unexpected pos ...") when a write inside its zip writer
+def test_a_checkpoint_that_does_not_fit_is_an_error_and_leaves_no_temporary(tmp_path, floats):
+    """What a full disk does to a write (it fails part-way), as RLIMIT_FSIZE (works as root).
+    torch.save raises a RuntimeError ("unexpected pos ...") when a write inside its zip writer
     fails, an OSError when the buffered tail fails at flush: both are the same CheckpointError."""
     _save(tmp_path, 1)
     size = (tmp_path / CHECKPOINT_DIR / "step-00000001.pt").stat().st_size
-    big = {"engine": {"model": {"w": torch.zeros(floats)}}, "step": 2}
-    file_size_limit(max(size + 1, floats))  # the committed checkpoint fits, the new one (4 bytes a float) not
-    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*step-00000002.pt: .*File too large.*"
-                                              r"older checkpoints are intact"):
-        save_checkpoint(tmp_path, big, {"step": 2, "config": CFG}, keep=3)
+    # the committed checkpoint fits, the new one (4 bytes a float) not
+    proc = subprocess.run([sys.executable, "-c", _SAVE_UNDER_LIMIT, str(tmp_path), str(floats),
+                           str(max(size + 1, floats))], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert re.search(r"cannot write checkpoint .*step-00000002.pt: .*File too large.*older checkpoints are intact",
+                     proc.stdout), proc.stdout
     assert _tree(tmp_path / CHECKPOINT_DIR) == ["step-00000001.json", "step-00000001.pt"]
     state, _, _ = load_checkpoint(tmp_path, CFG)
     assert state["step"] == 1
