@@ -61,8 +61,11 @@ def test_bad_type_names_the_field():
 def test_a_model_without_mtp_layers_is_refused_before_anything_is_built():
     with pytest.raises(errors.MissingCapabilityError, match="no MTP layers: set engine.model.tiny.mtp_layers >= 1"):
         load_stack(TINY_MTP, ["engine.model.tiny.mtp_layers=0", "mtp.depths=0"])
-    with pytest.raises(errors.MissingCapabilityError, match="arch 'qwen2'"):
+    # a shape the hf engine cannot build is refused by the config itself, naming the key
+    # (rlcore.model_settings), before any capability is looked at
+    with pytest.raises(errors.ConfigError, match="arch 'qwen2'") as refused:
         load_stack(TINY_MTP, ["engine.model.tiny.arch=qwen3_moe"])
+    assert refused.value.key == "engine.model.tiny.mtp_layers"
 
 
 # ------------------------------------------------------------------------ labels -------------
