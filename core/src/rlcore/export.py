@@ -224,43 +224,25 @@ def export_policy(trainer: Any, final: Path, step: int, *, at_checkpoint: bool) 
 def load_checkpoint_of_step(run: Path, step: int) -> dict[str, Any]:
     """The state of the committed checkpoint of ``step``, checked as ``--resume`` checks it
     (record readable, size and sha256 of the state file, ``weights_only`` load)."""
-    import torch
-
-    from rlcore.run_output import CHECKPOINT_FORMAT, _sha256, list_checkpoints
+    from rlcore.run_output import (
+        checkpoint_hf_dir,
+        list_checkpoints,
+        load_checkpoint_state,
+        read_checkpoint_record,
+    )
 
     found = dict(list_checkpoints(run))
     rec_path = found[step]
-    try:
-        record = json.loads(rec_path.read_text())
-        state_path = rec_path.parent / str(record["state_file"])
-        want_size, want_sha = int(record["state_bytes"]), str(record["state_sha256"])
-        fmt = int(record.get("format", 0))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint record {rec_path} is unreadable: {type(exc).__name__}: {exc}") from exc
-    if fmt != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {rec_path} has format {fmt}; this rlcore reads format {CHECKPOINT_FORMAT}")
+    record, state_path = read_checkpoint_record(rec_path)
     shards = record.get("shards")
     if shards:
         layout = ", ".join(f"{k}={v}" for k, v in sorted(dict(shards.get("layout", {})).items()))
         raise CheckpointError(
             f"checkpoint {rec_path} is sharded over model-parallel ranks ({layout}); rlcore export runs in one "
-            f"process and does not gather shards: use {rec_path.parent / (rec_path.stem + '-hf')} or {run / MODEL_DIR}, "
+            f"process and does not gather shards: use {checkpoint_hf_dir(run, step)} or {run / MODEL_DIR}, "
             f"which the run wrote with every rank (output.export_hf)")
-    if not state_path.is_file():
-        raise CheckpointError(f"checkpoint file {state_path} is missing")
-    size = state_path.stat().st_size
-    if size != want_size:
-        raise CheckpointError(f"checkpoint file {state_path} is truncated or altered: {size} bytes, its record "
-                              f"says {want_size}")
-    if _sha256(state_path) != want_sha:
-        raise CheckpointError(f"checkpoint file {state_path} is corrupt: its sha256 differs from the one recorded "
-                              f"when it was written")
-    try:
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - anything torch raises on a bad or unsafe file
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CheckpointError(f"cannot load checkpoint {state_path} safely: {type(exc).__name__}: {first[:300]}") from exc
-    if not isinstance(state, dict) or not isinstance(state.get("engine"), dict):
+    state = load_checkpoint_state(state_path, record)
+    if not isinstance(state.get("engine"), dict):
         raise CheckpointError(f"checkpoint {state_path} holds no engine state")
     return state
 

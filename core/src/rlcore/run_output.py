@@ -506,17 +506,7 @@ def load_checkpoint(out_dir: Path, fingerprint: dict[str, Any] | None = None,
     step, rec_path = found[-1]
     older = ", ".join(p.stem for _, p in found[:-1]) or "none"
     hint = f" (older checkpoints: {older}; delete {rec_path} to resume from the one before)"
-    try:
-        record = json.loads(rec_path.read_text())
-        if not isinstance(record, dict):
-            raise ValueError("not a JSON object")
-        state_path = rec_path.parent / str(record["state_file"])
-        want_size, want_sha = int(record["state_bytes"]), str(record["state_sha256"])
-        fmt = int(record.get("format", 0))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint record {rec_path} is unreadable: {type(exc).__name__}: {exc}{hint}") from exc
-    if fmt != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {rec_path} has format {fmt}; this rlcore reads format {CHECKPOINT_FORMAT}")
+    record, state_path = read_checkpoint_record(rec_path, hint)
     diffs: list[str] = []
     if fingerprint is not None:
         diffs = _config_diffs(record.get("config"), fingerprint)
@@ -526,6 +516,30 @@ def load_checkpoint(out_dir: Path, fingerprint: dict[str, Any] | None = None,
                 + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
                 + ". Resume with the config it was written with, or pass --allow-config-change to resume anyway"
             )
+    return load_checkpoint_state(state_path, record, hint), record, diffs
+
+
+def read_checkpoint_record(rec_path: Path, hint: str = "") -> tuple[dict[str, Any], Path]:
+    """A checkpoint's commit record and the path of its state file; :class:`CheckpointError`
+    (``hint`` appended) when the record is unreadable or of another format."""
+    try:
+        record = json.loads(rec_path.read_text())
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        state_path = rec_path.parent / str(record["state_file"])
+        int(record["state_bytes"]), str(record["state_sha256"])  # present and well-formed
+        fmt = int(record.get("format", 0))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint record {rec_path} is unreadable: {type(exc).__name__}: {exc}{hint}") from exc
+    if fmt != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint {rec_path} has format {fmt}; this rlcore reads format {CHECKPOINT_FORMAT}")
+    return record, state_path
+
+
+def load_checkpoint_state(state_path: Path, record: dict[str, Any], hint: str = "") -> dict[str, Any]:
+    """The state file checked against its record (present, size, sha256), then loaded with
+    ``weights_only=True``: tensors and plain data only. :class:`CheckpointError` naming the file."""
+    want_size, want_sha = int(record["state_bytes"]), str(record["state_sha256"])
     if not state_path.is_file():
         raise CheckpointError(f"checkpoint file {state_path} is missing{hint}")
     size = state_path.stat().st_size
@@ -543,7 +557,7 @@ def load_checkpoint(out_dir: Path, fingerprint: dict[str, Any] | None = None,
                               f"{hint}") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {state_path} holds a {type(state).__name__}, expected a dict")
-    return state, record, diffs
+    return state
 
 
 def _config_diffs(saved: Any, current: dict[str, Any]) -> list[str]:
