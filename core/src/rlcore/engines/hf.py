@@ -38,6 +38,7 @@ from rlcore.types import (
     ModelInfo,
     RouterCall,
     VocabShard,
+    value_head,
 )
 
 HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL})
@@ -228,13 +229,7 @@ class HFValueModel:
 
     def __init__(self, policy: HFEngine, seed: int = 0):
         self.body = HFEngine(copy.deepcopy(policy.model), policy.tokenizer, policy.device)
-        hidden = self.body.info.hidden_size
-        self.head = torch.nn.Linear(hidden, 1, dtype=torch.float32)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(int(seed))
-            self.head.weight.copy_(torch.randn(1, hidden, generator=g) / (hidden + 1))
-            self.head.bias.zero_()
-        self.head.to(policy.device)
+        self.head = value_head(self.body.info.hidden_size, seed, policy.device)
         self.optimizer: torch.optim.Optimizer | None = None
 
     def values(self, batch: PackedBatch) -> torch.Tensor:

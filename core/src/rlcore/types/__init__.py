@@ -83,6 +83,7 @@ from rlcore.types.rollout import (
     WeightSync,
     implements,
 )
+from rlcore.types.value import ValueModel, value_head
 
 __all__ = [
     # providers
@@ -101,4 +102,6 @@ __all__ = [
     # algorithms (docs/algorithms.md)
     "AlgorithmSpec", "Algorithm", "AdvantageInput", "AdvantageEstimator", "TokenInputs", "PolicyLoss", "TokenLoss",
     "LOSS_AGGREGATIONS",
+    # the critic (Cap.VALUE_MODEL)
+    "ValueModel", "value_head",
 ]

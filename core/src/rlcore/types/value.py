@@ -19,6 +19,20 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
     from rlcore.batch import PackedBatch
 
 
+def value_head(hidden: int, seed: int, device: Any) -> torch.nn.Linear:
+    """The critic's scalar head an engine puts on its trunk: an fp32 ``Linear(hidden, 1)`` with
+    OpenRLHF's initialisation (normal, std ``1/(hidden+1)``; bias 0), drawn from its own generator
+    (``seed``) so that the policy's random stream is untouched."""
+    import torch
+
+    head = torch.nn.Linear(hidden, 1, dtype=torch.float32)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(int(seed))
+        head.weight.copy_(torch.randn(1, hidden, generator=g) / (hidden + 1))
+        head.bias.zero_()
+    return head.to(device)
+
+
 @runtime_checkable
 class ValueModel(Protocol):
     """A critic on the training engine.

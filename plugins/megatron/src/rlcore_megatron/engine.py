@@ -320,22 +320,19 @@ class MegatronEngine:
             dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
         return float((replicated + tp_sharded + expert).sqrt())
 
-    def optimizer_step(self, grad_clip: float) -> float:
-        if self.optimizer is None:
-            raise RuntimeError("setup_optimizer() was not called")
+    def divide_expert_grads(self) -> None:
+        """Every EP rank fed the same tokens and the dispatcher summed their gradients: the
+        experts' gradients are divided by the EP size (before the norm and the step)."""
         if self.par.ep_size > 1:
-            # every EP rank fed the same tokens; the dispatcher summed their gradients
             for name, p in self.named_parameters():
                 if p.grad is not None and self.names(name).expert:
                     p.grad.div_(self.par.ep_size)
-        norm = self.grad_norm()
-        if grad_clip > 0 and norm > grad_clip:
-            scale = grad_clip / (norm + 1e-6)
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self.optimizer.step()
-        return norm
+
+    def optimizer_step(self, grad_clip: float) -> float:
+        if self.optimizer is None:
+            raise RuntimeError("setup_optimizer() was not called")
+        self.divide_expert_grads()
+        return clipped_step(self.optimizer, self.parameters(), self.grad_norm(), grad_clip)
 
     def make_reference(self) -> MegatronEngine:
         """A frozen copy of the current policy, built afresh (megatron modules hold process
@@ -412,3 +409,15 @@ def build_megatron_engine(ctx: Any) -> MegatronEngine:
         tok = make_tokenizer(words)
         source = tiny_source(ecfg.model.tiny, tok, ecfg.model.dtype)
     return MegatronEngine(source, settings, device=device, dtype=ecfg.model.dtype)
+
+
+def clipped_step(optimizer: Any, params: Any, norm: float, grad_clip: float) -> float:
+    """Scale the gradients down to ``grad_clip`` when their (already reduced) norm exceeds it,
+    take the optimizer step, return the norm before clipping."""
+    if grad_clip > 0 and norm > grad_clip:
+        scale = grad_clip / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    optimizer.step()
+    return norm

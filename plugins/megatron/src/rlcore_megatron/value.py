@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from rlcore.errors import MissingCapabilityError
+from rlcore.types import value_head
 
 
 class MegatronValueModel:
@@ -28,13 +29,7 @@ class MegatronValueModel:
 
         self.body = MegatronEngine(policy.source, policy.settings, str(policy.device),
                                    str(policy.dtype).replace("torch.", ""), _weights_from=policy)
-        hidden = self.body.info.hidden_size
-        self.head = torch.nn.Linear(hidden, 1, dtype=torch.float32)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(int(seed))
-            self.head.weight.copy_(torch.randn(1, hidden, generator=g) / (hidden + 1))
-            self.head.bias.zero_()
-        self.head.to(policy.device)
+        self.head = value_head(self.body.info.hidden_size, seed, policy.device)
         self.optimizer: torch.optim.Optimizer | None = None
 
     def values(self, batch: Any) -> torch.Tensor:
@@ -69,19 +64,10 @@ class MegatronValueModel:
     def optimizer_step(self, grad_clip: float) -> float:
         if self.optimizer is None:
             raise RuntimeError("setup_optimizer() was not called")
-        body = self.body
-        if body.par.ep_size > 1:  # as the policy's step: every EP rank fed the same tokens
-            for name, p in body.named_parameters():
-                if p.grad is not None and body.names(name).expert:
-                    p.grad.div_(body.par.ep_size)
-        norm = self.grad_norm()
-        if grad_clip > 0 and norm > grad_clip:
-            scale = grad_clip / (norm + 1e-6)
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self.optimizer.step()
-        return norm
+        from rlcore_megatron.engine import clipped_step
+
+        self.body.divide_expert_grads()  # as the policy's step
+        return clipped_step(self.optimizer, self.parameters(), self.grad_norm(), grad_clip)
 
     def state_dict(self) -> dict[str, Any]:
         return {"trunk": self.body.model.state_dict(), "head": self.head.state_dict(),
