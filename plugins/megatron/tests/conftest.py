@@ -76,3 +76,33 @@ def figures():
                 f.write(line + "\n")
 
     return record
+
+
+@pytest.fixture(scope="session")
+def run_worker():
+    """``run_worker(worker, model_dir, out, tp, ep, world)``: a worker script of this folder over
+    ``world`` ranks (``torch.distributed.run``, gloo on CPU; a world of one as a plain process),
+    one thread each; returns what the workers ``torch.save``d to ``out``."""
+    import socket
+    import subprocess
+    import sys
+
+    import torch
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def run(worker: Path, model_dir: Path, out: Path, tp: int, ep: int, world: int) -> dict:
+        if world == 1:
+            cmd = [sys.executable, str(worker), str(model_dir), str(out), "1", "1"]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                   f"--master-port={free_port()}", str(worker), str(model_dir), str(out), str(tp), str(ep)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return torch.load(out)
+
+    return run

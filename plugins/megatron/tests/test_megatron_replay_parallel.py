@@ -12,9 +12,6 @@ Engine's norm, which is not installable here (see test_parallel.py)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,20 +21,6 @@ import torch
 pytestmark = [pytest.mark.engine("megatron"), pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("replay_parallel_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(model_dir: Path, out: Path, tp: int, ep: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * ep}",
-           f"--master-port={_free_port()}", str(WORKER), str(model_dir), str(out), str(tp), str(ep)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +35,8 @@ def single_rank(megatron_dirs, tmp_path_factory):
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
-def test_replay_under_parallelism_forces_the_recorded_experts(megatron_dirs, single_rank, tmp_path, figures, tp, ep):
-    par = _run(megatron_dirs["moe_kv2"], tmp_path / "par.pt", tp, ep)
+def test_replay_under_parallelism_forces_the_recorded_experts(megatron_dirs, run_worker, single_rank, tmp_path, figures, tp, ep):
+    par = run_worker(WORKER, megatron_dirs["moe_kv2"], tmp_path / "par.pt", tp, ep, world=tp * ep)
     one = single_rank
     assert par["world"] == 2 and one["world"] == 1
     assert torch.equal(par["recorded"], one["recorded"]), "both record the same native routes"

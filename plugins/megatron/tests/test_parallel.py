@@ -7,10 +7,6 @@ rejects, so it is not checked here."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,28 +17,10 @@ pytestmark = [pytest.mark.engine("megatron"), pytest.mark.slow]
 WORKER = Path(__file__).with_name("parallel_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(model_dir: Path, out: Path, tp: int, ep: int, world: int) -> dict:
-    if world == 1:
-        cmd = [sys.executable, str(WORKER), str(model_dir), str(out), "1", "1"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={_free_port()}", str(WORKER), str(model_dir), str(out), str(tp), str(ep)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out)
-
-
 @pytest.mark.parametrize("model,tp,ep", [("dense_kv2", 2, 1), ("moe_mtp", 1, 2)])
-def test_parallel_matches_a_single_rank(megatron_dirs, tmp_path, figures, model, tp, ep):
-    par = _run(megatron_dirs[model], tmp_path / "par.pt", tp, ep, world=2)
-    one = _run(megatron_dirs[model], tmp_path / "one.pt", 1, 1, world=1)
+def test_parallel_matches_a_single_rank(megatron_dirs, run_worker, tmp_path, figures, model, tp, ep):
+    par = run_worker(WORKER, megatron_dirs[model], tmp_path / "par.pt", tp, ep, world=2)
+    one = run_worker(WORKER, megatron_dirs[model], tmp_path / "one.pt", 1, 1, world=1)
     lp = float((par["logprobs"] - one["logprobs"]).abs().max())
     grad = max(float((par["grads"][k] - one["grads"][k]).abs().max()) for k in one["grads"])
     figures(f"TP={tp} EP={ep} vs 1 rank ({model}): max |d logprob|, max |d grad|, grad norms",
