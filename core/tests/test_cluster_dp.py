@@ -25,7 +25,7 @@ STEP = ["training.steps=1", "rollout.n=4", "data.prompts_per_step=15", "training
 
 def _rank_main(rank: int, world: int, port: int, out: str, errors: object, extra: list[str], resume: bool) -> None:
     try:
-        from rlcore.cluster.worker import config_yaml, run_rank
+        from rlcore.parallel.worker import config_yaml, run_rank
 
         stack = load_stack(str(EXAMPLE), STEP + extra + [f"output.dir={out}"])
         run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}", resume=resume)
@@ -164,7 +164,7 @@ def test_torchrun_is_refused_with_a_pointer_to_ray(tmp_path, monkeypatch, capsys
 
 def test_shares_and_bundles():
     from omegaconf import OmegaConf
-    from rlcore.cluster.data_parallel import shard_bounds
+    from rlcore.parallel.data_parallel import shard_bounds
     from rlcore.cluster.ray_launch import plan_bundles
     from rlcore.config import RunConfig
 
@@ -186,7 +186,7 @@ def test_the_writers_wrapped_rollout_is_a_receiver_however_python_checks_protoco
     :func:`rlcore.types.implements`, which looks them up as a call does."""
     import inspect
 
-    from rlcore.cluster.data_parallel import SampleBroadcast
+    from rlcore.parallel.data_parallel import SampleBroadcast
     from rlcore.ranks import SINGLE
     from rlcore.types import BucketReceiver, DiskReceiver, implements
     from rlcore.weight_sync import InprocSync

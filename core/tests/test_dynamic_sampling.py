@@ -346,7 +346,7 @@ def _rank_main(rank: int, port: int, out: str, errors: object, overrides: list[s
     import os
 
     try:
-        from rlcore.cluster.worker import config_yaml, run_rank
+        from rlcore.parallel.worker import config_yaml, run_rank
         from rlcore.stack import load_stack
 
         torch.set_num_threads(1)

@@ -19,7 +19,7 @@ STEP = ["algorithm.name=ppo", "training.steps=1", "rollout.n=4", "data.prompts_p
 
 def _rank_main(rank: int, world: int, port: int, out: str, errors: object) -> None:
     try:
-        from rlcore.cluster.worker import config_yaml, run_rank
+        from rlcore.parallel.worker import config_yaml, run_rank
 
         stack = load_stack(str(EXAMPLE), [*STEP, f"output.dir={out}"])
         run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}")

@@ -236,7 +236,7 @@ def logged(x):
 
 def _rank(rank: int, port: int, out: str, results: object, extra: list[str]) -> None:
     try:
-        from rlcore.cluster.worker import config_yaml, run_rank
+        from rlcore.parallel.worker import config_yaml, run_rank
         from rlcore.stack import load_stack
 
         stack = load_stack(TINY, SMALL + extra + [f"output.dir={out}"])

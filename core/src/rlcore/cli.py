@@ -120,7 +120,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 preflight(stack)  # on the driver too: a bad config fails here, not inside every actor
                 summary = train_on_ray(stack, **flags)
             else:
-                from rlcore.cluster.worker import refuse_foreign_launcher
+                from rlcore.parallel.worker import refuse_foreign_launcher
 
                 refuse_foreign_launcher(stack.config)
                 summary = Trainer(stack, **flags).run()

@@ -25,8 +25,8 @@ REPLICA_BACKENDS = ("local", "vllm")
 FLEET_SYNCS = ("inproc", "disk", "mapped", "vllm")
 #: training engines whose ranks the cluster layer runs, and the parallel dimensions each has:
 #: ``hf`` ranks are data-parallel (each holds the whole model, samples are split over them:
-#: rlcore.cluster.data_parallel); ``megatron`` ranks are tensor/expert-parallel (each holds a
-#: shard, every rank runs the same step on the same samples: rlcore.cluster.model_parallel).
+#: rlcore.parallel.data_parallel); ``megatron`` ranks are tensor/expert-parallel (each holds a
+#: shard, every rank runs the same step on the same samples: rlcore.parallel.model_parallel).
 #: Megatron data parallelism (dp > 1 next to tp/ep) is not implemented.
 ENGINE_DIMS = {"hf": ("dp",), "megatron": ("tp", "ep")}
 

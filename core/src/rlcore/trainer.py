@@ -203,7 +203,7 @@ class Trainer:
             raise RolloutError("rollout.return_routed_experts is set but the backend cannot return routed experts here")
 
     def _write_policy_hf(self, model_dir: Path) -> None:
-        """The policy as an HF directory: policy_hf, RUN/model, step-N-hf (model parallel: cluster/model_parallel.py)."""
+        """The policy as an HF directory: policy_hf, RUN/model, step-N-hf (model parallel: parallel/model_parallel.py)."""
         on_writer(self.ranks, lambda: self.engine.save_hf(model_dir))
 
     def _restore(self) -> None:
@@ -386,7 +386,7 @@ class Trainer:
         return batch.micro_batches(self.cfg.training.micro_batch_tokens)
 
     def _reduce_pass(self, phase: str, sums: dict, counts: dict, logprob_out: torch.Tensor | None) -> None:
-        """After a pass over this rank's micro-batches (data parallelism: cluster/data_parallel.py)."""
+        """After a pass over this rank's micro-batches (data parallelism: parallel/data_parallel.py)."""
 
     def _train_step(self) -> StepResult:
         cfg = self.cfg

@@ -4,9 +4,9 @@ runs every part on the 2x H200 machine, docs/benchmarks/two_gpu.md records what 
 A benchmark script, not part of the ``rlcore_megatron`` package. Ray's wheel is over what the GPU
 machine can be sent, so the ranks are started WITHOUT Ray: two processes from
 ``torch.multiprocessing`` (spawn), each with its own ``CUDA_VISIBLE_DEVICES`` (so
-``rlcore.cluster.worker.init_distributed``'s device 0 is its own GPU), each calling the worker code
-the Ray actors call, ``rlcore.cluster.worker.run_rank`` (NCCL on CUDA, gloo on CPU), which builds
-``rlcore.cluster.model_parallel.ModelParallelTrainer``. The writer (rank 0) holds the local
+``rlcore.parallel.worker.init_distributed``'s device 0 is its own GPU), each calling the worker code
+the Ray actors call, ``rlcore.parallel.worker.run_rank`` (NCCL on CUDA, gloo on CPU), which builds
+``rlcore.parallel.model_parallel.ModelParallelTrainer``. The writer (rank 0) holds the local
 rollout; every push gathers the TP/EP shards tensor by tensor over the trainer group (NCCL) and
 streams them bucket by bucket into it (inproc sync, verified coverage+exact).
 
@@ -158,7 +158,7 @@ def _copy_between_gpus(rank: int, world: int, port: int) -> dict:
 
 def _nccl_all_gather(rank: int, world: int, port: int, device: str, mib: int) -> dict:
     import torch.distributed as dist
-    from rlcore.cluster.worker import init_distributed
+    from rlcore.parallel.worker import init_distributed
 
     backend = init_distributed(rank, world, f"127.0.0.1:{port}", device, 120)
     dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
@@ -207,7 +207,7 @@ def _logprob_rank(rank: int, world: int, port: int, device: str, model_dir: str,
 
     import torch.distributed as dist
     from rlcore.batch import PackedBatch
-    from rlcore.cluster.worker import init_distributed
+    from rlcore.parallel.worker import init_distributed
     from rlcore.heads import reference_logprobs
     from rlcore.types import HeadInput
     from rlcore_megatron.engine import HFSource, MegatronEngine
@@ -404,8 +404,8 @@ def _timed_receiver(backend: Any, device: str) -> None:
 
 
 def _train_rank(rank: int, world: int, port: int, overrides: list[str]) -> dict:
-    import rlcore.cluster.model_parallel as model_parallel
-    from rlcore.cluster.worker import config_yaml, run_rank
+    import rlcore.parallel.model_parallel as model_parallel
+    from rlcore.parallel.worker import config_yaml, run_rank
     from rlcore.stack import load_stack
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -23,7 +23,7 @@ BASE = ["data.prompts_per_step=4", "rollout.n=4", "output.progress=false", "outp
 def _rank_main(rank: int, world: int, port: int, out: str, errors: object, extra: list[str], resume: bool,
                allow: bool) -> None:
     try:
-        from rlcore.cluster.worker import config_yaml, run_rank
+        from rlcore.parallel.worker import config_yaml, run_rank
         from rlcore.stack import load_stack
 
         stack = load_stack(str(EXAMPLE), BASE + extra + [f"output.dir={out}"])

@@ -24,7 +24,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="scripts/suites/vllm.sh installs ray==2.60.0 into .venvs/vllm")
 
 from rlcore.cluster.fleet import RolloutFleet, RolloutReplica  # noqa: E402
-from rlcore.cluster.worker import config_yaml  # noqa: E402
+from rlcore.parallel.worker import config_yaml  # noqa: E402
 from rlcore.errors import RolloutError, WeightSyncError  # noqa: E402
 from rlcore.run_output import read_metrics  # noqa: E402
 from rlcore.stack import load_stack  # noqa: E402

@@ -74,7 +74,7 @@ class RolloutReplica:
     """One rollout replica (made a Ray actor by :mod:`rlcore.cluster.ray_launch`)."""
 
     def __init__(self, config_yaml: str, index: int, output_dir: str):
-        from rlcore.cluster.worker import stack_from_yaml
+        from rlcore.parallel.worker import stack_from_yaml
         from rlcore.run_output import quiet_transformers
         from rlcore.types import BuildContext
 

@@ -46,14 +46,14 @@ class TrainerRankActor:
     def master_address(self) -> str:
         import ray
 
-        from rlcore.cluster.worker import free_port
+        from rlcore.parallel.worker import free_port
 
         return f"{ray.util.get_node_ip_address()}:{free_port()}"
 
     def run(self, config_yaml: str, master: str, replicas: list[Any] | None, timeout_s: float,
             flags: dict[str, bool], placement: dict[str, Any]) -> dict[str, Any]:
         from rlcore.cluster.fleet import RolloutFleet
-        from rlcore.cluster.worker import run_rank
+        from rlcore.parallel.worker import run_rank
 
         fleet = RolloutFleet(replicas, timeout_s) if replicas else None
         summary = run_rank(config_yaml, self.rank, self.world, master, rollout=fleet, **flags)
@@ -131,7 +131,7 @@ def train_on_ray(stack: Any, *, resume: bool = False, overwrite: bool = False, a
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rlcore.cluster.fleet import RolloutReplica
-    from rlcore.cluster.worker import config_yaml
+    from rlcore.parallel.worker import config_yaml
 
     cfg = stack.config
     c = cfg.cluster

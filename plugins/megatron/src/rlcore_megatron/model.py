@@ -47,7 +47,7 @@ def choose_attention_path(s: MegatronSettings, device: torch.device) -> str:
 def init_parallel(settings: MegatronSettings, device: torch.device) -> None:
     """torch.distributed and megatron-core's model-parallel groups, once per process. A default
     group that is already initialised is used as it is: the Ray trainer ranks
-    (``rlcore.cluster.worker``) join it before the engine is built, with ``tp * ep`` ranks from
+    (``rlcore.parallel.worker``) join it before the engine is built, with ``tp * ep`` ranks from
     ``cluster.trainer``. Otherwise it is created here with the device platform's backend (gloo on
     CPU, NCCL on CUDA, HCCL on NPU): torchrun's world, or a world of one."""
     from rlcore.platforms import platform_for

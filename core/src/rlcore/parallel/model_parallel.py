@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlcore.cluster.data_parallel import rank_stack
-from rlcore.cluster.push_memory import MeasuredPush
+from rlcore.parallel.data_parallel import rank_stack
+from rlcore.parallel.push_memory import MeasuredPush
 from rlcore.errors import CheckpointError
 from rlcore.export import export_policy
 from rlcore.ranks import Ranks, on_writer

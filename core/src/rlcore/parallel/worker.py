@@ -67,9 +67,9 @@ def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: A
     stack = stack_from_yaml(config_yaml)
     cfg = stack.config
     if "dp" in ENGINE_DIMS.get(str(cfg.engine.name), ("dp",)):
-        from rlcore.cluster.data_parallel import DataParallelTrainer as RankTrainer
+        from rlcore.parallel.data_parallel import DataParallelTrainer as RankTrainer
     else:
-        from rlcore.cluster.model_parallel import ModelParallelTrainer as RankTrainer
+        from rlcore.parallel.model_parallel import ModelParallelTrainer as RankTrainer
     backend = init_distributed(rank, world, master, str(cfg.engine.device), float(cfg.cluster.timeout_s))
     failed = False
     try:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.batch import PackedBatch
-from rlcore.cluster.push_memory import MeasuredPush
+from rlcore.parallel.push_memory import MeasuredPush
 from rlcore.ranks import Ranks
 from rlcore.stack import Stack
 from rlcore.trainer import Trainer
