@@ -84,7 +84,7 @@ def test_rlcore_check_reports_the_vllm_stack(tmp_path):
 def test_runtime_capabilities_by_platform():
     cpu = runtime_backend_capabilities(is_cpu=True, sleep_mode=True, routed_experts=True, speculative=False)
     gpu = runtime_backend_capabilities(is_cpu=False, sleep_mode=True, routed_experts=True, speculative=True)
-    assert cpu == {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET}
+    assert cpu == {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.REPLICA}
     assert gpu == DECLARED_BACKEND_CAPABILITIES
     assert cpu <= DECLARED_BACKEND_CAPABILITIES
     reasons = missing_reasons(cpu, is_cpu=True)

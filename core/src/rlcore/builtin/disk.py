@@ -17,7 +17,7 @@ def weight_sync():
     yield WeightSyncSpec(
         name="disk",
         factory=_build,
-        capabilities={Cap.BUCKETED, Cap.VERIFIED, Cap.ATOMIC},
+        capabilities={Cap.BUCKETED, Cap.VERIFIED, Cap.ATOMIC, Cap.FEEDS_REPLICAS},
         requires_backend={Cap.RECEIVE_DISK, Cap.WEIGHT_CHECKSUMS},
         description="safetensors shards (HF names) under the output dir, reloaded by the backend",
     )

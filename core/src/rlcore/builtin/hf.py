@@ -43,7 +43,8 @@ def engine():
     yield EngineSpec(
         name="hf",
         factory=_build,
-        capabilities={Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL},
+        capabilities={Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL, Cap.DATA_PARALLEL,
+                      Cap.EXPORTS_OWN_PARAMETERS},
         description="any transformers causal LM (CPU or GPU); tiny models created locally; MTP in MiMo's layout",
         platform_gaps=_gaps,
     )

@@ -17,7 +17,7 @@ def weight_sync():
     yield WeightSyncSpec(
         name="inproc",
         factory=_build,
-        capabilities={Cap.BUCKETED, Cap.VERIFIED, Cap.ATOMIC},
+        capabilities={Cap.BUCKETED, Cap.VERIFIED, Cap.ATOMIC, Cap.FEEDS_REPLICAS},
         requires_backend={Cap.RECEIVE_BUCKETS, Cap.WEIGHT_CHECKSUMS},
         description="core bucket builder -> BucketReceiver, checksum-verified, staged and swapped",
     )

@@ -18,6 +18,6 @@ def rollout_backend():
         name="local",
         factory=_build,
         capabilities={Cap.LOGPROBS, Cap.PAUSE, Cap.RELEASE_KV_CACHE, Cap.ROUTED_EXPERTS, Cap.RECEIVE_BUCKETS,
-                      Cap.RECEIVE_DISK, Cap.WEIGHT_CHECKSUMS, Cap.SPECULATIVE},
+                      Cap.RECEIVE_DISK, Cap.WEIGHT_CHECKSUMS, Cap.SPECULATIVE, Cap.REPLICA, Cap.STAGED_LOAD},
         description="in-process sampler over a copy of the policy (transformers, KV cache; MTP speculative drafts)",
     )

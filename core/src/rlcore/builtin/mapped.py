@@ -18,7 +18,7 @@ def weight_sync():
     yield WeightSyncSpec(
         name="mapped",
         factory=_build,
-        capabilities={Cap.VERIFIED, Cap.ATOMIC, Cap.CUDA_IPC},
+        capabilities={Cap.VERIFIED, Cap.ATOMIC, Cap.CUDA_IPC, Cap.FEEDS_REPLICAS, Cap.LENDS_STORAGE},
         requires_backend={Cap.RECEIVE_BUCKETS, Cap.WEIGHT_CHECKSUMS},
         description="cluster.backend=ray, colocated replicas: parameters lent by storage, one copy per replica",
     )

@@ -71,6 +71,11 @@ class Cap:
     RECEIVE_BUCKETS = "receive_buckets"  #: implements :class:`BucketReceiver` (inproc sync)
     RECEIVE_DISK = "receive_disk"  #: implements :class:`DiskReceiver` (disk sync)
     WEIGHT_CHECKSUMS = "weight_checksums"  #: can report checksums of the weights it holds
+    #: can run as a rollout replica: built from the run's config alone in a process of its own
+    #: (a launcher's replica actor), without the trainer's engine
+    REPLICA = "replica"
+    #: loads a push by staging a copy of each tensor first (a lent storage may be read while it loads)
+    STAGED_LOAD = "staged_load"
 
     # weight_sync
     VERIFIED = "verified"  #: every push is verified against what the receiver holds
@@ -79,6 +84,10 @@ class Cap:
     CUDA_IPC = "cuda_ipc"
     NCCL = "nccl"
     DRAFT_PHASE = "draft_phase"  #: also updates a speculative draft model (MTP)
+    #: can push into a fleet of rollout replicas in other processes (a launcher's replicas)
+    FEEDS_REPLICAS = "feeds_replicas"
+    #: lends the writer's parameter storages to colocated replicas instead of copying them out
+    LENDS_STORAGE = "lends_storage"
 
     # engine
     PACKED_THD = "packed_thd"  #: runs packed sequences without padding
@@ -86,11 +95,16 @@ class Cap:
     MTP = "mtp"
     ROUTER_HOOK = "router_hook"  #: consults the router_hook chain in every MoE router
     RECORD_ROUTES = "record_routes"
+    #: ranks each hold the whole model and split the step's samples (gradients summed over ranks)
+    DATA_PARALLEL = "data_parallel"
     TENSOR_PARALLEL = "tensor_parallel"
     EXPERT_PARALLEL = "expert_parallel"
     PIPELINE_PARALLEL = "pipeline_parallel"
     #: ``engine.make_value_model()`` builds a critic (:class:`rlcore.types.value.ValueModel`) for PPO
     VALUE_MODEL = "value_model"
+    #: ``export_weights()`` yields the engine's own parameters (not copies gathered over ranks),
+    #: so a sync may lend their storages
+    EXPORTS_OWN_PARAMETERS = "exports_own_parameters"
 
 
 # --------------------------------------------------------------------------------------------

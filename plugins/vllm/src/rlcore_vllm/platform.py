@@ -20,9 +20,13 @@ DECLARED_BACKEND_CAPABILITIES = frozenset({
     Cap.PREFIX_CACHE_RESET,
     Cap.ROUTED_EXPERTS,
     Cap.SPECULATIVE,
+    Cap.REPLICA,  # built from the run's config in a replica actor (vLLM is imported only there)
 })
 
-DECLARED_SYNC_CAPABILITIES = frozenset({Cap.BUCKETED, Cap.VERIFIED, Cap.NCCL, Cap.CUDA_IPC, Cap.DRAFT_PHASE})
+#: FEEDS_REPLICAS: through the shm transport (each replica loads every bucket by its layerwise
+#: reload); the plugin refuses its other transports under replicas itself
+DECLARED_SYNC_CAPABILITIES = frozenset({Cap.BUCKETED, Cap.VERIFIED, Cap.NCCL, Cap.CUDA_IPC, Cap.DRAFT_PHASE,
+                                        Cap.FEEDS_REPLICAS})
 
 #: why each capability is missing on vLLM's CPU platform (reported, never skipped silently)
 CPU_LIMITS = {
@@ -58,7 +62,7 @@ def installed_build_note() -> str:
 def runtime_backend_capabilities(is_cpu: bool, sleep_mode: bool, routed_experts: bool,
                                  speculative: bool) -> frozenset[str]:
     """The backend's capabilities on the running platform with the engine as configured."""
-    caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET}
+    caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.REPLICA}  # REPLICA: how it is built, any platform
     if not is_cpu:
         if sleep_mode:
             caps |= {Cap.RELEASE_KV_CACHE, Cap.RELEASE_WEIGHTS}
