@@ -173,3 +173,18 @@ def test_core_metrics_table_lists_exactly_what_a_run_writes(tmp_path, monkeypatc
     documented = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z0-9_/]+)`", row.split("|")[1])}
     assert written - from_plugin - documented == set(), "core writes metrics docs/writing-plugins.md does not list"
     assert documented - (written - from_plugin) == set(), "docs/writing-plugins.md lists metrics core does not write"
+
+
+def test_every_registered_pytest_marker_is_selected_by_bin_test():
+    """A marker no runner selects or deselects is a stale label: each registered marker is named
+    in a ``-m`` expression of bin/test (``engine``: always deselected in the core suite, ``slow``:
+    left out by ``bin/test --quick``), and the README says how to run without the slow ones."""
+    import tomllib
+
+    registered = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    runner = (ROOT / "bin" / "test").read_text()
+    selected = set(re.findall(r"\bnot (\w+)", runner))  # the names in bin/test's marker expressions
+    for line in registered:
+        name = re.match(r"\w+", line).group(0)
+        assert name in selected, f"the pytest marker {name!r} is registered but bin/test never selects or deselects it"
+    assert "bin/test --quick" in (ROOT / "README.md").read_text()

@@ -149,8 +149,6 @@ def test_pip_install_hints_are_found():
 @pytest.mark.parametrize("plugin", sorted(KNOWN_DISTRIBUTIONS))
 def test_every_hinted_first_party_distribution_is_in_this_repository(plugin):
     dist = KNOWN_DISTRIBUTIONS[plugin]
-    if dist == "rlcore-megatron" and not (ROOT / "plugins" / "megatron").is_dir():
-        pytest.xfail("plugins/megatron (rlcore-megatron) arrives with the Megatron move out of core")
     assert dist in _repo_distributions(), f"install hint names {dist!r}, which no pyproject.toml here defines"
     assert install_hint(plugin) == f"pip install {dist}"
 
