@@ -21,23 +21,13 @@ message) is always explicit; a plane only adds what its memory needs on top of i
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 from typing import Any
 
 import torch
 
+from rlcore.shared_memory import map_segment, shm_directory
 from rlcore.transport.protocol import TransportError
-
-
-def shm_directory() -> str:
-    """``/dev/shm`` where it exists (RAM-backed), else the temp dir."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def map_segment(path: str, capacity: int) -> torch.Tensor:
-    """A ``uint8 [capacity]`` tensor over the shared file at ``path`` (MAP_SHARED)."""
-    return torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
 
 
 def create_segment(path: str, capacity: int) -> torch.Tensor:
