@@ -1,4 +1,4 @@
-"""Colocated weight sync on one GPU: the source-mapped transport against the bucket path, same run.
+"""Colocated weight sync on one GPU: the source-mapped transport against a device-to-device copy.
 
 Two processes share one GPU, started with ``multiprocessing`` spawn (not Ray: Ray's wheel does
 not fit one call of the GPU machine; the worker code is the same): the **trainer** holds the
@@ -9,10 +9,7 @@ shapes (no generation engine). Per model, in one pair of processes:
    replica's copy program (:class:`rlcore.transport.CopyProgram`) run inside one process;
 2. the batched checksum (:class:`rlcore.transport.ChecksumPlan`) checked equal to
    ``tensor_checksum`` on every tensor, and both timed;
-3. the bucket path (``WeightSender`` over ``CudaIpcPlane``, double-buffered, fused fill; last
-   session's best configuration per model), 1 warm-up + ``--repeats`` pushes, then every tensor
-   compared bitwise with the trainer's;
-4. the mapped path (``MappedSender`` / ``MappedReceiver``) with five copy strategies on the
+3. the mapped path (``MappedSender`` / ``MappedReceiver``) with five copy strategies on the
    receiver (``MAPPED``; default: copies >= 16 MiB one by one, the rest in one Triton launch),
    1 first push (layout, IPC opens) + ``--repeats`` pushes each; then verified pushes (new weights
    each time, checksums on both sides); then a push during which the trainer writes one byte
@@ -27,9 +24,13 @@ which 1,536 expert matrices, 6.41 GB; every tensor allocated on its own, on both
 ``moe_flat`` (the same tensors carved out of one flat buffer on both sides, as a trainer's
 contiguous parameter buffer would be). Writes ``results.json`` to ``--out`` and prints a table.
 
+The run of record (docs/benchmarks/transport.md) also timed the bucket path (``WeightSender`` over
+``CudaIpcPlane``) in the same processes; that code left with commit "transport: delete the bucket
+path" (no run used it), and this script with it lost that column.
+
 Usage::
 
-    PYTHONPATH=core/src python core/bench/bench_transport_mapped_gpu.py --out DIR [--device cuda|cpu]
+    python core/bench/bench_transport_mapped_gpu.py --out DIR [--device cuda|cpu]
 
 ``--device cpu`` runs the same code over shared memory with a small model (a check of the
 script, not a benchmark).
@@ -48,11 +49,45 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_transport_gpu import ReplicaParams, model_shapes, sync  # noqa: E402
-
 MiB = 1 << 20
-BUCKET = {"dense": (1024, 2), "moe": (512, 2), "moe_flat": (512, 2)}  # best of the last run per model
+
+
+def model_shapes(kind: str, scale: float = 1.0) -> list[tuple[str, tuple[int, ...]]]:
+    """HF names and shapes. ``moe``: Qwen3-MoE-like, 16 layers x 32 experts (1,536 expert
+    matrices, ~6.5 GB bf16); ``dense``: Llama-like, 12 layers of hidden 4096 (~6.9 GB)."""
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    if kind == "moe":
+        hidden, inter, layers, experts, vocab = int(2048 * scale), int(768 * scale), 16, 32, 151936
+        if scale < 1:
+            layers, experts, vocab = 2, 8, 1024
+    else:
+        hidden, inter, layers, experts, vocab = int(4096 * scale), int(14336 * scale), 12, 0, 128256
+        if scale < 1:
+            layers, vocab = 2, 1024
+    shapes.append(("model.embed_tokens.weight", (vocab, hidden)))
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for n, s in (("q_proj", (hidden, hidden)), ("k_proj", (hidden // 4, hidden)), ("v_proj", (hidden // 4, hidden)),
+                     ("o_proj", (hidden, hidden))):
+            shapes.append((f"{p}.self_attn.{n}.weight", s))
+        shapes += [(f"{p}.input_layernorm.weight", (hidden,)), (f"{p}.post_attention_layernorm.weight", (hidden,))]
+        if experts:
+            shapes.append((f"{p}.mlp.gate.weight", (experts, hidden)))
+            for e in range(experts):
+                for n, s in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+                    shapes.append((f"{p}.mlp.experts.{e}.{n}.weight", s))
+        else:
+            for n, s in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+                shapes.append((f"{p}.mlp.{n}.weight", s))
+    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return shapes
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # (name, big_bytes, fused): how the replica copies; the default last, it goes on with the verified pushes
 MAPPED = [("all_memcpy", 0, "foreach"), ("all_foreach", 1 << 62, "foreach"), ("all_triton", 1 << 62, "triton"),
           ("memcpy16M_foreach", 16 * MiB, "foreach"), ("default", 16 * MiB, "auto")]
@@ -87,9 +122,31 @@ def allocate(shapes, dev, flat: bool, seed: int | None) -> dict[str, torch.Tenso
     return out
 
 
-class Replica(ReplicaParams):
-    def direct_destinations(self):
+class Replica:
+    """The rollout side's parameters (a BucketReceiver): the mapped receiver copies straight into
+    them (``direct_destinations``); ``receive_bucket`` loads what has no direct destination."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self.params = params
+        self.version = 0
+        self.pending: int | None = None
+
+    def direct_destinations(self) -> dict[str, torch.Tensor]:
         return self.params
+
+    def begin_update(self, version: int) -> None:
+        self.pending = version
+
+    def receive_bucket(self, bucket) -> None:
+        pairs = [(self.params[name], view) for name, view in bucket.tensors()]
+        torch._foreach_copy_([d for d, _ in pairs], [v for _, v in pairs])
+
+    def commit_update(self, version: int) -> None:
+        sync(next(iter(self.params.values())).device)  # the push is done when the copies are
+        self.version, self.pending = version, None
+
+    def abort_update(self) -> None:
+        self.pending = None
 
 
 def bitwise_mismatches(mine: dict[str, torch.Tensor], storages: list, metas: list) -> tuple[int, int]:
@@ -105,7 +162,8 @@ def bitwise_mismatches(mine: dict[str, torch.Tensor], storages: list, metas: lis
 
 def rollout_main(conn, result_conn, kind: str, scale: float, device: str) -> None:
     from rlcore.sync import WeightManifest
-    from rlcore.transport import MappedReceiver, PipeChannel, WeightReceiver, receiver_plane_for
+    from rlcore.testing.mapped import PipeChannel
+    from rlcore.transport import MappedReceiver
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -118,11 +176,7 @@ def rollout_main(conn, result_conn, kind: str, scale: float, device: str) -> Non
     try:
         while True:
             msg = conn.recv()
-            if msg[0] == "phase" and msg[1] == "bucket":
-                plane = receiver_plane_for("cuda_ipc" if dev.type == "cuda" else "shm")
-                log.append(("bucket", WeightReceiver(channel, plane, manifest=manifest, timeout=300).serve(replica)))
-                plane.close()
-            elif msg[0] == "phase" and msg[1] == "mapped":
+            if msg[0] == "phase" and msg[1] == "mapped":
                 receiver = MappedReceiver(channel, manifest=manifest, timeout=300, big_bytes=msg[2], fused=msg[3])
                 log.append(("mapped", receiver.serve(replica)))
                 receiver.close()
@@ -161,22 +215,14 @@ def summarize(reports, nbytes: int, d2d: float) -> dict:
             "pct_of_d2d_median": 100 * (nbytes / med) / d2d, "GBps_best": nbytes / min(secs) / 1e9,
             "sender_phases_best": best.details["sender_phases"],
             "receiver_phases_best": best.details["receiver_phases"], "level": best.details["level"],
-            **{k: best.details[k] for k in ("storages", "blocks", "slot_waits", "max_lent") if k in best.details}}
+            **{k: best.details[k] for k in ("storages", "blocks") if k in best.details}}
 
 
 def trainer_main(conn, result_conn, args: dict) -> None:
     import torch.multiprocessing  # noqa: F401 - registers the CUDA tensor reductions on the pipe's pickler
-    from rlcore.sync import tensor_checksum
-    from rlcore.transport import (
-        ChecksumPlan,
-        CopyProgram,
-        CudaIpcPlane,
-        MappedSender,
-        PipeChannel,
-        ShmPlane,
-        TransportError,
-        WeightSender,
-    )
+    from rlcore.sync import ChecksumPlan, tensor_checksum
+    from rlcore.testing.mapped import PipeChannel
+    from rlcore.transport import CopyProgram, MappedSender, TransportError
 
     res: dict = {}
     kind, dev, R = args["kind"], torch.device(args["device"]), args["repeats"]
@@ -229,23 +275,6 @@ def trainer_main(conn, result_conn, args: dict) -> None:
         print(kind, "checksum", res["checksum"], flush=True)
 
         version = 0
-        slot_mib, num_slots = BUCKET[kind]
-        conn.send(("phase", "bucket"))
-        plane = CudaIpcPlane(dev) if dev.type == "cuda" else ShmPlane()
-        sender = WeightSender(channel, plane, slot_mib * MiB if dev.type == "cuda" else MiB, num_slots=num_slots,
-                              verify=False, timeout=300, fused_fill=True)
-        reports = []
-        for r in range(R + 1):
-            version += 1
-            rep = sender.send(iter(weights.items()), version)
-            if r:
-                reports.append(rep)
-        res["bucket"] = {"slot_mib": slot_mib, "num_slots": num_slots, "buckets": reports[0].num_buckets,
-                         **summarize(reports, nbytes, d2d)}
-        conn.send(("close",))
-        sender.close()
-        bitwise("after_bucket")
-
         res["mapped"] = {}
         for name, big, fused in MAPPED:
             conn.send(("phase", "mapped", big, fused if dev.type == "cuda" else "auto"))
@@ -355,7 +384,7 @@ def table(results: dict, kinds: list[str]) -> str:
             rows.append(f"| {k} | FAILED | | | | | |")
             continue
         rows.append(f"| {k} | D2D copy | {r['d2d_copy']['median_s'] * 1e3:.2f} | {r['d2d_copy']['GBps']:.0f} | 100 | | |")
-        paths = [("bucket", r.get("bucket"))] + [(f"mapped {n}", v) for n, v in r.get("mapped", {}).items()]
+        paths = [(f"mapped {n}", v) for n, v in r.get("mapped", {}).items()]
         paths.append(("mapped verified", r.get("mapped_verified")))
         for name, v in paths:
             if v:

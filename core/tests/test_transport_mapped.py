@@ -3,18 +3,18 @@ tensors live in shared memory (torch's ``file_system`` sharing, the CPU analogue
 handle), the receiver opens each storage once and copies from it into its own tensors. Covers the
 layout cache (nothing re-exported while addresses stay, one storage re-exported when a parameter is
 replaced), coalesced copies, the loader path, verification catching a byte written while lent,
-the lease after a timeout, and refusals. The CUDA handles themselves need a GPU: they run in
-``core/bench/bench_transport_gpu.py`` (results in docs/benchmarks/transport.md)."""
+the lease after a timeout, and refusals. The CUDA handles themselves need a GPU: the CUDA test
+below and ``bench_transport_mapped_gpu.py`` run them on one (docs/benchmarks/transport.md)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.multiprocessing as tmp
-from rlcore.sync import tensor_checksum
+from rlcore.sync import ChecksumPlan, tensor_checksum
 from rlcore.testing import mapped as tm
-from rlcore.testing import transport as tt
-from rlcore.transport import ChecksumPlan, CopyProgram, MappedSender, PipeChannel, TransportError
+from rlcore.testing.mapped import PipeChannel
+from rlcore.transport import CopyProgram, MappedSender, TransportError
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC 
 
 
 def _start(**kwargs):
-    return tt.start_receiver_process(tm.mapped_receiver_main, tm.SPEC, **kwargs)
+    return tm.start_receiver_process(tm.mapped_receiver_main, tm.SPEC, **kwargs)
 
 
 class RecklessSender(MappedSender):
@@ -62,7 +62,7 @@ def test_mapped_push_layout_cache_coalescing_loader_and_a_byte_written_while_len
     assert sender.state == "idle"  # the error reply certifies that the receiver's reads are over
     sender.corrupt = False
     reports.append(sender.send(weights, version=5))  # the changed byte, now under its own checksum
-    _, version, sums, aborted, torn, summaries = tt.finish_receiver_process(conn, proc)
+    _, version, sums, aborted, torn, summaries = tm.finish_receiver_process(conn, proc)
 
     first, same, replaced, last = reports
     storages = 1 + 1 + 3  # one flat bf16 buffer, the qkv, embed, norm, lm_head
@@ -103,8 +103,26 @@ def test_a_push_that_times_out_keeps_the_parameters_locked_until_reclaimed(file_
     sender.check_writable()
     rep = sender.send(weights, version=3)
     assert rep.details["layout_sent"] and rep.details["storages_exported"] == 0  # re-sent, nothing re-shared
-    _, version, sums, aborted, torn, _ = tt.finish_receiver_process(conn, proc)
+    _, version, sums, aborted, torn, _ = tm.finish_receiver_process(conn, proc)
     assert version == 3 and aborted == 0 and sums == {n: tensor_checksum(t) for n, t in weights.items()}
+
+
+def test_a_receiver_that_died_releases_the_lease(file_system_sharing):
+    """A closed channel means the receiver's process is gone, and its reads with it: the push
+    fails naming the closed channel and the parameters are writable at once (silence, above,
+    leaves them locked)."""
+    from rlcore.transport import ChannelClosed
+
+    weights = tm.allocate(tm.SPEC, shared=True, seed=6)
+    conn, proc = _start()
+    sender = MappedSender(PipeChannel(conn, "rollout"), timeout=60)
+    sender.send(weights, version=1)
+    proc.kill()
+    proc.join(30)
+    with pytest.raises(ChannelClosed, match="closed the channel"):
+        sender.send(weights, version=2)
+    assert sender.state == "idle"
+    sender.check_writable()
 
 
 class _NoChannel:
@@ -112,11 +130,11 @@ class _NoChannel:
         raise AssertionError("nothing may be sent for a refused push")
 
 
-def test_refusals_name_the_tensor_and_the_bucket_path(file_system_sharing):
+def test_refusals_name_the_tensor_and_a_bucketed_sync(file_system_sharing):
     weights = tm.allocate(tm.SPEC, shared=True, seed=3)
     sender = MappedSender(_NoChannel())
     bad = dict(weights, **{"lm_head.weight": weights["lm_head.weight"].t()})
-    with pytest.raises(TransportError, match=r"lm_head.weight is not contiguous.*bucket path"):
+    with pytest.raises(TransportError, match=r"lm_head.weight is not contiguous.*bucketed sync \(sync.name=inproc\)"):
         sender.send(bad, version=1)
     with pytest.raises(TransportError, match="shared memory"):
         sender.send({"x": torch.ones(4)}, version=1)
@@ -162,7 +180,7 @@ def test_cuda_ipc_mapped_push_one_handle_per_block_and_bitwise_copies():
         sender.send(weights, version=3)
     sender.corrupt = False
     sender.send(weights, version=4)
-    _, version, sums, aborted, torn, summaries = tt.finish_receiver_process(conn, proc)
+    _, version, sums, aborted, torn, summaries = tm.finish_receiver_process(conn, proc)
     assert first.details["layout_sent"] and not second.details["layout_sent"]
     assert first.details["blocks"] <= first.details["storages"] == 5
     assert first.details["checksum_backend"] in ("triton", "per-tensor")

@@ -1,5 +1,6 @@
-"""A receiving target and a process entry point for the source-mapped transport
-(:mod:`rlcore.transport.mapped`) in tests and benchmarks (importable by spawn children).
+"""Two processes of a source-mapped push (:mod:`rlcore.transport.mapped`) in tests and benchmarks:
+a channel over a ``multiprocessing`` pipe, a receiving target, and the receiver's process entry
+point (importable by spawn children, so they live in the package).
 
 :class:`ParamStore` holds its parameters the way a rollout engine does: some carved out of one flat
 buffer (``"flat"``), some allocated one by one (``"own"``), and some that its loader fills (``"loader"``:
@@ -17,6 +18,40 @@ from typing import Any
 import torch
 
 from rlcore.sync import WeightManifest, tensor_checksum
+from rlcore.transport.protocol import ChannelClosed, TransportError
+
+
+class PipeChannel:
+    """A :class:`~rlcore.transport.protocol.Channel` over one end of a ``multiprocessing`` pipe
+    (what the two spawned processes of a test or a benchmark share). Messages are pickled, so CUDA
+    IPC handles travel as the plain tuples torch's reductions make of them."""
+
+    def __init__(self, conn: Any, peer: str = "peer"):
+        self.conn = conn
+        self.peer = peer
+
+    def _closed(self, exc: BaseException) -> ChannelClosed:
+        return ChannelClosed(f"the {self.peer} closed the channel ({type(exc).__name__}); did it die?")
+
+    def send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, EOFError, ConnectionResetError, OSError) as exc:
+            raise self._closed(exc) from exc
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        try:
+            return bool(self.conn.poll(timeout))
+        except (EOFError, OSError) as exc:
+            raise self._closed(exc) from exc
+
+    def recv(self, timeout: float | None) -> tuple:
+        if timeout is not None and not self.poll(timeout):
+            raise TransportError(f"no message from the {self.peer} in {timeout:g} s")
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise self._closed(exc) from exc
 
 #: (name, shape, dtype name, placement) of the small model the CPU tests use
 SPEC: list[tuple[str, tuple[int, ...], str, str]] = [
@@ -111,7 +146,7 @@ def mapped_receiver_main(conn: Any, spec: list, slow_commit: dict[int, float] | 
                          timeout: float = 60.0, device: str = "cpu", relocate_after: dict[int, str] | None = None) -> None:
     """Serve mapped pushes into a :class:`ParamStore` until ``("close",)``, then answer
     ``("result", version, checksums, aborted, torn, summaries)`` (or ``("crash", text)``)."""
-    from rlcore.transport import MappedReceiver, PipeChannel
+    from rlcore.transport import MappedReceiver
 
     torch.set_num_threads(1)
     try:
@@ -125,3 +160,27 @@ def mapped_receiver_main(conn: Any, spec: list, slow_commit: dict[int, float] | 
 
         conn.send(("crash", traceback.format_exc()))
         raise
+
+
+def start_receiver_process(main: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Spawn ``main(conn, *args, **kwargs)`` (e.g. :func:`mapped_receiver_main`); returns this
+    side's end of the pipe and the process."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=main, args=(child, *args), kwargs=kwargs, daemon=True)
+    proc.start()
+    child.close()
+    return parent, proc
+
+
+def finish_receiver_process(conn: Any, proc: Any) -> tuple:
+    """Tell a receiver started by :func:`start_receiver_process` to close; its ``("result", ...)``
+    answer (an ``AssertionError`` if it crashed or did not answer within 60 s)."""
+    conn.send(("close",))
+    assert conn.poll(60), "the receiver did not answer"
+    res = conn.recv()
+    proc.join(30)
+    assert res[0] == "result", res[1] if res[0] == "crash" else res
+    return res

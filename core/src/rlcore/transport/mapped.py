@@ -1,8 +1,8 @@
 """Source-mapped colocated sync: the receiver copies straight out of the trainer's parameters.
 
-The bucket path (:class:`~rlcore.transport.WeightSender` over ``CudaIpcPlane``) copies every byte
-twice, into a bucket by the trainer and out of it by the replica, and on one GPU the two
-processes' kernels take turns, so it cannot pass half a device-to-device copy. Here the trainer
+A bucketed push copies every byte twice, into a bucket by the trainer and out of it by the
+replica, and on one GPU the two processes' kernels take turns, so it cannot pass half a
+device-to-device copy (measured: docs/benchmarks/transport.md). Here the trainer
 shares its parameters' storages with the replica once, and on every push the replica copies from
 them into its own tensors: one copy, made by one process, with no bucket.
 
@@ -36,7 +36,7 @@ receiver's GPU, or shared CPU memory) with the receiver's tensor of the same nam
 laid out parameter on the receiver) is handed to ``target.receive_bucket`` as a view of the
 trainer's storage: still one copy, made by the receiver's loader. A tensor the trainer must first
 compute (gathered over TP, renamed into a fused tensor, cast) has no storage worth sharing: it
-takes the bucket path.
+is refused (a bucketed sync such as ``inproc`` moves it).
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ from typing import Any
 
 import torch
 
-from rlcore.checksums import ChecksumPlan
 from rlcore.errors import WeightSyncError
-from rlcore.sync import Bucket, TensorMeta, WeightManifest, verification_level
+from rlcore.sync import Bucket, ChecksumPlan, TensorMeta, WeightManifest, verification_level
 from rlcore.transport.mapping import CopyProgram, block_of, export_storage, open_storage, typed_view
-from rlcore.transport.protocol import Channel, Phases, TransportError, dtype_name, dtype_of
+from rlcore.transport.protocol import Channel, ChannelClosed, Phases, TransportError, dtype_name, dtype_of
 from rlcore.types import SyncReport
 
 
@@ -113,8 +112,8 @@ class MappedSender:
         refused = [r for n, t in zip(names, tensors, strict=True) if (r := mapping_refusal(n, t, device))]
         if refused:
             raise TransportError(f"{len(refused)} tensor(s) cannot be lent by storage, e.g. {refused[:3]}; push "
-                                 "tensors computed for the push (gathered, fused, cast) with the bucket path "
-                                 "(WeightSender)")
+                                 "tensors computed for the push (gathered, fused, cast) with a bucketed sync "
+                                 "(sync.name=inproc)")
         exports: dict[int, tuple[tuple, tuple, torch.UntypedStorage]] = {}
         new = 0
         entries = []
@@ -174,9 +173,12 @@ class MappedSender:
                 self.channel.send(("map", int(version), self._layout_id, self._layout if send_layout else None, sums))
             with phases("wait"):
                 msg = self.channel.recv(self.timeout)
-        except TransportError as exc:
-            # a closed channel means the receiver is gone (its reads with it); silence does not
-            self.state = "idle" if "closed the channel" in str(exc) else "unknown"
+        except ChannelClosed:  # the receiver is gone, and its reads with it
+            self.state = "idle"
+            self._receiver_layout = None
+            raise
+        except TransportError:  # silence: the receiver may still be reading
+            self.state = "unknown"
             self._receiver_layout = None
             raise
         self.state = "idle"
@@ -210,7 +212,7 @@ class MappedReceiver:
     name, dtype and shape is copied into byte for byte). Tensors without one are handed to
     ``target.receive_bucket`` as views of the trainer's storage (one bucket per storage), which
     must copy before returning. ``big_bytes``: copies at least this large go one by one; ``fused``:
-    how the others go (``"auto"``, ``"foreach"`` or ``"triton"``, see :class:`~rlcore.transport.CopyProgram`)."""
+    how the others go (``"auto"``, ``"foreach"`` or ``"triton"``, see :class:`~.mapping.CopyProgram`)."""
 
     def __init__(self, channel: Channel, *, manifest: WeightManifest | None = None, timeout: float | None = 600.0,
                  big_bytes: int = 16 << 20, fused: str = "auto"):
