@@ -84,11 +84,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         pl = desc["platform"]
         con.print(f"  {'platform':16s} {pl['name']:14s} from {pl['distribution']}  device {pl['device']}, "
                   f"{pl['dist_backend']} between ranks")
-    c = stack.config.cluster
-    if c.backend == "ray":
-        t = c.trainer
-        con.print(f"  {'cluster':16s} ray ({c.address or f'local, {c.local_nodes} node(s)'}): trainer ranks dp={t.dp} "
-                  f"tp={t.tp} ep={t.ep} pp={t.pp}, {c.rollout.replicas} rollout replica(s), {c.placement}")
+    if desc.get("launcher"):
+        la = desc["launcher"]
+        con.print(f"  {'launcher':16s} {la['name']:14s} from {la['distribution']}  {escape(la['describe'])}")
     for hook, names in desc["chains"].items():
         con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
     for note in desc["notes"]:
@@ -104,7 +102,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from rlcore.run_stop import StopNow, StopToException
     from rlcore.stack import load_stack
-    from rlcore.trainer import Trainer
 
     overrides = list(args.overrides)
     if args.output:
@@ -113,17 +110,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     flags = {"resume": args.resume, "overwrite": args.overwrite, "allow_config_change": args.allow_config_change}
     try:
         with StopToException():  # SIGTERM while the trainer is built unwinds like Ctrl-C (its clean-up runs)
-            if stack.config.cluster.backend == "ray":
-                from rlcore.cluster.ray_launch import train_on_ray
-                from rlcore.preflight import preflight
-
-                preflight(stack)  # on the driver too: a bad config fails here, not inside every actor
-                summary = train_on_ray(stack, **flags)
-            else:
-                from rlcore.parallel.worker import refuse_foreign_launcher
-
-                refuse_foreign_launcher(stack.config)
-                summary = Trainer(stack, **flags).run()
+            summary = stack.launcher.factory(stack.config).train(stack, **flags)
     except KeyboardInterrupt as exc:  # a second signal, or one before the first step: stopped at once
         signum = exc.signum if isinstance(exc, StopNow) else signal.SIGINT
         return _stopped(args, signal.Signals(signum), getattr(exc, "out", None) or stack.config.output.dir, None)

@@ -3,7 +3,7 @@
 There are two kinds of hook (docs/hooks.md has the lifecycle diagram):
 
 * **Provider hooks** (``forward_fn``, ``rollout_backend``, ``weight_sync``, ``engine``,
-  ``algorithm``, ``platform``) return
+  ``algorithm``, ``platform``, ``launcher``) return
   typed descriptors (:mod:`rlcore.types`) naming implementations. Every name must be unique
   across installed distributions; the config selects one by name.
 * **Chain hooks** (``forward_request``, ``postprocess``, ``router_hook``, ``step_end``) run every
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
         Constraint,
         EngineSpec,
         ForwardFnSpec,
+        LauncherSpec,
         ForwardRequest,
         MicroBatchContext,
         ModelOutput,
@@ -49,7 +50,7 @@ PROJECT = "rlcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-PROVIDER_HOOKS = ("forward_fn", "rollout_backend", "weight_sync", "engine", "algorithm", "platform")
+PROVIDER_HOOKS = ("forward_fn", "rollout_backend", "weight_sync", "engine", "algorithm", "platform", "launcher")
 CHAIN_HOOKS = ("forward_request", "postprocess", "router_hook", "step_end")
 DECLARATION_HOOKS = ("plugin_settings", "constraints")
 
@@ -311,6 +312,44 @@ class RLCoreSpecs:
                     return XPUPlatform()
                 yield PlatformSpec(name="xpu", factory=activate, dist_backend="xccl",
                                    is_available=lambda: importlib.util.find_spec("xpu_ext") is not None)
+        """
+
+    @hookspec
+    def launcher(self) -> Iterable[LauncherSpec]:
+        """Register launchers: where a run's trainer ranks and rollout replicas run.
+
+        **Kind:** provider; selected by ``cluster.backend``. Built-in: ``local`` (one process;
+        every ``cluster.trainer`` size and ``cluster.rollout.replicas`` must be 1); ``ray`` comes
+        with rlcore-ray (``plugins: [ray]``). **Called:** at plugin load (to list names); when the
+        config is resolved, the selected spec's ``factory(config)`` (cheap: no cluster client
+        import) returns a :class:`~rlcore.types.Launcher` whose ``check(stack)`` runs then
+        (``rlcore check`` reports its refusals and prints its ``describe(stack)`` line);
+        ``rlcore train`` calls its ``train(stack, resume=, overwrite=, allow_config_change=,
+        console=)`` once.
+
+        ``check`` decides by the selected providers' capabilities, never by their names: trainer
+        ranks of a parallel dimension need an engine that declares it
+        (``data_parallel``, ``tensor_parallel``, ``expert_parallel``, ``pipeline_parallel``),
+        rollout replicas a backend that declares ``replica``, a fleet of replicas a sync that
+        declares ``feeds_replicas``; it raises :class:`~rlcore.errors.ConfigError` naming the key
+        and the provider's distribution. ``train`` starts the processes (each rank runs
+        :func:`rlcore.parallel.worker.run_rank`) and returns the writer rank's run summary.
+
+        :return: an iterable of :class:`~rlcore.types.LauncherSpec` (``remote_ranks(config)``:
+            optional, true when the ranks run on other machines, so this machine's devices are
+            not checked for them).
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def launcher():
+                def build(config):
+                    from my_plugin.slurm import SlurmLauncher   # cheap: no cluster client yet
+                    return SlurmLauncher(config.slurm)
+                yield LauncherSpec(name="slurm", factory=build,
+                                   remote_ranks=lambda config: True)
         """
 
     # ---------------------------------------------------------------------- chains -------

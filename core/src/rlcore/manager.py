@@ -53,6 +53,7 @@ from rlcore.types import (
     ForwardFnSpec,
     ForwardRequest,
     IncompatibleWith,
+    LauncherSpec,
     PlatformSpec,
     PluginSettings,
     PostprocessResult,
@@ -89,6 +90,7 @@ _SPEC_TYPES: dict[str, type[ProviderSpec]] = {
     "engine": EngineSpec,
     "algorithm": AlgorithmSpec,
     "platform": PlatformSpec,
+    "launcher": LauncherSpec,
 }
 
 ALL_HOOKS = PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS
@@ -381,6 +383,10 @@ class PluginManager:
     def platforms(self) -> dict[str, PlatformSpec]:
         """Registered device platforms (built-in ``cpu``, ``cuda``), by name."""
         return self._providers("platform")  # type: ignore[return-value]
+
+    def launchers(self) -> dict[str, LauncherSpec]:
+        """Registered launchers (built-in ``local``), by name: ``cluster.backend`` picks one."""
+        return self._providers("launcher")  # type: ignore[return-value]
 
     def providers(self, hook: str) -> dict[str, ProviderSpec]:
         if hook not in _SPEC_TYPES:

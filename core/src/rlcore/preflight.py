@@ -11,7 +11,7 @@ against the model's context. Size limits are absurd-only:
 a size is refused when a lower bound of what it needs exceeds all the memory this machine has
 (RAM, swap and every GPU together), never by a fixed cap on one field, so any configuration that
 could run somewhere on this machine passes. Memory is not checked where the run's ranks are on
-other machines (``cluster.address``) or on a device whose memory core cannot read.
+other machines (the launcher says so: ``ray.address``) or on a device whose memory core cannot read.
 """
 
 from __future__ import annotations
@@ -134,10 +134,13 @@ def check_temperature(cfg: Any) -> None:
 
 # ------------------------------------------------------------------------------- device --
 
-def _remote(cfg: Any) -> bool:
-    """The run's ranks are on other machines (a Ray cluster joined by address)."""
-    c = cfg.cluster
-    return c.backend == "ray" and bool(c.address)
+def _remote(stack: Any) -> str | None:
+    """Where the run's ranks are when they are on other machines (a Ray cluster joined by address),
+    as the selected launcher says; None when they run here."""
+    spec = stack.launcher
+    if spec is None or not spec.ranks_are_remote(stack.config):
+        return None
+    return f"other machines (launcher {spec.name!r})"
 
 
 def check_device(stack: Any, report: PreflightReport) -> None:
@@ -151,8 +154,8 @@ def check_device(stack: Any, report: PreflightReport) -> None:
     spec = stack.platform
     if spec is None or spec.device_type == "cpu":
         return
-    if _remote(cfg):
-        report.skipped.append(f"engine.device={text} (the ranks run on the Ray cluster at {cfg.cluster.address})")
+    if (where := _remote(stack)) is not None:
+        report.skipped.append(f"engine.device={text} (the ranks run on {where})")
         return
     if spec.device_type == "cuda":
         import torch
@@ -308,8 +311,8 @@ def reachable_memory(stack: Any, report: PreflightReport) -> int | None:
     """Bytes of memory a run on this machine could use at most: RAM, swap and, for a CUDA device,
     every GPU's memory. None where it cannot be known here (reasons go to ``report.skipped``)."""
     cfg = stack.config
-    if _remote(cfg):
-        report.skipped.append(f"memory (the ranks run on the Ray cluster at {cfg.cluster.address})")
+    if (where := _remote(stack)) is not None:
+        report.skipped.append(f"memory (the ranks run on {where})")
         return None
     kind = getattr(stack.platform, "device_type", "cpu")
     if kind not in ("cpu", "cuda"):

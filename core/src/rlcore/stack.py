@@ -20,6 +20,7 @@ from rlcore.types import (
     EngineSpec,
     ForwardFnSpec,
     IncompatibleWith,
+    LauncherSpec,
     RequiresCapability,
     RolloutBackendSpec,
     WeightSyncSpec,
@@ -47,6 +48,8 @@ class Stack:
     algorithm: Any = None
     #: the device platform ``engine.device`` selects (a :class:`~rlcore.types.PlatformSpec`)
     platform: Any = None
+    #: where the ranks and replicas run (``cluster.backend``)
+    launcher: LauncherSpec | None = None
 
     def has(self, role: str, cap: str) -> bool:
         """Declared by the selected provider and available on this platform."""
@@ -80,6 +83,8 @@ class Stack:
             "platform": (None if self.platform is None else
                          {**spec(self.platform), "device": str(self.config.engine.device),
                           "dist_backend": self.platform.dist_backend}),
+            "launcher": (None if self.launcher is None else
+                         {**spec(self.launcher), "describe": self.launcher.factory(self.config).describe(self)}),
             "chains": self.chains,
             "notes": self.notes,
             "gaps": self.gaps,
@@ -192,6 +197,10 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
         for cap, reason in sorted(gaps.items()):
             if cap in stack.wanted.get(role, {}):
                 stack.notes.append(f"{role} {stack.role(role).name!r} lacks {cap!r} here: {reason}")
+
+    # where the ranks and replicas run: the launcher checks the providers' capabilities for it
+    stack.launcher = pm.select("launcher", cfg.cluster.backend, key="cluster.backend")  # type: ignore[assignment]
+    stack.launcher.factory(cfg).check(stack)
     return stack
 
 

@@ -62,6 +62,8 @@ from rlcore.types.providers import (
     EngineSpec,
     ForwardFnSpec,
     IncompatibleWith,
+    Launcher,
+    LauncherSpec,
     Platform,
     PlatformSpec,
     PluginSettings,
@@ -89,7 +91,7 @@ __all__ = [
     # providers
     "PLUGIN_API", "normalise_name", "Cap", "ProviderSpec", "ForwardFnSpec", "RolloutBackendSpec",
     "WeightSyncSpec", "EngineSpec", "PluginSettings", "IncompatibleWith", "RequiresCapability",
-    "Constraint", "BuildContext", "PlatformSpec", "Platform",
+    "Constraint", "BuildContext", "PlatformSpec", "Platform", "LauncherSpec", "Launcher",
     # forward
     "VocabShard", "HeadInput", "HeadOutput", "LossRequest", "ForwardFn", "RouteLayout", "ModelInfo", "RouterCall",
     "RouterDecision", "EngineOutput", "HeadWeight", "TrainingEngine", "RouterDispatch", "Phase",

@@ -224,6 +224,44 @@ class PlatformSpec(ProviderSpec):
         return True if self.is_available is None else bool(self.is_available())
 
 
+@dataclass(frozen=True)
+class LauncherSpec(ProviderSpec):
+    """Where a run's trainer ranks and rollout replicas run: ``factory(config) -> Launcher``,
+    selected by ``cluster.backend`` (built-in ``local``: this process; ``ray`` from rlcore-ray).
+
+    The factory gets the resolved run config and must stay cheap (no cluster client import):
+    ``rlcore check`` calls it to check the stack. ``remote_ranks`` (optional, cheap):
+    ``remote_ranks(config) -> bool``, true when the ranks run on other machines (a cluster
+    joined by address), so this machine's devices are not checked for them.
+    """
+
+    remote_ranks: Callable[[Any], bool] | None = None
+    kind: str = field(default="launcher", init=False, repr=False)
+
+    def ranks_are_remote(self, config: Any) -> bool:
+        return bool(self.remote_ranks(config)) if self.remote_ranks is not None else False
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """What a :class:`LauncherSpec`'s factory returns (``rlcore train`` and ``rlcore check`` call it).
+
+    ``check(stack)``: config-time checks against the selected providers' capabilities (a
+    data-parallel size needs an engine that declares ``data_parallel``), raising
+    :class:`rlcore.errors.ConfigError` naming the key; stack resolution calls it, so ``rlcore
+    check`` reports what training would refuse. ``describe(stack)``: one line for ``rlcore
+    check``. ``train(stack, ...)``: run the training; returns the writer rank's run summary (the
+    dict :meth:`rlcore.trainer.Trainer.run` returns).
+    """
+
+    def check(self, stack: Any) -> None: ...
+
+    def describe(self, stack: Any) -> str: ...
+
+    def train(self, stack: Any, *, resume: bool = False, overwrite: bool = False,
+              allow_config_change: bool = False, console: Any = None) -> dict[str, Any]: ...
+
+
 @runtime_checkable
 class Platform(Protocol):
     """What an activated platform offers core and engines (``rlcore.platforms``)."""
