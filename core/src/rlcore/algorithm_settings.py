@@ -73,15 +73,3 @@ def check_mismatch(mm: Any) -> bool:
                           "bounds) is empty", key="algorithm.mismatch.reject_max")
     return bool(mm.tis_cap or mm.mask_low or mm.mask_high or mm.reject)
 
-
-def check_clip(s: Any, *, ppo_low: bool = True) -> None:
-    """The PPO-clip bounds every clipped loss shares (``algorithm.clip_low``/``clip_high``/``clip_ratio_c``)."""
-    for key in ("clip_low", "clip_high"):
-        if float(s[key]) < 0:
-            raise ConfigError(f"bad value for config key 'algorithm.{key}': must be >= 0", key=f"algorithm.{key}")
-    if ppo_low and float(s.clip_low) >= 1:
-        raise ConfigError("bad value for config key 'algorithm.clip_low': must be < 1 (the ratio's lower bound "
-                          "1 - clip_low must stay positive)", key="algorithm.clip_low")
-    if "clip_ratio_c" in s and float(s.clip_ratio_c) != 0 and float(s.clip_ratio_c) <= 1:
-        raise ConfigError("bad value for config key 'algorithm.clip_ratio_c': must be > 1 (dual-clip bound) or 0 (off)",
-                          key="algorithm.clip_ratio_c")

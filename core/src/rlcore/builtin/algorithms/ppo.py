@@ -3,8 +3,8 @@
 
 Its settings sit under ``algorithm:`` like every algorithm's: the clip ranges, GAE's ``gamma``
 and ``lam`` (verl's ``algorithm.gamma``/``algorithm.lam``; rlcore's reinforce_pp has
-``algorithm.gamma`` too), and the critic's training under ``algorithm.critic``. Registered by
-:mod:`rlcore.builtin.algorithms`; cheap to import.
+``algorithm.gamma`` too), and the critic's training under ``algorithm.critic``. Torch-free at
+import; the engine's value-model requirement is :data:`NEEDS_VALUE_MODEL`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlcore.algorithm_settings import check_clip
 from rlcore.algorithms.spec import Algorithm, AlgorithmSpec
-from rlcore.errors import ConfigError
+from rlcore.builtin.algorithms.common import bad, check_clip
 from rlcore.types import Cap, RequiresCapability
 
 
@@ -42,23 +41,18 @@ class PPOSettings:
     critic: CriticSettings = field(default_factory=CriticSettings)
 
 
-def _bad(key: str, why: str) -> ConfigError:
-    return ConfigError(f"bad value for config key 'algorithm.{key}': {why}", key=f"algorithm.{key}")
-
-
 def validate(s: Any) -> None:
-
     check_clip(s)
     for key in ("gamma", "lam"):
         if not 0 <= float(s[key]) <= 1:
-            raise _bad(key, "must be in [0, 1]")
+            raise bad(key, "must be in [0, 1]")
     c = s.critic
     if float(c.lr) < 0:
-        raise _bad("critic.lr", "must be >= 0 (0: training.lr)")
+        raise bad("critic.lr", "must be >= 0 (0: training.lr)")
     if float(c.cliprange_value) < 0:
-        raise _bad("critic.cliprange_value", "must be >= 0 (0: no value clip)")
+        raise bad("critic.cliprange_value", "must be >= 0 (0: no value clip)")
     if float(c.grad_clip) < 0 and float(c.grad_clip) != -1:
-        raise _bad("critic.grad_clip", "must be >= 0 (0: off) or -1 (training.grad_clip)")
+        raise bad("critic.grad_clip", "must be >= 0 (0: off) or -1 (training.grad_clip)")
 
 
 def build(s: Any) -> Algorithm:

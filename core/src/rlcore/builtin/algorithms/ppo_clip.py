@@ -1,0 +1,115 @@
+"""The built-in algorithms that put an outcome advantage estimator under the PPO-clip loss:
+GRPO, Dr.GRPO, RLOO, REINFORCE++ (and its baseline variant), OPO, ReMax and GRPO pass@k. Each
+spec carries its settings dataclass and their check; the estimators are the public ones of
+:mod:`rlcore.algorithms` (``GRPOAdvantage`` ...), imported when a factory runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlcore.algorithms.spec import Algorithm, AlgorithmSpec
+from rlcore.builtin.algorithms.common import (
+    PPO_SOURCE,
+    GRPOSettings,
+    PPOClipSettings,
+    check_clip,
+    check_grpo,
+    ppo_clip,
+    with_estimator,
+)
+from rlcore.errors import ConfigError
+
+
+@dataclass
+class ReinforcePPSettings(PPOClipSettings):
+    """``gamma``: discount of the per-token returns."""
+
+    gamma: float = 1.0
+
+
+@dataclass
+class PassKSettings(GRPOSettings):
+    """PPO-clip settings and the group std the gap is divided by (``none``: not divided)."""
+
+
+def _check_reinforce(s: Any) -> None:
+    check_clip(s)
+    if not 0 < float(s.gamma) <= 1:
+        raise ConfigError("bad value for config key 'algorithm.gamma': must be in (0, 1]", key="algorithm.gamma")
+
+
+def _check_remax(s: Any) -> None:
+    check_clip(s)
+    dapo = s.get("dapo")
+    if dapo is not None and dapo.dynamic_sampling.enable:
+        raise ConfigError("algorithm.name=remax takes its greedy baselines for the step's own prompts; DAPO's dynamic "
+                          "sampling draws more rounds of prompts: set algorithm.dapo.dynamic_sampling.enable=false",
+                          key="algorithm.dapo.dynamic_sampling.enable")
+
+
+def _build_opo(s: Any) -> Algorithm:
+    from rlcore.algorithms.baselines import OPOAdvantage
+
+    return Algorithm(advantages=OPOAdvantage(), loss=ppo_clip(s))
+
+
+def _build_remax(s: Any) -> Algorithm:
+    from rlcore.algorithms.remax import ReMaxAdvantage
+
+    return Algorithm(advantages=ReMaxAdvantage(), loss=ppo_clip(s), token_level_rewards=True, greedy_baseline=True)
+
+
+def _build_passk(s: Any) -> Algorithm:
+    from rlcore.algorithms.baselines import PassKAdvantage
+
+    std = s.std if s.normalize_std else "none"
+    return Algorithm(advantages=PassKAdvantage(std=std, eps=float(s.eps)), loss=ppo_clip(s))
+
+
+SPECS = (
+    AlgorithmSpec(
+        name="grpo", factory=with_estimator(ppo_clip, "grpo"), settings=GRPOSettings, validate=check_grpo,
+        loss_agg="token-mean", description="group-normalised advantages + PPO-clip",
+        source=f"Shao et al. 2024, DeepSeekMath (arXiv:2402.03300) §4.1.2; {PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="dr_grpo", factory=with_estimator(ppo_clip, "dr_grpo"), settings=PPOClipSettings, validate=check_clip,
+        loss_agg="seq-mean-token-sum-norm", description="mean-centred group advantages, constant length normaliser",
+        source=f"Liu et al. 2025, Understanding R1-Zero-Like Training (arXiv:2503.20783); {PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="rloo", factory=with_estimator(ppo_clip, "rloo"), settings=PPOClipSettings, validate=check_clip,
+        loss_agg="token-mean", description="leave-one-out baseline + PPO-clip",
+        source=f"Ahmadian et al. 2024 (arXiv:2402.14740) eq. 7; Kool et al. 2019; {PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="reinforce_pp", factory=with_estimator(ppo_clip, "reinforce_pp"), settings=ReinforcePPSettings,
+        validate=_check_reinforce, loss_agg="token-mean",
+        description="per-token returns, step-wide normalisation + PPO-clip",
+        source=f"Hu 2025, REINFORCE++ (arXiv:2501.03262); {PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="reinforce_pp_baseline", factory=with_estimator(ppo_clip, "reinforce_pp_baseline"),
+        settings=PPOClipSettings, validate=check_clip, loss_agg="token-mean",
+        description="group-mean baseline, step-wide normalisation + PPO-clip",
+        source=f"Hu 2025, REINFORCE++ (arXiv:2501.03262) §3.2; {PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="opo", factory=_build_opo, settings=PPOClipSettings, validate=check_clip,
+        loss_agg="token-mean", description="length-weighted group baseline + PPO-clip",
+        source=f"On-Policy RL with Optimal Reward Baseline (arXiv:2505.23585); verl compute_opo_outcome_advantage; "
+               f"{PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="remax", factory=_build_remax, settings=PPOClipSettings, validate=_check_remax,
+        loss_agg="token-mean", description="REINFORCE with the greedy response's reward as baseline (one more "
+        "generation per step) + PPO-clip", source=f"Li et al. 2023, ReMax (arXiv:2310.10505); verl "
+        f"compute_remax_outcome_advantage; {PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="grpo_passk", factory=_build_passk, settings=PassKSettings, validate=check_grpo,
+        loss_agg="token-mean", description="only each group's best sample learns (gap to the second) + PPO-clip",
+        source=f"verl compute_grpo_passk_outcome_advantage (arXiv:2503.19595); {PPO_SOURCE}",
+    ),
+)
