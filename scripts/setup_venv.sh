@@ -19,9 +19,10 @@ fi
 
 echo "[setup] preparing $VENV (first run takes about a minute)" >&2
 venv_create_cpu_torch "$VENV"
-editables=(-e "core[test,tensorboard,ray]")
+editables=(-e "core[test,tensorboard]")
+# every plugin editable, rlcore-ray (cluster.backend: ray) among them
 for d in plugins/*/; do [ -f "$d/pyproject.toml" ] && editables+=(-e "$d"); done
-# ray pinned for CI (the rlcore[ray] extra allows >=2.40,<3; 2.60.0 has the cp311 wheel)
+# ray pinned for CI (rlcore-ray allows >=2.40,<3; 2.60.0 has the cp311 wheel)
 "${PIP[@]}" --no-build-isolation "${editables[@]}" pytest hypothesis ruff ray==2.60.0
 # the example plugin is installed as an outsider would install it: a regular, non-editable install
 "${PIP[@]}" --no-build-isolation --force-reinstall --no-deps examples/third_party_plugin

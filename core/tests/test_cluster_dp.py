@@ -127,30 +127,6 @@ def test_bad_cluster_values_name_the_key(override, key):
     assert err.value.key == key and key in str(err.value)
 
 
-def test_ray_backend_checks_what_it_can_run():
-    with pytest.raises(ConfigError, match="tp/ep are rlcore-megatron's") as err:
-        load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.trainer.tp=2"])
-    assert err.value.key == "cluster.trainer.tp"
-    with pytest.raises(ConfigError, match="pipeline parallelism is not supported") as err:
-        load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.trainer.pp=2"])
-    assert err.value.key == "cluster.trainer.pp"
-    with pytest.raises(ConfigError, match="colocated replicas need as many trainer ranks"):
-        load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.placement=colocated", "cluster.rollout.replicas=2"])
-    with pytest.raises(ConfigError, match="depend on how prompts are split") as err:
-        load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.rollout.replicas=2", "rollout.seed_per_prompt=false"])
-    cfg = load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.rollout.replicas=2"]).config
-    assert cfg.rollout.seed_per_prompt is True
-    assert load_stack(str(EXAMPLE)).config.rollout.seed_per_prompt is False
-
-
-def test_ray_missing_names_the_install_line(monkeypatch):
-    from rlcore.cluster import ray_launch
-
-    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    with pytest.raises(ConfigError, match=r"pip install 'rlcore\[ray\]'"):
-        ray_launch.import_ray()
-
-
 def test_torchrun_is_refused_with_a_pointer_to_ray(tmp_path, monkeypatch, capsys):
     from rlcore.cli import main
 
@@ -162,20 +138,11 @@ def test_torchrun_is_refused_with_a_pointer_to_ray(tmp_path, monkeypatch, capsys
     assert not (tmp_path / "r").exists()
 
 
-def test_shares_and_bundles():
-    from omegaconf import OmegaConf
+def test_shares():
     from rlcore.parallel.data_parallel import shard_bounds
-    from rlcore.cluster.ray_launch import plan_bundles
-    from rlcore.config import RunConfig
 
     assert [shard_bounds(7, r, 3) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
     assert [shard_bounds(1, r, 2) for r in range(2)] == [(0, 1), (1, 1)]  # a rank may get nothing
-    c = OmegaConf.structured(RunConfig).cluster
-    c.trainer.dp, c.rollout.replicas = 2, 2
-    c.rollout.resources.num_gpus = c.trainer.resources.num_gpus = 0.5
-    assert plan_bundles(c) == ([{"CPU": 1.0, "GPU": 0.5}] * 2 + [{"CPU": 1.0, "GPU": 0.5}] * 2, [0, 1], [2, 3])
-    c.placement = "colocated"
-    assert plan_bundles(c) == ([{"CPU": 2.0, "GPU": 1.0}] * 2, [0, 1], [0, 1])
 
 
 def test_the_writers_wrapped_rollout_is_a_receiver_however_python_checks_protocols():

@@ -26,6 +26,7 @@ KNOWN_DISTRIBUTIONS = {
     "fused": "rlcore-fused",
     "megatron": "rlcore-megatron",
     "npu": "rlcore-npu",
+    "ray": "rlcore-ray",
     "mtp": "rlcore-mtp",
     "replay": "rlcore-replay",
     "sglang": "rlcore-sglang",

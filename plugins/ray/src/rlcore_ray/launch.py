@@ -4,7 +4,7 @@ The driver (the ``rlcore train`` process) joins or starts a Ray cluster, reserve
 group (a bundle per trainer rank, and per rollout replica when disaggregated; colocated, replica
 *i* shares trainer rank *i*'s bundle), starts the replicas, then the trainer ranks, which join
 torch.distributed (gloo on CPU, NCCL on GPU) with rank 0's node as the master. Rank 0 (the
-writer) drives the replicas through a :class:`~rlcore.cluster.fleet.RolloutFleet`. The driver
+writer) drives the replicas through a :class:`~rlcore_ray.fleet.RolloutFleet`. The driver
 waits for every rank; the first rank to fail ends the run: every actor is killed and that rank's
 error is raised here (nobody is left waiting in a collective).
 """
@@ -20,14 +20,14 @@ from typing import Any
 
 from rlcore.errors import ConfigError, RLCoreError
 
-INSTALL = "pip install 'rlcore[ray]'"
+INSTALL = "pip install rlcore-ray"
 
 
 def import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise ConfigError(f"cluster.backend=ray needs Ray, which is not installed: {INSTALL}",
+        raise ConfigError(f"cluster.backend=ray needs Ray, which is not installed (rlcore-ray depends on it): {INSTALL}",
                           key="cluster.backend") from exc
     return ray
 
@@ -52,8 +52,9 @@ class TrainerRankActor:
 
     def run(self, config_yaml: str, master: str, replicas: list[Any] | None, timeout_s: float,
             flags: dict[str, bool], placement: dict[str, Any]) -> dict[str, Any]:
-        from rlcore.cluster.fleet import RolloutFleet
         from rlcore.parallel.worker import run_rank
+
+        from rlcore_ray.fleet import RolloutFleet
 
         fleet = RolloutFleet(replicas, timeout_s) if replicas else None
         summary = run_rank(config_yaml, self.rank, self.world, master, rollout=fleet, **flags)
@@ -94,16 +95,17 @@ def start_local_nodes(nodes: int, cpus_per_node: float) -> Any:
 
 
 class _Cluster:
-    """The Ray connection this run made (and the local cluster it started, if any)."""
+    """The Ray connection this run made (and the local cluster it started, if any); ``r``: the
+    ``ray:`` section."""
 
-    def __init__(self, ray: Any, c: Any):
+    def __init__(self, ray: Any, r: Any):
         self.ray, self.local, self.started = ray, None, False
         if ray.is_initialized():
             return
-        if c.address:
-            ray.init(address=c.address, log_to_driver=True)
-        elif c.local_nodes > 1:
-            self.local = start_local_nodes(int(c.local_nodes), float(c.local_node_cpus))
+        if r.address:
+            ray.init(address=r.address, log_to_driver=True)
+        elif r.local_nodes > 1:
+            self.local = start_local_nodes(int(r.local_nodes), float(r.local_node_cpus))
             ray.init(address=self.local.address, log_to_driver=True)
         else:
             ray.init(include_dashboard=False, log_to_driver=True)
@@ -130,8 +132,9 @@ def train_on_ray(stack: Any, *, resume: bool = False, overwrite: bool = False, a
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rlcore.cluster.fleet import RolloutReplica
     from rlcore.parallel.worker import config_yaml
+
+    from rlcore_ray.fleet import RolloutReplica
 
     cfg = stack.config
     c = cfg.cluster
@@ -140,14 +143,15 @@ def train_on_ray(stack: Any, *, resume: bool = False, overwrite: bool = False, a
     text = config_yaml(cfg)
     say = console.print if console is not None else print
     tag = uuid.uuid4().hex[:8]  # actor names of this run (a previous run's may not be released yet)
-    conn = _Cluster(ray, c)
+    strategy = str(cfg.ray.strategy)
+    conn = _Cluster(ray, cfg.ray)
     pg, actors = None, []
     try:
         bundles, rank_bundle, replica_bundle = plan_bundles(c)
-        pg = placement_group(bundles, strategy=str(c.strategy))
+        pg = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([pg.ready()], timeout=float(c.timeout_s))
         if not ready:
-            raise RLCoreError(f"the placement group {bundles} ({c.strategy}) could not be placed within "
+            raise RLCoreError(f"the placement group {bundles} ({strategy}) could not be placed within "
                               f"cluster.timeout_s={c.timeout_s:g} s; the cluster has {ray.cluster_resources()}")
 
         def on(bundle: int, res: Any, **kw: Any) -> dict[str, Any]:

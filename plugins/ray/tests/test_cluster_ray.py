@@ -21,26 +21,26 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is part of the dev venv (scripts/setup_venv.sh: rlcore[ray])")
+import ray  # noqa: E402 - rlcore-ray depends on it
 
 from rlcore.errors import RolloutError  # noqa: E402
 from rlcore.run_output import read_metrics  # noqa: E402
 from rlcore.stack import load_stack  # noqa: E402
-from rlcore.testing.ray_cluster import assert_reward_curves_agree  # noqa: E402
+from rlcore_ray.testing import assert_reward_curves_agree  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny.yaml"
 STEPS = 8
 RUN = [f"training.steps={STEPS}", "data.prompts_per_step=8", "rollout.n=8", "output.progress=false",
        "output.tensorboard=false", "output.plot=false", "output.checkpoint_every=0"]
 #: small buckets: a push is many buckets, at most two in flight through the object store
-RAY = ["sync.bucket_mb=0.25", "cluster.backend=ray", "cluster.trainer.dp=2", "cluster.rollout.replicas=2", "cluster.timeout_s=240"]
+RAY = ["sync.bucket_mb=0.25", "plugins=[ray]", "cluster.backend=ray", "cluster.trainer.dp=2", "cluster.rollout.replicas=2", "cluster.timeout_s=240"]
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from rlcore.testing.ray_cluster import simulated_ray_nodes
+    from rlcore_ray.testing import simulated_ray_nodes
 
     with simulated_ray_nodes(2, 2) as cluster:
         yield cluster
@@ -72,7 +72,7 @@ def test_two_ranks_two_replicas_on_two_nodes_match_one_process(two_nodes, tmp_pa
 
 
 def test_a_killed_replica_is_an_error_naming_it(two_nodes, tmp_path):
-    from rlcore.cluster.ray_launch import train_on_ray
+    from rlcore_ray.launch import train_on_ray
 
     stack = load_stack(str(EXAMPLE), RUN + RAY + ["training.steps=200", f"output.dir={tmp_path}"])
     outcome: dict[str, BaseException | None] = {}
@@ -110,7 +110,7 @@ class _SilentReplica:
 
 
 def test_a_silent_replica_times_out(two_nodes):
-    from rlcore.cluster.fleet import RolloutFleet
+    from rlcore_ray.fleet import RolloutFleet
     from rlcore.types import Prompt, SamplingSettings
 
     silent = ray.remote(_SilentReplica).options(num_cpus=0).remote()
@@ -139,7 +139,7 @@ def test_mapped_sync_lends_the_writers_parameters_to_colocated_replicas(two_node
     from rlcore.trainer import Trainer
 
     out = tmp_path / "mapped"
-    assert main(["train", str(EXAMPLE), *RUN, *RAY, *MAPPED, "cluster.strategy=STRICT_PACK", "--output", str(out)]) == 0
+    assert main(["train", str(EXAMPLE), *RUN, *RAY, *MAPPED, "ray.strategy=STRICT_PACK", "--output", str(out)]) == 0
     Trainer(load_stack(str(EXAMPLE), RUN + ["rollout.seed_per_prompt=true", f"output.dir={tmp_path / 'one'}"])).run()
     placement = json.loads((out / "cluster.json").read_text())
     assert len({w["node"] for w in placement["trainer_ranks"] + placement["rollout_replicas"]}) == 1, placement
@@ -155,17 +155,21 @@ def test_mapped_sync_lends_the_writers_parameters_to_colocated_replicas(two_node
 def test_mapped_sync_refuses_a_replica_on_another_node(two_nodes, tmp_path):
     """Storages cannot be mapped across hosts: with the ranks spread over the two nodes, replica 1
     (colocated with rank 1) is on the other node, and the first push says so."""
-    from rlcore.cluster.ray_launch import train_on_ray
+    from rlcore_ray.launch import train_on_ray
 
-    stack = load_stack(str(EXAMPLE), RUN + RAY + MAPPED + ["cluster.strategy=STRICT_SPREAD", f"output.dir={tmp_path}"])
+    stack = load_stack(str(EXAMPLE), RUN + RAY + MAPPED + ["ray.strategy=STRICT_SPREAD", f"output.dir={tmp_path}"])
     with pytest.raises(Exception, match=r"rollout replica 1 runs on Ray node .* parameters can be lent only on one machine"):
         train_on_ray(stack)
 
 
 def test_mapped_sync_outside_a_colocated_ray_cluster_is_a_config_error():
+    """Decided by the sync's declared lends_storage capability: one process has no replica to lend
+    to (the local launcher), and under Ray the replicas must be colocated."""
     from rlcore.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"sync.name.*set cluster.backend=ray and cluster.placement=colocated"):
+    with pytest.raises(ConfigError, match=r"sync.name 'mapped' \(rlcore .*\) lends .* cluster.backend=local") as err:
         load_stack(str(EXAMPLE), ["sync.name=mapped"])
-    with pytest.raises(ConfigError, match=r"sync.name.*cluster.placement=colocated"):
+    assert err.value.key == "sync.name"
+    with pytest.raises(ConfigError, match=r"set cluster.placement=colocated") as err:
         load_stack(str(EXAMPLE), [*RAY, "sync.name=mapped"])
+    assert err.value.key == "cluster.placement"

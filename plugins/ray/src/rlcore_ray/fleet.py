@@ -71,7 +71,7 @@ def bucket_from_store(bucket: Bucket) -> Bucket:
 
 
 class RolloutReplica:
-    """One rollout replica (made a Ray actor by :mod:`rlcore.cluster.ray_launch`)."""
+    """One rollout replica (made a Ray actor by :mod:`rlcore_ray.launch`)."""
 
     def __init__(self, config_yaml: str, index: int, output_dir: str):
         from rlcore.parallel.worker import stack_from_yaml

@@ -4,7 +4,7 @@ are split into calls (what rollout replicas do), and they follow the processed d
 from __future__ import annotations
 
 import torch
-from rlcore.cluster.fleet import split_prompts
+from rlcore_ray.fleet import split_prompts
 from rlcore.rollout_local import LocalRollout, inverse_cdf
 from rlcore.types import Prompt, SamplingSettings
 

@@ -1,0 +1,31 @@
+"""Plugin ``ray`` (distribution rlcore-ray): the ``ray`` launcher and its ``ray:`` config section.
+
+``plugins: [ray]`` and ``cluster.backend: ray`` run the trainer ranks and rollout replicas as Ray
+actors in one placement group (:mod:`rlcore_ray.launch`). Importing this module imports no Ray.
+"""
+
+from __future__ import annotations
+
+from rlcore import PLUGIN_API, hookimpl
+from rlcore.types import LauncherSpec, PluginSettings
+
+from rlcore_ray.settings import RaySettings, validate
+
+__all__ = ["PLUGIN_API", "launcher", "plugin_settings"]
+
+
+def _build(config):
+    from rlcore_ray.launcher import RayLauncher
+
+    return RayLauncher()
+
+
+@hookimpl
+def plugin_settings():
+    return PluginSettings(section="ray", schema=RaySettings, validate=validate)
+
+
+@hookimpl
+def launcher():
+    yield LauncherSpec(name="ray", factory=_build, remote_ranks=lambda config: bool(config.ray.address),
+                       description="trainer ranks and rollout replicas as Ray actors in one placement group")
