@@ -32,43 +32,24 @@ from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.remax import baselines_for, greedy_rewards
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
-from rlcore.config import training_fingerprint
-from rlcore.critic import build_critic, checkpoint_entry, restore_critic
-from rlcore.errors import CheckpointError, ConfigError, NonFiniteError, RolloutError
+from rlcore.critic import checkpoint_entry, restore_critic
+from rlcore.errors import CheckpointError, NonFiniteError
 from rlcore.export import MODEL_DIR, export_policy, write_run_config
 from rlcore.faults import fault_point
-from rlcore.platforms import resolve_device
-from rlcore.preflight import preflight
+from rlcore.parallel.push_memory import PushMeter
+from rlcore.parallel.strategy import RankStrategy
+from rlcore.pass_metrics import PassMetrics
 from rlcore.push import push_weights, rollout_metrics
-from rlcore.ranks import SINGLE, Ranks, on_writer
+from rlcore.ranks import on_writer
 from rlcore.rewards import RewardCalls, score_on_writer
-from rlcore.run_output import (
-    MetricsWriter,
-    NullMetrics,
-    RunDirectory,
-    checkpoint_hf_dir,
-    is_committed,
-    load_checkpoint,
-    prepare_output_dir,
-    quiet_transformers,
-    save_checkpoint,
-)
-from rlcore.run_report import RunReport
+from rlcore.run_build import build_run, check_started_rollout
+from rlcore.run_output import CHECKPOINT_DIR, checkpoint_hf_dir, is_committed
 from rlcore.run_stop import StopSignals
 from rlcore.sampling_rounds import loss_lengths, mask_overlong, prompt_seed, round_prompts, sample_step
-from rlcore.stack import Stack, check_engine_head, config_yaml
+from rlcore.stack import Stack, config_yaml
 from rlcore.sync import sync_level
-from rlcore.tasks import RewardInput, Task, load_callable, make_prompts
-from rlcore.types import (
-    BuildContext,
-    Cap,
-    HeadInput,
-    MicroBatchContext,
-    ModelOutput,
-    Prompt,
-    Sample,
-    StepContext,
-)
+from rlcore.tasks import RewardInput, make_prompts
+from rlcore.types import Cap, HeadInput, MicroBatchContext, ModelOutput, Prompt, Sample, StepContext
 
 #: where the no-grad passes leave their log-probs in the step batch ("old_logprobs" holds the
 #: rollout engine's behaviour log-probs, which the importance ratio uses)
@@ -78,102 +59,49 @@ PHASE_OUTPUT = {"old_logprob": RECOMPUTED, "ref_logprob": "ref_logprobs"}
 
 @dataclass
 class StepTotals:
-    """Normalisers over the whole step (all micro-batches)."""
+    """Normalisers over the whole step (all micro-batches, all ranks)."""
 
     loss_tokens: int
-    num_seqs: int
     #: the aggregation divisor (see rlcore.algorithms.aggregation)
-    divisor: float = 1.0
-
-
-@dataclass
-class StepResult:
-    metrics: dict[str, Any]
-    batch: PackedBatch
+    divisor: float
 
 
 class Trainer:
-    """Builds the selected providers and runs GRPO. ``run()`` returns a summary dict."""
+    """Runs the steps of a run that :func:`rlcore.run_build.build_run` builds from ``stack`` (the
+    output directory, the checkpoint to resume, the providers). ``strategy``: how the trainer's
+    ranks share each step (:mod:`rlcore.parallel.strategy`; default one process). ``run()``
+    returns a summary dict."""
 
     def __init__(self, stack: Stack, resume: bool = False, console: Any = None, *, overwrite: bool = False,
-                 allow_config_change: bool = False, ranks: Ranks = SINGLE):
-        self.run_dir: RunDirectory | None = None  # the writer's lock on self.out (rlcore/run_output.py)
+                 allow_config_change: bool = False, strategy: RankStrategy | None = None):
+        built = build_run(stack, strategy or RankStrategy(), resume=resume, console=console, overwrite=overwrite,
+                          allow_config_change=allow_config_change)
+        self.built, self.stack, self.cfg, self.pm = built, built.stack, built.stack.config, built.stack.plugins
+        self.strategy, self.ranks = built.strategy, built.strategy.ranks  # several ranks: only the writer writes
+        self.out, self.run_dir, self.console = built.out, built.run_dir, built.console
+        self.engine, self.tokenizer, self.forward_fn = built.engine, built.tokenizer, built.forward_fn
+        self.backend, self.sync, self.reference, self.critic = built.backend, built.sync, built.reference, built.critic
+        self.algorithm, self.metrics, self.report = built.algorithm, built.metrics, built.report
         try:
-            self._build(stack, resume, console, overwrite, allow_config_change, ranks)
-        except BaseException:  # a failed start leaves nothing that makes the retry refuse
+            a = self.cfg.algorithm
+            self.objective = TokenObjective(
+                self.algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
+                kl_estimator=a.kl_estimator, entropy_coef=float(a.entropy_coef),
+            )
+            self.kl_control = KLControl.from_config(a)  # β: fixed, or adaptive (algorithm.kl_control)
+            self.correction = MismatchCorrection.from_config(a.mismatch)
+        except BaseException:
             self._end_run(started=False)
             raise
-
-    def _build(self, stack: Stack, resume: bool, console: Any, overwrite: bool, allow_config_change: bool,
-               ranks: Ranks) -> None:
-        self.stack, self.ranks = stack, ranks  # several ranks: only the writer writes outputs (rlcore/ranks.py)
-        self.cfg = cfg = stack.config
-        self.pm = stack.plugins
-        self.resume = resume
-        self.allow_config_change = allow_config_change
-        preflight(stack)  # what would fail later (rlcore/preflight.py), refused before the output directory is touched
-        self.out = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        # one run and one process per directory: a new run needs it empty, --resume a checkpoint in it
-        on_writer(ranks, lambda: setattr(self, "run_dir", prepare_output_dir(
-            self.out, resume=resume, overwrite=overwrite, info={"rlcore_version": __version__})))
-        self.fingerprint = training_fingerprint(cfg)
-        # a checkpoint that is damaged or from another config fails here, before the model loads
-        self._resume_from = on_writer(ranks, lambda: load_checkpoint(self.out, self.fingerprint,
-                                                                     allow_config_change)) if resume else None
-        if console is None:
-            from rich.console import Console
-
-            console = Console(highlight=False, soft_wrap=True, quiet=not (cfg.output.progress and ranks.writer))
-        self.console = console
-
-        quiet_transformers()
-        torch.manual_seed(cfg.training.seed)
-        random.seed(cfg.training.seed)
-        self.task: Task = load_callable(cfg.data.task, "data.task")(cfg.data)
-        self.reward_fn = load_callable(cfg.data.reward, "data.reward")
-        sections = {ps.plugin: ps.section for ps in self.pm.plugin_settings()}
-
-        def ctx_for(spec, engine=None) -> BuildContext:
-            section = sections.get(spec.plugin)
-            settings = cfg[section] if section else None
-            return BuildContext(config=cfg, settings=settings, output_dir=str(self.out), engine=engine,
-                                extras={"task": self.task}, device=getattr(self, "device", None),
-                                platform=getattr(self, "platform", None))
-
-        # the device platform first: a vendor extension (torch_npu) is imported by its factory
-        platform_ctx = ctx_for(stack.platform) if stack.platform is not None else BuildContext(config=cfg)
-        resolved = resolve_device(cfg.engine.device, ctx=platform_ctx, spec=stack.platform)
-        self.platform, self.device = resolved.platform, resolved.device
-
-        self.engine = stack.engine.factory(ctx_for(stack.engine))
-        self.tokenizer = getattr(self.engine, "tokenizer", None)
-        if self.tokenizer is None:
-            raise ConfigError("the training engine provides no tokenizer; set engine.model.path", key="engine.model.path")
-        check_engine_head(stack, self.engine)
-        self.forward_fn = stack.forward_fn.factory(ctx_for(stack.forward_fn, self.engine))
-        self.backend = stack.rollout_backend.factory(ctx_for(stack.rollout_backend, self.engine))
-        self.sync = stack.weight_sync.factory(ctx_for(stack.weight_sync, self.engine))
-        self.engine.setup_optimizer(cfg.training)
-        self.reference = self.engine.make_reference() if cfg.algorithm.kl_coef > 0 else None
-        a = cfg.algorithm
-        self.algorithm_spec = stack.algorithm or self.pm.select("algorithm", a.name, key="algorithm.name")
-        self.algorithm = self.algorithm_spec.factory(a)
-        self.critic = build_critic(self.engine, stack.engine.name, cfg)  # PPO's value model (rlcore/critic.py)
-        self.objective = TokenObjective(
-            self.algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
-            kl_estimator=a.kl_estimator, entropy_coef=float(a.entropy_coef),
-        )
-        self.kl_control = KLControl.from_config(a)  # β: fixed, or adaptive (algorithm.kl_control)
-        self.correction = MismatchCorrection.from_config(a.mismatch)
         #: the field the ratio's denominator comes from
         self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
         self.router = self.pm.router_hook if self.pm.has_router_hooks() else None
-        self.metrics = MetricsWriter(self.out, tensorboard=cfg.output.tensorboard) if ranks.writer else NullMetrics()
-        self.report = RunReport(self.console, stack, self.algorithm_spec.name, self.out)
+        self.reward_calls = RewardCalls(built.reward_fn, self.cfg.data.reward, self.cfg.data.reward_timeout_seconds)
         self.step = 0
         self.version = 0
         self.wall_before = 0.0  # wall seconds of earlier (resumed) segments
         self.release_kv = False
+        self.push_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------------------- setup --
 
@@ -184,32 +112,16 @@ class Trainer:
         model_dir = self.out / "policy_hf"  # what the rollout starts from; the trained model: rlcore/export.py
         self._write_policy_hf(model_dir)
         self.backend.start(str(model_dir), version=self.version)
-        declared = self.stack.rollout_backend.capabilities
-        runtime = self.backend.capabilities()
-        # what this running instance lacks and this config uses (stack.wanted); any other gap is no news
-        lost = sorted((declared - runtime) & set(self.stack.wanted.get("rollout_backend", {})))
-        reasons = self.backend.lacking() if hasattr(self.backend, "lacking") else {}
-        for cap in lost:
-            why = reasons.get(cap, "not available in this running instance")
-            self.report.note(f"rollout backend {self.stack.rollout_backend.name!r} lacks {cap!r}: {why}")
-        mode = self.cfg.rollout.release_kv_cache
-        can = Cap.RELEASE_KV_CACHE in runtime
-        if mode == "always" and not can:
-            raise RolloutError("rollout.release_kv_cache is 'always' but the backend cannot release its KV cache here")
-        self.release_kv = mode != "never" and can
-        if mode == "auto" and not can:
-            self.report.note("KV cache stays resident during weight sync (backend cannot release it)")
-        if self.cfg.rollout.return_routed_experts and Cap.ROUTED_EXPERTS not in runtime:
-            raise RolloutError("rollout.return_routed_experts is set but the backend cannot return routed experts here")
+        self.release_kv = check_started_rollout(self.stack, self.backend, self.report)
 
     def _write_policy_hf(self, model_dir: Path) -> None:
-        """The policy as an HF directory: policy_hf, RUN/model, step-N-hf (model parallel: parallel/model_parallel.py)."""
-        on_writer(self.ranks, lambda: self.engine.save_hf(model_dir))
+        """The policy as an HF directory: policy_hf, RUN/model, step-N-hf (written as the strategy says)."""
+        self.strategy.write_policy_hf(self.engine, model_dir)
 
     def _restore(self) -> None:
-        state, record, diffs = self._resume_from
-        self._resume_from = None
-        path = self.out / "checkpoints" / str(record["state_file"])
+        point, self.built.resume_from = self.built.resume_from, None
+        path = self.out / CHECKPOINT_DIR / str(point.record["state_file"])
+        state = self.strategy.rank_state(self.out, point.state, point.record)  # model parallel: this rank's shard
         try:  # a checkpoint of another model or engine fails here: name the file, not a traceback
             self.engine.load_state_dict(state["engine"])
             restore_critic(self.critic, state)
@@ -225,24 +137,19 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {type(exc).__name__}: {detail}") from exc
         self.step = step + 1
         self.metrics.truncate_after(step)
-        for d in diffs:
+        for d in point.config_diffs:
             self.report.note(f"--allow-config-change: {d}")
         self.console.print(f"resumed from step {step} (weight version {self.version}, {path})")
 
     def _checkpoint(self, wall: float) -> None:
         self._check_weights_finite("checkpoint")
-        on_writer(self.ranks, lambda: save_checkpoint(self.out, {
-            "engine": self.engine.state_dict(),
-            **checkpoint_entry(self.critic),
-            **self.kl_control.state(),
-            "step": self.step,
-            "version": self.version,
-            "wall_seconds": wall,
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-            "rlcore_version": __version__,
-        }, {"step": self.step, "version": self.version, "rlcore_version": __version__, "config": self.fingerprint},
-            keep=int(self.cfg.output.keep_checkpoints)))
+        run_state = {**self.kl_control.state(), "step": self.step, "version": self.version, "wall_seconds": wall,
+                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "rlcore_version": __version__}
+        record = {"step": self.step, "version": self.version, "rlcore_version": __version__,
+                  "config": self.built.fingerprint}
+        self.strategy.save_checkpoint(  # the engine's and the critic's state: whole, or each rank's shard
+            self.out, lambda: {"engine": self.engine.state_dict(), **checkpoint_entry(self.critic)}, run_state, record,
+            keep=int(self.cfg.output.keep_checkpoints))
         export_policy(self, checkpoint_hf_dir(self.out, self.step), self.step, at_checkpoint=True)
 
     # ------------------------------------------------------------------- non-finite guards --
@@ -257,7 +164,7 @@ class Trainer:
 
     def _prompts(self, round_: int = 0) -> tuple[list[Prompt], list[Any]]:
         rng = random.Random(prompt_seed(self.cfg, self.step, round_))  # round 0: the step's own prompts
-        task_prompts = make_prompts(self.task, rng, round_prompts(self.cfg), f"step {self.step} round {round_}")
+        task_prompts = make_prompts(self.built.task, rng, round_prompts(self.cfg), f"step {self.step} round {round_}")
         prompts = [
             Prompt(ids=self.tokenizer(tp.text, add_special_tokens=False)["input_ids"], index=i, meta=tp.meta)
             for i, tp in enumerate(task_prompts)
@@ -266,8 +173,6 @@ class Trainer:
 
     def _rewards(self, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any]) -> list[float]:
         """Scored on the writer, each call time-limited and checked (rlcore/rewards.py)."""
-        if getattr(self, "reward_calls", None) is None:
-            self.reward_calls = RewardCalls(self.reward_fn, self.cfg.data.reward, self.cfg.data.reward_timeout_seconds)
         inputs = []
         for s in samples:
             tp, resp = task_prompts[s.prompt_index], s.response_ids.tolist()
@@ -307,12 +212,14 @@ class Trainer:
 
     def _forward_pass(self, batch: PackedBatch, phase: str, engine: Any, totals: StepTotals,
                       grad: bool) -> dict[str, float]:
-        """Run every micro-batch of ``batch`` through engine + head (+ loss in ``train``)."""
+        """Run this rank's micro-batches of ``batch`` through engine + head (+ loss and backward in
+        ``train``); the no-grad passes leave their log-probs in ``batch``. The pass's metrics,
+        reduced over the micro-batches and the ranks."""
         cfg = self.cfg
-        sums: dict[str, float] = {}
-        counts: dict[str, float] = {}
-        mbs = self._micro_batches(batch)
-        logprob_out = torch.zeros(batch.num_tokens, device=batch.device) if phase != "train" else None
+        train = phase == "train"
+        metrics = PassMetrics()
+        mbs = self.strategy.micro_batches(batch, int(cfg.training.micro_batch_tokens))
+        logprob_out = None if train else torch.zeros(batch.num_tokens, device=batch.device)
         for i, mb in enumerate(mbs):
             ctx = MicroBatchContext(step=self.step, phase=phase, index=i, count=len(mbs), batch=mb, config=cfg,
                                     num_tokens_in_step=totals.loss_tokens)
@@ -322,54 +229,49 @@ class Trainer:
                                      **req.engine_kwargs())
                 hw = engine.head()
                 request = None  # Cap.FUSED_LOSS: the head forms the loss and its gradients itself
-                if phase == "train" and Cap.FUSED_LOSS in self.stack.forward_fn.capabilities:
+                if train and Cap.FUSED_LOSS in self.stack.forward_fn.capabilities:
                     request = objmod.loss_request(mb, self.objective, totals.divisor, self.proximal)
                 head = self.forward_fn(HeadInput(
                     hidden=out.hidden, weight=hw.weight, labels=mb.labels(), vocab=hw.vocab,
                     loss_mask=mb.loss_mask, temperature=float(cfg.rollout.temperature),
-                    sequence_parallel=out.sequence_parallel, compute_entropy=(phase == "train"), loss=request,
+                    sequence_parallel=out.sequence_parallel, compute_entropy=train, loss=request,
                 ))
                 native = self._native_logprobs(mb, ctx, engine, hw) if req.native_logprobs else None
                 results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn, native))
                 for _plugin, res in results:
                     for k, v in res.metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                        counts[k] = counts.get(k, 0.0) + 1
+                        metrics.add_mean(k, v)
                     for k, v in res.batch_updates.items():
                         batch.write_back(mb, k, v.detach())
-                if phase == "train":
-                    loss, stats = objmod.micro_batch_loss(mb, head.logprobs, head.entropy, self.objective,
-                                                          totals.divisor, self.proximal, head_loss=head.loss)
-                    for plugin, res in results:
-                        for name, term in res.loss_terms.items():
-                            loss = loss + term
-                            sums[f"loss/{plugin}/{name}"] = sums.get(f"loss/{plugin}/{name}", 0.0) + float(term.detach())
-                            counts[f"loss/{plugin}/{name}"] = 1
-                    for name, term in out.aux_losses.items():
-                        loss = loss + term
-                        sums[f"loss/engine/{name}"] = sums.get(f"loss/engine/{name}", 0.0) + float(term.detach())
-                        counts[f"loss/engine/{name}"] = 1
-                    if not bool(torch.isfinite(loss.detach())):
-                        raise self._nonfinite("loss", f"{float(loss.detach())} in train micro-batch {i} of {len(mbs)}")
-                    loss.backward()
-                    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-                    counts["loss"] = 1
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
+                if train:
+                    terms = [(f"loss/{plugin}/{name}", term) for plugin, res in results
+                             for name, term in res.loss_terms.items()]
+                    terms += [(f"loss/engine/{name}", term) for name, term in out.aux_losses.items()]
+                    self._backward(mb, head, terms, totals, metrics, f"train micro-batch {i} of {len(mbs)}")
                 else:
                     start = mb.token_offset - batch.token_offset
                     logprob_out[start: start + mb.num_tokens] = head.logprobs.detach().float()
-        self._reduce_pass(phase, sums, counts, logprob_out)
-        if phase == "train":
-            n = max(sums.pop("_tokens", 0.0), 1.0)
-            for k in objmod.TOKEN_MEAN_METRICS:
-                if k in sums:
-                    sums[k] /= n
-                    counts.pop(k, None)
-        out_metrics = {k: (v / counts[k] if k in counts else v) for k, v in sums.items()}
-        if logprob_out is not None:
+        if train:
+            self.strategy.reduce_gradients(engine.parameters())
+        else:
+            self.strategy.reduce_logprobs(logprob_out)
             batch.fields[PHASE_OUTPUT[phase]] = logprob_out
-        return out_metrics
+        return self.strategy.reduce_metrics(metrics).result()
+
+    def _backward(self, mb: PackedBatch, head: Any, terms: list[tuple[str, torch.Tensor]], totals: StepTotals,
+                  metrics: PassMetrics, where: str) -> None:
+        """The micro-batch's policy loss plus the plugins' and the engine's loss terms, backward."""
+        loss, token_sums = objmod.micro_batch_loss(mb, head.logprobs, head.entropy, self.objective, totals.divisor,
+                                                   self.proximal, head_loss=head.loss)
+        for key, term in terms:
+            loss = loss + term
+            metrics.add_sum(key, term.detach())
+        if not bool(torch.isfinite(loss.detach())):
+            raise self._nonfinite("loss", f"{float(loss.detach())} in {where}")
+        loss.backward()
+        metrics.add_sum("loss", loss.detach())
+        tokens = token_sums.pop("_tokens")  # the statistics are sums over them: averaged over the pass's tokens
+        metrics.add_token_sums(token_sums, tokens)
 
     def _native_logprobs(self, mb: PackedBatch, ctx: MicroBatchContext, engine: Any, hw: Any) -> torch.Tensor:
         """The micro-batch's log-probs with every router routing natively (``forward_request``
@@ -382,13 +284,8 @@ class Trainer:
                 compute_entropy=False,
             )).logprobs.detach().float()
 
-    def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
-        return batch.micro_batches(self.cfg.training.micro_batch_tokens)
-
-    def _reduce_pass(self, phase: str, sums: dict, counts: dict, logprob_out: torch.Tensor | None) -> None:
-        """After a pass over this rank's micro-batches (data parallelism: parallel/data_parallel.py)."""
-
-    def _train_step(self) -> StepResult:
+    def _train_step(self) -> dict[str, Any]:
+        """One step (see the module docstring); its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
         # generation rounds and rewards; DAPO's dynamic sampling and overlong shaping (rlcore/sampling_rounds.py)
@@ -403,7 +300,7 @@ class Trainer:
         a = cfg.algorithm
         weights = step_weights(a.loss_agg, batch.loss_mask, batch.seq_index(), batch.num_seqs, int(a.norm_tokens))
         batch.fields[objmod.AGG_NUMERATOR] = weights.numerator
-        totals = StepTotals(loss_tokens=batch.num_loss_tokens, num_seqs=batch.num_seqs, divisor=weights.divisor)
+        totals = StepTotals(loss_tokens=batch.num_loss_tokens, divisor=weights.divisor)
 
         metrics: dict[str, Any] = {**rollout_metrics(self.backend), **sampled.metrics}  # acceptance per draft depth
         greedy = greedy_rewards(cfg, self.backend, self.version, self.engine.info.eos_token_id, *self._prompts(0),
@@ -452,7 +349,7 @@ class Trainer:
             "train_seconds": t_train,
         })
         metrics.update(self.pm.step_end(StepContext(self.step, batch, metrics, cfg)))
-        return StepResult(metrics, batch)
+        return metrics
 
     def _algorithm_inputs(self, batch: PackedBatch, samples: list[Sample], rewards: list[float],
                           greedy: dict[int, float] | None = None) -> dict[str, float]:
@@ -486,8 +383,9 @@ class Trainer:
         inp = self.critic.advantage_input(batch, inp) if self.critic else inp  # PPO: values, returns
         adv = self.algorithm.advantages(inp)
         if len(adv) != len(samples) or [int(x.shape[0]) for x in adv] != counts:
+            spec = self.built.algorithm_spec
             raise RuntimeError(
-                f"algorithm {self.algorithm_spec.name!r} ({self.algorithm_spec.source()}) returned advantages of lengths "
+                f"algorithm {spec.name!r} ({spec.source()}) returned advantages of lengths "
                 f"{[tuple(x.shape) for x in adv]}, expected one [n_i] tensor per sample with n_i = {counts}"
             )
         flat = torch.zeros(batch.num_tokens, dtype=torch.float32)
@@ -500,12 +398,16 @@ class Trainer:
         return out
 
     def _push(self, version: int) -> Any:
-        report, self.push_metrics = push_weights(self.backend, self.sync, self._export_for_push(), version,
-                                                 self.release_kv)
+        meter = self.strategy.push_meter()  # the writer's memory during the push (distributed ranks)
+        with meter:
+            report, metrics = push_weights(self.backend, self.sync, self._export_for_push(meter), version,
+                                           self.release_kv)
+        self.push_metrics = {**metrics, **meter.metrics()}
         return report
 
-    def _export_for_push(self) -> Any:
+    def _export_for_push(self, meter: PushMeter) -> Any:
         for n, (name, t) in enumerate(self.engine.export_hf_weights()):
+            meter.sample()  # a gathered full tensor is alive next to the bucket being filled
             yield name, t
             if n == 0:
                 fault_point("push")
@@ -518,7 +420,7 @@ class Trainer:
         self.stop = StopSignals(self.out, lambda: self.step).install(not self.ranks.distributed)
         started = completed = False
         try:
-            if self.resume:
+            if self.built.resume_from is not None:
                 self._restore()
             self.report.banner([self.metrics.tb_note])
             self._start_backend()
@@ -531,7 +433,7 @@ class Trainer:
                     break
                 t0 = time.perf_counter()
                 try:
-                    res = self._train_step()
+                    m = self._train_step()
                     self._check_weights_finite("push")
                 except NonFiniteError as exc:
                     self.engine.zero_grad()
@@ -546,7 +448,6 @@ class Trainer:
                     continue
                 self.version += 1
                 report = self._push(self.version)
-                m = res.metrics
                 wall = self.wall_before + time.perf_counter() - t_start
                 step_s = time.perf_counter() - t0
                 m.update({

@@ -1,4 +1,5 @@
-"""Data parallelism for trainer ranks (the ``hf`` engine): every rank holds the whole model.
+"""Data parallelism for trainer ranks (engines with ``Cap.DATA_PARALLEL``, such as ``hf``): every
+rank holds the whole model (the rank strategy :class:`DataParallel`).
 
 Per step: the writer rank asks the rollout (a fleet of replicas, or its own backend) for the
 samples and broadcasts them, so every rank packs the same step batch and computes the same
@@ -7,9 +8,10 @@ rank's contiguous share of the sequences; the loss of every micro-batch is alrea
 the *whole step's* divisor (:mod:`rlcore.algorithms.aggregation`), so the sum of the ranks'
 gradients is exactly the gradient of one rank with the whole batch: gradients are all-reduced
 with SUM (not averaged), then every rank takes the same optimizer step. The no-grad passes'
-log-probs and the metric sums are all-reduced the same way. Only the writer pushes weights to the
-rollout; the other ranks drain the export (collective exports stay in step) and follow its
-version. A postprocess plugin's per-token batch updates (recorded routes) cover this rank's
+log-probs are all-reduced the same way, and every pass's metrics are combined over the ranks as
+one pass over all their micro-batches (:class:`rlcore.pass_metrics.PassMetrics`). Only the
+writer pushes weights to the rollout; the other ranks drain the export (collective exports stay
+in step) and follow its version. A postprocess plugin's per-token batch updates (recorded routes) cover this rank's
 sequences only, which is all it reads: every pass gives a rank the same share.
 """
 
@@ -24,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from rlcore.batch import PackedBatch
-from rlcore.parallel.push_memory import MeasuredPush
+from rlcore.parallel.strategy import DistributedRanks
+from rlcore.pass_metrics import PassMetrics
 from rlcore.ranks import Ranks
 from rlcore.stack import Stack
-from rlcore.trainer import Trainer
 from rlcore.types import Prompt, Sample, SamplingSettings, SyncReport
 
 
@@ -72,12 +74,6 @@ def all_reduce_gradients(params: list[torch.Tensor]) -> None:
         for g in group:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
-
-
-def _is_sum_metric(key: str) -> bool:
-    """The trainer's loss entries are sums over micro-batches (count pinned to 1); the others are
-    means over micro-batches."""
-    return key == "loss" or key.startswith("loss/")
 
 
 class SampleBroadcast:
@@ -173,41 +169,25 @@ def rank_stack(stack: Stack, ranks: Ranks, rollout: Any = None) -> Stack:
     return replace(stack, rollout_backend=replace(stack.rollout_backend, factory=backend_factory), weight_sync=sync)
 
 
-class DataParallelTrainer(MeasuredPush, Trainer):
-    """:class:`~rlcore.trainer.Trainer` over several data-parallel ranks (torch.distributed is
-    initialised; see the module docstring). ``rollout``: the writer's rollout backend (a fleet of
-    replicas); ``None`` builds the configured one in the writer's process."""
+class DataParallel(DistributedRanks):
+    """Data-parallel trainer ranks (torch.distributed is initialised; see the module docstring)."""
 
-    def __init__(self, stack: Stack, ranks: Ranks, rollout: Any = None, **kwargs: Any):
-        super().__init__(rank_stack(stack, ranks, rollout), ranks=ranks, **kwargs)
-        broadcast_parameters(self.engine.parameters())
-        if self.reference is not None:
-            broadcast_parameters(self.reference.parameters())
+    def built(self, engine: Any, reference: Any) -> None:
+        broadcast_parameters(engine.parameters())
+        if reference is not None:
+            broadcast_parameters(reference.parameters())
 
-    def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+    def micro_batches(self, batch: PackedBatch, budget: int) -> list[PackedBatch]:
         start, stop = shard_bounds(batch.num_seqs, self.ranks.rank, self.ranks.world)
-        if start == stop:
-            return []
-        return batch.select_seqs(start, stop).micro_batches(self.cfg.training.micro_batch_tokens)
+        return batch.select_seqs(start, stop).micro_batches(budget) if start < stop else []
 
-    def _reduce_pass(self, phase: str, sums: dict, counts: dict, logprob_out: torch.Tensor | None) -> None:
-        if logprob_out is not None:  # each rank filled its own sequences' rows, zeros elsewhere
-            dist.all_reduce(logprob_out)
-        if phase == "train":
-            all_reduce_gradients(list(self.engine.parameters()))
-        keys = sorted(set().union(*dist_all_gather_object(sorted(set(sums) | set(counts)))))
-        device = next(iter(self.engine.parameters())).device  # gloo: CPU tensors; NCCL: the rank's GPU
-        vals = torch.tensor([[float(sums.get(k, 0.0)), float(counts.get(k, 0.0))] for k in keys],
-                            dtype=torch.float64, device=device).reshape(len(keys), 2)
-        dist.all_reduce(vals)
-        for k, (s, c) in zip(keys, vals.tolist(), strict=True):
-            sums[k] = s
-            if c:
-                counts[k] = 1 if _is_sum_metric(k) else c
+    def reduce_logprobs(self, logprobs: torch.Tensor) -> None:
+        dist.all_reduce(logprobs)  # each rank filled its own sequences' rows, zeros elsewhere
 
+    def reduce_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
+        all_reduce_gradients(list(parameters))
 
-def dist_all_gather_object(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
+    def reduce_metrics(self, metrics: PassMetrics) -> PassMetrics:
+        parts: list[Any] = [None] * self.ranks.world
+        dist.all_gather_object(parts, metrics)
+        return PassMetrics.combine(parts)

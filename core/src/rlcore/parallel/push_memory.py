@@ -1,11 +1,13 @@
 """The writer rank's memory during a weight push: what a push costs beside the model.
 
 Issue 15 asks that a push hold about two buckets beside the model, never the whole model, and
-that this is measured. :class:`MeasuredPush` (a trainer mixin) samples the process's resident
-set size every millisecond and at every exported tensor during the writer's push, and writes
-``push_peak_extra_rss_mib`` (all resident memory above the value before the push) and
-``push_peak_extra_private_mib`` (without shared pages: Ray's object store and lent shared-memory
-parameters are shared) into the step's metrics.
+that this is measured. A distributed rank strategy (:mod:`rlcore.parallel.strategy`) hands the
+writer's push a :class:`PeakResident`, which samples the process's resident set size every
+millisecond and at every exported tensor (the trainer calls :meth:`PeakResident.sample`), and
+whose :meth:`~PeakResident.metrics` go into the step's metrics: ``push_peak_extra_rss_mib`` (all
+resident memory above the value before the push) and ``push_peak_extra_private_mib`` (without
+shared pages: Ray's object store and lent shared-memory parameters are shared). One process
+measures nothing (:data:`NO_METER`).
 """
 
 from __future__ import annotations
@@ -68,27 +70,27 @@ class PeakResident:
     def extra_private_bytes(self) -> int:
         return self.peak[1] - self.base[1]
 
+    def metrics(self) -> dict[str, float]:
+        return {"push_peak_extra_rss_mib": self.extra_bytes / MIB,
+                "push_peak_extra_private_mib": self.extra_private_bytes / MIB}
 
-class MeasuredPush:
-    """Trainer mixin: the writer's peak extra memory during every push (see the module docstring)."""
 
-    _peak: PeakResident | None = None
+class NoMeter:
+    """A push that is not measured."""
 
-    def _push(self, version: int) -> Any:
-        if not self.ranks.writer:
-            return super()._push(version)
-        with PeakResident() as peak:
-            self._peak = peak
-            try:
-                report = super()._push(version)
-            finally:
-                self._peak = None
-        self.push_metrics["push_peak_extra_rss_mib"] = peak.extra_bytes / MIB
-        self.push_metrics["push_peak_extra_private_mib"] = peak.extra_private_bytes / MIB
-        return report
+    def __enter__(self) -> NoMeter:
+        return self
 
-    def _export_for_push(self) -> Any:
-        for item in super()._export_for_push():
-            if self._peak is not None:  # a gathered full tensor is alive next to the bucket being filled
-                self._peak.sample()
-            yield item
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def sample(self) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+NO_METER = NoMeter()
+#: what a rank strategy measures a push with
+PushMeter = PeakResident | NoMeter

@@ -1,5 +1,5 @@
-"""A trainer rank in its own process: joins torch.distributed and runs the data-parallel trainer
-(hf) or the model-parallel one (megatron).
+"""A trainer rank in its own process: joins torch.distributed and runs the trainer with the rank
+strategy the engine's capabilities call for (:func:`rlcore.parallel.strategy.strategy_for`).
 
 Used by the Ray actors (:mod:`rlcore.cluster.ray_launch`) and, without Ray, by anything that
 starts the processes itself (the tests spawn two with ``torch.multiprocessing``).
@@ -57,24 +57,21 @@ def init_distributed(rank: int, world: int, master: str, device: str, timeout_s:
 def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: Any = None, resume: bool = False,
              overwrite: bool = False, allow_config_change: bool = False) -> dict[str, Any]:
     """Build the stack, join the group, train; the summary of the run (the writer's is the full one).
-    The engine decides the kind of ranks (:data:`rlcore.cluster_settings.ENGINE_DIMS`): data
-    parallel (``hf``: samples split, gradients summed) or model parallel (``megatron``: every
-    rank the same samples, the engine's collectives)."""
-
-    from rlcore.cluster_settings import ENGINE_DIMS
+    The engine's declared capabilities decide the kind of ranks (:func:`.strategy.strategy_for`):
+    data parallel (``Cap.DATA_PARALLEL``: samples split, gradients summed) or model parallel
+    (``Cap.TENSOR_PARALLEL`` / ``EXPERT_PARALLEL``: every rank the same samples, the engine's
+    collectives)."""
+    from rlcore.parallel.strategy import strategy_for
     from rlcore.ranks import TorchRanks
+    from rlcore.trainer import Trainer
 
     stack = stack_from_yaml(config_yaml)
     cfg = stack.config
-    if "dp" in ENGINE_DIMS.get(str(cfg.engine.name), ("dp",)):
-        from rlcore.parallel.data_parallel import DataParallelTrainer as RankTrainer
-    else:
-        from rlcore.parallel.model_parallel import ModelParallelTrainer as RankTrainer
     backend = init_distributed(rank, world, master, str(cfg.engine.device), float(cfg.cluster.timeout_s))
     failed = False
     try:
-        trainer = RankTrainer(stack, TorchRanks(), rollout=rollout, resume=resume, overwrite=overwrite,
-                              allow_config_change=allow_config_change)
+        trainer = Trainer(stack, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
+                          strategy=strategy_for(stack, TorchRanks(), rollout))
         return trainer.run()
     except BaseException:
         failed = True
