@@ -14,7 +14,25 @@ HOOKS = [name for name, _ in inspect.getmembers(RLCoreSpecs, inspect.isfunction)
 
 
 def test_every_spec_is_classified():
-    assert sorted(HOOKS) == sorted(PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS)
+    """Each spec says its kind by its decorator (``@provider(Descriptor)``, ``@chain``,
+    ``@declaration``); the hook lists are read from them."""
+    unclassified = sorted(set(HOOKS) - set(PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS))
+    assert not unclassified, f"hook specs without @provider/@chain/@declaration: {unclassified}"
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_is_documented_under_its_kind(hook):
+    """docs/hooks.md documents each hook under the heading of its kind and names the kind in the
+    lifecycle table, as the spec's decorator says."""
+    kind = getattr(RLCoreSpecs, hook).rlcore_kind
+    docs = (ROOT / "docs" / "hooks.md").read_text()
+    heading = {"provider": "## Providers", "chain": "## Chains", "declaration": "## Declarations"}[kind]
+    part = docs.split(f"\n{heading}\n", 1)[-1].split("\n## ", 1)[0]
+    assert f"### `{hook}`" in part, f"docs/hooks.md documents {hook!r} outside '{heading}' (it is a {kind} hook)"
+    rows = [r for r in docs.split("## Lifecycle", 1)[1].split("\n## ", 1)[0].splitlines()
+            if r.startswith("|") and f"`{hook}`" in r.split("|")[1]]
+    assert rows and rows[0].split("|")[2].strip().startswith(kind), (
+        f"docs/hooks.md's lifecycle table does not give {hook!r} its kind {kind!r}")
 
 
 @pytest.mark.parametrize("hook", HOOKS)
@@ -85,9 +103,9 @@ def test_every_documented_public_module_exists():
 def test_every_provider_descriptor_is_in_rlcore_types():
     """hooks.md: "A provider hook returns descriptors (`rlcore.types.*Spec`)"."""
     import rlcore.types
-    from rlcore.manager import _SPEC_TYPES
+    from rlcore.hookspecs import DESCRIPTORS
 
-    for hook, spec_type in _SPEC_TYPES.items():
+    for hook, spec_type in DESCRIPTORS.items():
         assert getattr(rlcore.types, spec_type.__name__, None) is spec_type, (
             f"{spec_type.__name__} (hook {hook!r}) is not importable from rlcore.types")
 

@@ -153,7 +153,7 @@ def test_hook_postprocess_rejects_wrong_return(rlcore_plugin_manager, register_p
         def postprocess(ctx, output):
             return {"loss": 1.0}
     """), "bad")
-    with pytest.raises(errors.PluginValidationError, match="postprocess of plugin 'bad'.*expected PostprocessResult"):
+    with pytest.raises(errors.PluginValidationError, match="Plugin 'bad' .*hook 'postprocess' must return PostprocessResult, got dict"):
         rlcore_plugin_manager.postprocess(_ctx(), output=None)
 
 

@@ -1,58 +1,78 @@
 """Hook specifications: the whole plugin contract of rlcore.
 
-There are two kinds of hook (docs/hooks.md has the lifecycle diagram):
+Each spec says its kind by its decorator (docs/hooks.md has the lifecycle diagram):
 
-* **Provider hooks** (``forward_fn``, ``rollout_backend``, ``weight_sync``, ``engine``,
-  ``algorithm``, ``platform``, ``launcher``) return
-  typed descriptors (:mod:`rlcore.types`) naming implementations. Every name must be unique
-  across installed distributions; the config selects one by name.
-* **Chain hooks** (``forward_request``, ``postprocess``, ``router_hook``, ``step_end``) run every
-  active plugin's implementation in the order the config's ``plugins:`` list gives.
-  ``router_hook`` stops at the first non-None answer.
+* ``@provider(Descriptor)``: returns typed descriptors (:mod:`rlcore.types`) naming
+  implementations. Every name must be unique across installed distributions; the config selects
+  one by name.
+* ``@chain``: runs every active plugin's implementation in the order the config's ``plugins:``
+  list gives (``@chain(firstresult=True)``: stops at the first non-None answer).
+* ``@declaration``: what a plugin declares about itself (its config section, its constraints).
 
-Plus two declaration hooks, ``plugin_settings`` (a plugin's own config section) and
-``constraints`` (combinations a plugin cannot work in).
+:data:`PROVIDER_HOOKS`, :data:`CHAIN_HOOKS`, :data:`DECLARATION_HOOKS` and :data:`DESCRIPTORS`
+are read from those decorators: adding a hook is its spec here and its section in docs/hooks.md
+(a test fails when a spec is undocumented, unclassified or untested).
 
 An implementation may accept fewer arguments than its spec (so adding an argument here is a
 compatible change), never more. Chain hooks must not use ``tryfirst``/``trylast``: the order is
-the user's, in the config. Every hook is documented in docs/hooks.md as well; a test fails when
-a spec below is not.
+the user's, in the config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from rlcore.types import (
+    AlgorithmSpec,
+    EngineSpec,
+    ForwardFnSpec,
+    LauncherSpec,
+    PlatformSpec,
+    ProviderSpec,
+    RolloutBackendSpec,
+    WeightSyncSpec,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
-    from rlcore.algorithms.spec import AlgorithmSpec
     from rlcore.types import (
         Constraint,
-        EngineSpec,
-        ForwardFnSpec,
-        LauncherSpec,
         ForwardRequest,
         MicroBatchContext,
         ModelOutput,
-        PlatformSpec,
         PluginSettings,
         PostprocessResult,
-        RolloutBackendSpec,
         RouterCall,
         RouterDecision,
         StepContext,
-        WeightSyncSpec,
     )
 
 PROJECT = "rlcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-PROVIDER_HOOKS = ("forward_fn", "rollout_backend", "weight_sync", "engine", "algorithm", "platform", "launcher")
-CHAIN_HOOKS = ("forward_request", "postprocess", "router_hook", "step_end")
-DECLARATION_HOOKS = ("plugin_settings", "constraints")
+
+def _kind(kind: str, descriptor: type[ProviderSpec] | None = None, **options: Any) -> Callable:
+    def mark(spec: Callable) -> Callable:
+        spec.rlcore_kind, spec.rlcore_descriptor = kind, descriptor  # type: ignore[attr-defined]
+        return hookspec(**options)(spec)
+    return mark
+
+
+def provider(descriptor: type[ProviderSpec]) -> Callable:
+    """A provider hook whose implementations return ``descriptor`` objects."""
+    return _kind("provider", descriptor)
+
+
+def chain(spec: Callable | None = None, *, firstresult: bool = False) -> Callable:
+    """A chain hook, called in the config's plugin order (``firstresult``: the first answer wins)."""
+    mark = _kind("chain", firstresult=firstresult)
+    return mark if spec is None else mark(spec)
+
+
+declaration = _kind("declaration")
 
 
 class RLCoreSpecs:
@@ -60,7 +80,7 @@ class RLCoreSpecs:
 
     # ---------------------------------------------------------------- declarations -------
 
-    @hookspec
+    @declaration
     def plugin_settings(self) -> PluginSettings | None:
         """Declare this plugin's own config section.
 
@@ -85,7 +105,7 @@ class RLCoreSpecs:
                 return PluginSettings(section="fused", schema=FusedSettings)
         """
 
-    @hookspec
+    @declaration
     def constraints(self) -> Iterable[Constraint]:
         """Declare the combinations this plugin cannot work in.
 
@@ -111,7 +131,7 @@ class RLCoreSpecs:
 
     # ------------------------------------------------------------------- providers -------
 
-    @hookspec
+    @provider(ForwardFnSpec)
     def forward_fn(self) -> Iterable[ForwardFnSpec]:
         """Register policy heads: per-token log-probs and entropy from hidden states.
 
@@ -146,7 +166,7 @@ class RLCoreSpecs:
                                     capabilities={Cap.ENTROPY, Cap.VOCAB_PARALLEL})
         """
 
-    @hookspec
+    @provider(RolloutBackendSpec)
     def rollout_backend(self) -> Iterable[RolloutBackendSpec]:
         """Register rollout engines that generate samples from the policy.
 
@@ -178,7 +198,7 @@ class RLCoreSpecs:
                     capabilities={Cap.LOGPROBS, Cap.PAUSE, Cap.RELEASE_KV_CACHE})
         """
 
-    @hookspec
+    @provider(WeightSyncSpec)
     def weight_sync(self) -> Iterable[WeightSyncSpec]:
         """Register weight transports from the trainer into a rollout backend.
 
@@ -209,7 +229,7 @@ class RLCoreSpecs:
                                      backends={"vllm"})
         """
 
-    @hookspec
+    @provider(EngineSpec)
     def engine(self) -> Iterable[EngineSpec]:
         """Register training engines (built-in ``hf``; ``megatron`` from the ``rlcore-megatron``
         plugin).
@@ -237,7 +257,7 @@ class RLCoreSpecs:
                                  capabilities={Cap.MOE, Cap.MTP, Cap.TENSOR_PARALLEL})
         """
 
-    @hookspec
+    @provider(AlgorithmSpec)
     def algorithm(self) -> Iterable[AlgorithmSpec]:
         """Register RL algorithms: an advantage estimator and a policy loss in closed form.
 
@@ -279,7 +299,7 @@ class RLCoreSpecs:
                                     loss_agg="token-mean", source="Me et al. 2026, eq. 3")
         """
 
-    @hookspec
+    @provider(PlatformSpec)
     def platform(self) -> Iterable[PlatformSpec]:
         """Register device platforms: where tensors live and how ranks talk.
 
@@ -314,7 +334,7 @@ class RLCoreSpecs:
                                    is_available=lambda: importlib.util.find_spec("xpu_ext") is not None)
         """
 
-    @hookspec
+    @provider(LauncherSpec)
     def launcher(self) -> Iterable[LauncherSpec]:
         """Register launchers: where a run's trainer ranks and rollout replicas run.
 
@@ -354,7 +374,7 @@ class RLCoreSpecs:
 
     # ---------------------------------------------------------------------- chains -------
 
-    @hookspec
+    @chain
     def forward_request(self, ctx: MicroBatchContext) -> ForwardRequest | None:
         """Ask for extra outputs from the next micro-batch forward.
 
@@ -379,7 +399,7 @@ class RLCoreSpecs:
                     return ForwardRequest(record_routes=True)
         """
 
-    @hookspec
+    @chain
     def postprocess(self, ctx: MicroBatchContext, output: ModelOutput) -> PostprocessResult | None:
         """Add loss terms and metrics after a micro-batch forward, or collect its outputs.
 
@@ -409,7 +429,7 @@ class RLCoreSpecs:
                                          metrics={"mtp_loss": float(loss)})
         """
 
-    @hookspec(firstresult=True)
+    @chain(firstresult=True)
     def router_hook(self, call: RouterCall) -> RouterDecision | None:
         """Choose the experts of an MoE router (routing replay), or let it route natively.
 
@@ -446,7 +466,7 @@ class RLCoreSpecs:
                 return RouterDecision(indices=rows[:, call.routed_index].long())
         """
 
-    @hookspec
+    @chain
     def step_end(self, ctx: StepContext) -> dict[str, float] | None:
         """Merge per-step state and report step-level metrics.
 
@@ -464,3 +484,16 @@ class RLCoreSpecs:
             def step_end(ctx):
                 return {"replay/coverage": replayed_tokens / ctx.batch.num_tokens}
         """
+
+
+def _hooks(kind: str) -> tuple[str, ...]:
+    return tuple(name for name, spec in vars(RLCoreSpecs).items() if getattr(spec, "rlcore_kind", None) == kind)
+
+
+PROVIDER_HOOKS = _hooks("provider")
+CHAIN_HOOKS = _hooks("chain")
+DECLARATION_HOOKS = _hooks("declaration")
+ALL_HOOKS = PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS
+#: the descriptor type each provider hook's implementations return
+DESCRIPTORS: dict[str, type[ProviderSpec]] = {name: getattr(RLCoreSpecs, name).rlcore_descriptor
+                                              for name in PROVIDER_HOOKS}

@@ -9,9 +9,6 @@ entry-point name is the name used in config. Only the plugins the config lists (
 ``RLCORE_PLUGINS`` names) are imported and registered, in that order, after core's own
 built-ins, which are entry points of the ``rlcore`` distribution registered exactly like
 external ones. ``rlcore plugins`` is :meth:`PluginManager.describe` (:mod:`rlcore.listing`).
-
-The names of :mod:`rlcore.discovery` and :mod:`rlcore.listing` that this module used to define
-are importable from here too.
 """
 
 from __future__ import annotations
@@ -26,10 +23,7 @@ from typing import Any
 import pluggy
 
 from rlcore import errors
-from rlcore.algorithms.spec import AlgorithmSpec
 from rlcore.discovery import (
-    CORE_DISTRIBUTION,
-    ENTRY_POINT_GROUP,
     ENV_DISABLED,
     ENV_PLUGINS,
     KNOWN_DISTRIBUTIONS,
@@ -43,11 +37,12 @@ from rlcore.discovery import (
     parse_plugin_list,
     plugin_api_of,
 )
-from rlcore.hookspecs import CHAIN_HOOKS, DECLARATION_HOOKS, PROJECT, PROVIDER_HOOKS, RLCoreSpecs
+from rlcore.hookspecs import ALL_HOOKS, CHAIN_HOOKS, DESCRIPTORS, PROJECT, PROVIDER_HOOKS, RLCoreSpecs
 from rlcore.inactive_plugins import activation_hint, inactive_provider
-from rlcore.listing import PluginRecord, describe_plugins, module_hooks
+from rlcore.listing import PluginRecord, describe_plugins
 from rlcore.types import (
     PLUGIN_API,
+    AlgorithmSpec,
     Cap,
     EngineSpec,
     ForwardFnSpec,
@@ -64,36 +59,7 @@ from rlcore.types import (
     WeightSyncSpec,
 )
 
-__all__ = [
-    "ALL_HOOKS",
-    "CORE_DISTRIBUTION",
-    "ENTRY_POINT_GROUP",
-    "ENV_DISABLED",
-    "ENV_PLUGINS",
-    "KNOWN_DISTRIBUTIONS",
-    "InstalledPlugin",
-    "LoadedPlugin",
-    "PluginManager",
-    "PluginRecord",
-    "discover_entry_points",
-    "install_hint",
-    "load_plugin_manager",
-    "module_hooks",
-    "parse_plugin_list",
-    "plugin_api_of",
-]
-
-_SPEC_TYPES: dict[str, type[ProviderSpec]] = {
-    "forward_fn": ForwardFnSpec,
-    "rollout_backend": RolloutBackendSpec,
-    "weight_sync": WeightSyncSpec,
-    "engine": EngineSpec,
-    "algorithm": AlgorithmSpec,
-    "platform": PlatformSpec,
-    "launcher": LauncherSpec,
-}
-
-ALL_HOOKS = PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS
+__all__ = ["PluginManager", "load_plugin_manager"]
 
 
 class PluginManager:
@@ -291,7 +257,7 @@ class PluginManager:
             self._pm.register(self._loaded[name].module, name=name)
 
     def _check_pending(self) -> None:
-        known = [h for h in ALL_HOOKS]
+        known = list(ALL_HOOKS)
         for name, loaded in self._loaded.items():
             for hc in self._pm.get_hookcallers(loaded.module) or []:
                 if hc.has_spec():
@@ -338,30 +304,37 @@ class PluginManager:
 
     # ------------------------------------------------------------------ providers --------
 
-    def _providers(self, hook: str) -> dict[str, ProviderSpec]:
-        spec_type = _SPEC_TYPES[hook]
+    def _answers(self, hook: str, *expected: type, many: bool = False, **kwargs: Any) -> list[tuple[LoadedPlugin, Any]]:
+        """Every active plugin's answer to ``hook`` but None (``many``: each item an implementation
+        yields), in chain order: built-ins, then the config's ``plugins:`` order. An answer that is
+        none of the ``expected`` types is an error naming the plugin."""
         by_module = {id(ld.module): ld for ld in self._loaded.values()}
-        out: dict[str, ProviderSpec] = {}
+        out = []
         for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):
-            ld = by_module.get(id(impl.plugin))
-            if ld is None:
-                continue
-            result = impl.function()
-            for spec in list(result or ()):
-                if not isinstance(spec, spec_type):
+            ld = by_module[id(impl.plugin)]
+            answer = impl.function(*[kwargs[a] for a in impl.argnames])
+            for item in (list(answer or ()) if many else [answer] if answer is not None else []):
+                if not isinstance(item, expected):
                     raise errors.PluginValidationError(
                         f"Plugin {ld.name!r} ({ld.label}): hook {hook!r} must return "
-                        f"{spec_type.__name__} objects, got {type(spec).__name__}"
+                        f"{' or '.join(t.__name__ for t in expected)}{' objects' if many else ''}, "
+                        f"got {type(item).__name__}"
                     )
-                spec = _with_source(spec, ld)
-                if spec.name in out:
-                    first = out[spec.name]
-                    raise errors.PluginConflictError(
-                        f"Conflicting plugins for {hook} {spec.name!r}: provided by "
-                        f"{first.distribution} (plugin {first.plugin!r}) and by "
-                        f"{spec.distribution} (plugin {spec.plugin!r}). Uninstall or deselect one."
-                    )
-                out[spec.name] = spec
+                out.append((ld, item))
+        return out
+
+    def _providers(self, hook: str) -> dict[str, ProviderSpec]:
+        out: dict[str, ProviderSpec] = {}
+        for ld, spec in self._answers(hook, DESCRIPTORS[hook], many=True):
+            spec = _with_source(spec, ld)
+            if spec.name in out:
+                first = out[spec.name]
+                raise errors.PluginConflictError(
+                    f"Conflicting plugins for {hook} {spec.name!r}: provided by "
+                    f"{first.distribution} (plugin {first.plugin!r}) and by "
+                    f"{spec.distribution} (plugin {spec.plugin!r}). Uninstall or deselect one."
+                )
+            out[spec.name] = spec
         return dict(sorted(out.items()))
 
     def forward_fns(self) -> dict[str, ForwardFnSpec]:
@@ -389,8 +362,8 @@ class PluginManager:
         return self._providers("launcher")  # type: ignore[return-value]
 
     def providers(self, hook: str) -> dict[str, ProviderSpec]:
-        if hook not in _SPEC_TYPES:
-            raise ValueError(f"{hook!r} is not a provider hook ({', '.join(_SPEC_TYPES)})")
+        if hook not in DESCRIPTORS:
+            raise ValueError(f"{hook!r} is not a provider hook ({', '.join(PROVIDER_HOOKS)})")
         return self._providers(hook)
 
     def select(self, hook: str, name: str, *, key: str) -> ProviderSpec:
@@ -436,19 +409,7 @@ class PluginManager:
 
     def plugin_settings(self) -> list[PluginSettings]:
         out: dict[str, PluginSettings] = {}
-        by_module = {id(ld.module): ld for ld in self._loaded.values()}
-        for impl in reversed(self._pm.hook.plugin_settings.get_hookimpls()):
-            ld = by_module.get(id(impl.plugin))
-            if ld is None:
-                continue
-            ps = impl.function()
-            if ps is None:
-                continue
-            if not isinstance(ps, PluginSettings):
-                raise errors.PluginValidationError(
-                    f"Plugin {ld.name!r} ({ld.label}): plugin_settings must return PluginSettings, "
-                    f"got {type(ps).__name__}"
-                )
+        for ld, ps in self._answers("plugin_settings", PluginSettings):
             ps = PluginSettings(ps.section, ps.schema, plugin=ld.name, validate=ps.validate)
             if ps.section in out:
                 other = out[ps.section]
@@ -460,20 +421,7 @@ class PluginManager:
         return list(out.values())
 
     def constraints(self) -> list[tuple[str, IncompatibleWith | RequiresCapability]]:
-        by_module = {id(ld.module): ld for ld in self._loaded.values()}
-        out = []
-        for impl in reversed(self._pm.hook.constraints.get_hookimpls()):
-            ld = by_module.get(id(impl.plugin))
-            if ld is None:
-                continue
-            for c in list(impl.function() or ()):
-                if not isinstance(c, (IncompatibleWith, RequiresCapability)):
-                    raise errors.PluginValidationError(
-                        f"Plugin {ld.name!r} ({ld.label}): constraints must yield IncompatibleWith "
-                        f"or RequiresCapability, got {type(c).__name__}"
-                    )
-                out.append((ld.name, c))
-        return out
+        return [(ld.name, c) for ld, c in self._answers("constraints", IncompatibleWith, RequiresCapability, many=True)]
 
     # ------------------------------------------------------------------ chains -----------
 
@@ -483,14 +431,9 @@ class PluginManager:
         ``mtp_hidden`` needs an engine that declares ``mtp`` and whose model has MTP layers here."""
         req = ForwardRequest()
         asked: list[str] = []
-        for name, r in self._call_each("forward_request", ctx=ctx):
-            if not isinstance(r, ForwardRequest):
-                raise errors.PluginValidationError(
-                    f"forward_request of plugin {name!r} ({self.plugin_label(name)}) returned "
-                    f"{type(r).__name__}, expected ForwardRequest or None"
-                )
+        for ld, r in self._answers("forward_request", ForwardRequest, ctx=ctx):
             if r.mtp_hidden:
-                asked.append(name)
+                asked.append(ld.name)
             req = req.merge(r)
         config = getattr(ctx, "config", None)
         if asked and config is not None:
@@ -508,26 +451,9 @@ class PluginManager:
                 )
         return req
 
-    def _call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every implementation of a chain hook in chain order, keeping who answered."""
-        by_module = {id(ld.module): n for n, ld in self._loaded.items()}
-        out = []
-        for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):
-            res = impl.function(*[kwargs[a] for a in impl.argnames])
-            if res is not None:
-                out.append((by_module.get(id(impl.plugin), impl.plugin_name), res))
-        return out
-
     def postprocess(self, ctx: Any, output: Any) -> list[tuple[str, PostprocessResult]]:
         """Every active plugin's postprocess result, in chain order, with its plugin name."""
-        pairs = self._call_each("postprocess", ctx=ctx, output=output)
-        for name, r in pairs:
-            if not isinstance(r, PostprocessResult):
-                raise errors.PluginValidationError(
-                    f"postprocess of plugin {name!r} ({self.plugin_label(name)}) returned "
-                    f"{type(r).__name__}, expected PostprocessResult or None"
-                )
-        return pairs
+        return [(ld.name, r) for ld, r in self._answers("postprocess", PostprocessResult, ctx=ctx, output=output)]
 
     def has_router_hooks(self) -> bool:
         return bool(self._pm.hook.router_hook.get_hookimpls())
@@ -537,11 +463,7 @@ class PluginManager:
 
     def step_end(self, ctx: Any) -> dict[str, float]:
         out: dict[str, float] = {}
-        for name, r in self._call_each("step_end", ctx=ctx):
-            if not isinstance(r, dict):
-                raise errors.PluginValidationError(
-                    f"step_end of plugin {name!r} returned {type(r).__name__}, expected a dict or None"
-                )
+        for _, r in self._answers("step_end", dict, ctx=ctx):
             out.update(r)
         return out
 
