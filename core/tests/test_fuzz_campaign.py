@@ -182,8 +182,8 @@ _MORE_RANGES = {
     "rollout.top_p": (0.0, 1.0, False, True),
     "algorithm.norm_tokens": (0, math.inf, True, False),
     **{f"cluster.{k}": (1, math.inf, True, False) for k in (
-        "local_nodes", "trainer.dp", "trainer.tp", "trainer.ep", "trainer.pp", "rollout.replicas")},
-    **{f"cluster.{k}": (0.0, math.inf, False, False) for k in ("timeout_s", "rollout.timeout_s", "local_node_cpus")},
+        "trainer.dp", "trainer.tp", "trainer.ep", "trainer.pp", "rollout.replicas")},
+    **{f"cluster.{k}": (0.0, math.inf, False, False) for k in ("timeout_s", "rollout.timeout_s")},
     **{f"cluster.{r}.resources.{k}": (0.0, math.inf, True, False) for r in ("trainer", "rollout")
        for k in ("num_cpus", "num_gpus")},
 }
@@ -199,8 +199,7 @@ def _choices() -> dict[str, tuple]:
     from rlcore import cluster_settings
     from rlcore import config as cfgmod
 
-    return {**cfgmod._CHOICES, "cluster.placement": cluster_settings.PLACEMENTS,
-            "cluster.strategy": cluster_settings.STRATEGIES}
+    return {**cfgmod._CHOICES, "cluster.placement": cluster_settings.PLACEMENTS}
 
 
 #: realistic upper ends for generated sizes (valid documents must also pass preflight on a laptop)
@@ -208,7 +207,7 @@ _SIZE_CAPS = {"rollout.n": 64, "data.prompts_per_step": 128, "rollout.max_new_to
               "training.steps": 500, "engine.model.tiny.hidden_size": 256, "engine.model.tiny.num_layers": 4,
               "engine.model.tiny.intermediate_size": 512, "engine.model.tiny.num_experts": 16,
               "engine.model.tiny.moe_intermediate_size": 128, "engine.model.tiny.head_dim": 64,
-              "engine.model.tiny.num_heads": 8, "engine.model.tiny.vocab_size": 4096, "cluster.local_nodes": 4}
+              "engine.model.tiny.num_heads": 8, "engine.model.tiny.vocab_size": 4096}
 #: keys the generator leaves at their defaults, and why (each is tested elsewhere)
 HELD = {
     "plugins": "changes the schema itself (tests/test_examples.py, core/tests/test_stack.py)",
@@ -216,7 +215,7 @@ HELD = {
     "forward.name": "core's only head", "rollout.backend": "core's only rollout backend",
     "engine.model.path": "needs a model directory (core/tests/test_preflight.py)",
     "data.task": "a module path (core/tests/test_preflight.py)", "data.reward": "a module path (same)",
-    "cluster.address": "a remote Ray cluster", "output.dir": "where a run writes: check never touches it",
+    "output.dir": "where a run writes: check never touches it",
 }
 
 
@@ -319,19 +318,11 @@ def valid_documents(draw) -> dict[str, Any]:
     corrects = any(value(a + "mismatch." + k) for k in ("tis_cap", "mask_low", "mask_high"))
     put(a + "old_logprobs", st.sampled_from(["auto", "recompute"] + ([] if corrects else ["rollout"])))
 
-    # cluster: one process, or Ray on this machine with the ranks the hf engine has (dp)
+    # cluster: one process (core's local launcher; the ray launcher's checks: plugins/ray/tests)
     c = "cluster."
-    for k in ("placement", "strategy", "timeout_s", "rollout.timeout_s", "local_node_cpus", "local_nodes",
-              "trainer.resources.num_cpus", "trainer.resources.num_gpus", "rollout.resources.num_cpus",
+    for k in ("placement", "timeout_s", "rollout.timeout_s", "trainer.resources.num_cpus", "trainer.resources.num_gpus", "rollout.resources.num_cpus",
               "rollout.resources.num_gpus"):
         put(c + k, _leaf_strategy(c + k))
-    if draw(st.integers(0, 3)) == 0 and not value(r + "draft_depths") and value(r + "local_update") == "staged":
-        doc[c + "backend"] = "ray"
-        put(c + "trainer.dp", st.integers(1, 4))
-        world = value(c + "trainer.dp")
-        put(c + "rollout.replicas", st.integers(1, world if value(c + "placement") == "colocated" else 4))
-        if value(c + "placement") == "colocated":
-            put("sync.name", st.sampled_from(["inproc", "disk", "mapped"]))
     seed_per_prompt = st.sampled_from([None, True] if value(c + "rollout.replicas") > 1 else [None, True, False])
     put(r + "seed_per_prompt", seed_per_prompt)
     return doc

@@ -30,7 +30,8 @@ def _check_draft(cfg: Any) -> None:
         raise ConfigError("rollout.draft_depths (speculative local rollout) cannot return routed experts",
                           key="rollout.draft_depths")
     model = cfg.engine.model
-    if cfg.engine.name == "hf" and not model.path and depths > model.tiny.mtp_layers:
+    # the tiny model an engine creates (rlcore.engines.tiny, whichever engine) has tiny.mtp_layers MTP layers
+    if not model.path and depths > model.tiny.mtp_layers:
         raise ConfigError(f"rollout.draft_depths={depths} but engine.model.tiny.mtp_layers={model.tiny.mtp_layers}",
                           key="rollout.draft_depths")
 
