@@ -44,13 +44,13 @@ def mindspeed(monkeypatch):
     everything it and rlcore-npu patched is put back afterwards."""
     import megatron.core.transformer.moe.router as router_mod
     import mindspeed_double
-    from rlcore_megatron import routers
+    from rlcore_megatron import seams
+    from rlcore_npu.mindspeed import adapt_seam
 
     name = _routing_name()
     holders = {mod: mod.__dict__[name] for mod in list(sys.modules.values())
                if mod is not None and name in getattr(mod, "__dict__", {})}
     routing_before = router_mod.TopKRouter.routing
-    listeners = list(routers.SEAM_LISTENERS)
 
     def install(**args):
         router_patches = args.get("fix_router") or args.get("moe_tp_extend_ep")
@@ -63,7 +63,7 @@ def mindspeed(monkeypatch):
     router_mod.TopKRouter.routing = routing_before
     for mod, fn in holders.items():
         setattr(mod, name, fn)
-    routers.SEAM_LISTENERS[:] = listeners
+    seams.remove_listener(adapt_seam)
 
 
 def _engine(tiny_model_dirs, **settings):
@@ -106,7 +106,7 @@ def _record_perturb_replay(engine):
 
 
 def test_replay_coexists_with_mindspeeds_router_patches_and_survives_repatch(mindspeed, tiny_model_dirs):
-    from rlcore_megatron.routers import interception_installed
+    from rlcore_megatron.seams import interception_installed
     from rlcore_npu.mindspeed import setup_mindspeed
 
     adaptor = mindspeed(fix_router=True, moe_tp_extend_ep=True)

@@ -46,6 +46,8 @@ from rlcore.engines.routing import apply_router_decision, forward_state_of_route
 from rlcore.errors import RLCoreError
 from rlcore.types import MicroBatchContext, RouterCall
 
+from rlcore_megatron.seams import notify_listeners
+
 
 @dataclass
 class RouterSite:
@@ -74,17 +76,6 @@ class RoutingState:
     recomputed: dict[int, int] = field(default_factory=dict)
 
 
-#: called with every :class:`RouterSeam` right after it is installed: a platform plugin adapts the
-#: routers there (rlcore-npu binds methods megatron-core 0.12.1's routers lack and re-applies the
-#: interception after MindSpeed's patches). Add with :func:`add_seam_listener`.
-SEAM_LISTENERS: list[Callable[[RouterSeam], None]] = []
-
-
-def add_seam_listener(listener: Callable[[RouterSeam], None]) -> None:
-    if listener not in SEAM_LISTENERS:
-        SEAM_LISTENERS.append(listener)
-
-
 def native_replay_available() -> bool:
     """megatron-core's routing function takes a ``router_replay`` object (≥ 0.16)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
@@ -108,8 +99,7 @@ class RouterSeam:
             _install_native(self)
         else:
             _install_interception(self)
-        for listener in list(SEAM_LISTENERS):
-            listener(self)
+        notify_listeners(self)  # other plugins adapt the routers here (rlcore_megatron.seams)
 
     @property
     def state(self) -> RoutingState | None:
@@ -125,7 +115,7 @@ class RouterSeam:
                 "megatron-core's routing function in megatron.core.transformer.moe.router is no longer rlcore's "
                 "router seam (it was replaced after the seam was installed, e.g. by MindSpeed's repatch): routes "
                 "would be neither recorded nor replayed. Re-install it with "
-                "rlcore_megatron.routers.install_interception() after patching (rlcore-npu does this after "
+                "rlcore_megatron.seams.reinstall_interception() after patching (rlcore-npu does this after "
                 "MindSpeed's patch_features/repatch)")
         prev, self._state = self._state, st
         if st is not None:

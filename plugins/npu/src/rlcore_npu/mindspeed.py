@@ -26,10 +26,11 @@ What this module does about it:
   :func:`enable_mindspeed_compat` makes ``MindSpeedPatchesManager.apply_patches`` re-install the
   seam's interception after every application (patch_features, repatch): the seam wraps whatever
   top-k function MindSpeed put in place, in every module holding it
-  (:func:`rlcore_megatron.routers.install_interception`). Should anything still replace it, the
+  (:func:`rlcore_megatron.seams.reinstall_interception`). Should anything still replace it, the
   seam refuses the next replaying forward instead of routing natively.
-* On every seam (:func:`adapt_seam`): methods 0.12.1's routers lack are bound per instance when
-  the class lacks them (:func:`bind_missing_router_methods`; detected by attribute, never by a
+* On every seam (:func:`adapt_seam`, a listener of :func:`rlcore_megatron.seams.add_listener`):
+  methods 0.12.1's routers lack are bound per instance when the class lacks them
+  (:func:`bind_missing_router_methods`; detected by attribute, never by a
   version string), and a config that would bypass or break replay is refused naming the field
   (:func:`check_replayable_config`).
 * :func:`check_config_kept` checks that the values rlcore asked for survived MindSpeed's
@@ -86,7 +87,7 @@ def setup_mindspeed(mode: str = "auto") -> bool:
 def enable_mindspeed_compat() -> None:
     """Re-install the router seam after every MindSpeed patch application, and adapt every seam
     built from now on. Idempotent."""
-    from rlcore_megatron.routers import add_seam_listener
+    from rlcore_megatron import seams
 
     manager = importlib.import_module(PATCH_UTILS).MindSpeedPatchesManager
     apply = manager.__dict__["apply_patches"]
@@ -95,31 +96,18 @@ def enable_mindspeed_compat() -> None:
 
         def apply_patches_then_router_seam():
             original()
-            reinstall_router_seam()
+            seams.reinstall_interception()
 
         setattr(apply_patches_then_router_seam, _AFTER_APPLY_MARK, True)
         apply_patches_then_router_seam.__wrapped__ = original  # type: ignore[attr-defined]
         manager.apply_patches = staticmethod(apply_patches_then_router_seam)
-    add_seam_listener(adapt_seam)
-    reinstall_router_seam()
-
-
-def reinstall_router_seam() -> bool:
-    """Wrap the top-k function now in place (MindSpeed's, after its patches) if megatron's router
-    module is loaded and the seam intercepts (megatron-core < 0.16). Returns whether it did."""
-    if "megatron.core.transformer.moe.router" not in sys.modules:
-        return False
-    from rlcore_megatron.routers import install_interception, native_replay_available
-
-    if native_replay_available():
-        return False
-    install_interception()
-    return True
+    seams.add_listener(adapt_seam)
+    seams.reinstall_interception()  # the top-k function now in place: MindSpeed's, after its patches
 
 
 def adapt_seam(seam: Any) -> None:
-    """A :data:`rlcore_megatron.routers.SEAM_LISTENERS` entry: bind missing router methods and
-    refuse a config replay cannot work with."""
+    """Called with every router seam rlcore-megatron installs (:func:`rlcore_megatron.seams.add_listener`):
+    bind missing router methods and refuse a config replay cannot work with."""
     check_replayable_config(seam.config)
     for site in seam.sites:
         bind_missing_router_methods(site.router)
