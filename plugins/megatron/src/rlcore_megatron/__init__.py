@@ -4,8 +4,13 @@ under rlcore.
 Nothing here imports megatron-core at import time; :mod:`rlcore_megatron.plugin` (the entry
 point) imports :mod:`rlcore_megatron.engine` only when the config selects ``engine.name: megatron``.
 
+Public, for other plugins (``__all__``): :mod:`~rlcore_megatron.seams`, the router seam's
+registration (a listener called with every seam an engine installs) and its re-installation
+after a patcher replaced megatron-core's routing function. Every other module is internal.
+
 Modules, each importing only modules listed above it (and rlcore's public modules):
 
+* :mod:`~rlcore_megatron.seams` — the public seam (no torch, no megatron-core).
 * :mod:`~rlcore_megatron.settings` — the ``megatron:`` config section, the declared capabilities.
 * :mod:`~rlcore_megatron.hf_config` — an HF ``config.json`` → :class:`ModelSpec` (pure
   Python; every unsupported field is an error naming it).
@@ -27,3 +32,5 @@ Modules, each importing only modules listed above it (and rlcore's public module
 
 The GPU smoke run lives with the benchmarks (``plugins/megatron/bench/gpu_smoke.py``).
 """
+
+__all__ = ["seams"]

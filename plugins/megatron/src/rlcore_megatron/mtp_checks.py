@@ -13,8 +13,9 @@
 * :func:`mtp_gradient_owners`: which parameters receive gradient from the MTP loss under
   ``detach_trunk`` / ``detach_head``.
 
-:func:`rlcore_mtp_loss` is the ``rlcore-mtp`` plugin's own MTP loss term (so rlcore-mtp must be
-importable: the megatron suites and the GPU script install it).
+:func:`rlcore_mtp_loss` is the ``rlcore-mtp`` plugin's own MTP loss term, from its public
+:mod:`rlcore_mtp.loss`: rlcore-mtp comes with this package's ``mtp`` extra
+(``pip install 'rlcore-megatron[mtp]'``; the megatron suites and the GPU script install it).
 """
 
 from __future__ import annotations

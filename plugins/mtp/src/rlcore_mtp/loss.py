@@ -65,6 +65,13 @@ def argmax_hits(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
 
 
 def mtp_postprocess(ctx: Any, output: Any, settings: Any) -> PostprocessResult:
+    """The MTP loss term (``loss_terms["mtp"]``, this micro-batch's share of the step's) and the
+    per-depth metrics of one train-phase micro-batch: what the plugin's ``postprocess`` returns.
+
+    ``ctx`` needs ``batch`` (a :class:`~rlcore.batch.PackedBatch`) and ``num_tokens_in_step``;
+    ``output`` is a :class:`~rlcore.types.ModelOutput` whose ``engine.mtp_hidden`` holds one
+    ``[T, H]`` tensor per MTP depth; ``settings`` has the ``mtp:`` section's ``loss_scale``,
+    ``detach_head`` and ``depths`` (0 = every depth the engine returned)."""
     mtp_hidden = output.engine.mtp_hidden
     if mtp_hidden is None:
         raise RLCoreError(
