@@ -16,8 +16,7 @@ import torch
 
 
 def _inputs(T: int, H: int = 24, vocab: int = 50, rows: int = 56, seed: int = 31):
-    from rlcore.algorithms.aggregation import step_weights
-    from rlcore.algorithms.spec import TokenInputs
+    from rlcore.algorithms import TokenInputs
 
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(T, H, generator=g)
@@ -27,9 +26,9 @@ def _inputs(T: int, H: int = 24, vocab: int = 50, rows: int = 56, seed: int = 31
     mask = torch.rand(T, generator=g) > 0.3
     seq_index = torch.sort(torch.randint(0, 3, (T,), generator=g)).values
     old = torch.where(mask, -4.0 + 0.5 * torch.randn(T, generator=g), torch.zeros(T))
-    sw = step_weights("token-mean", mask, seq_index, 3)
+    token_mean = mask.float() / max(int(mask.sum()), 1)  # the token-mean aggregation's weights
     x = TokenInputs(old_logprobs=old, rollout_logprobs=old, advantages=torch.randn(T, generator=g), mask=mask,
-                    weights=sw.numerator / sw.divisor, correction=None,
+                    weights=token_mean, correction=None,
                     ref_logprobs=torch.where(mask, old + 0.3 * torch.randn(T, generator=g), torch.zeros(T)),
                     seq_index=seq_index,
                     seq_tokens=torch.zeros(3).index_add_(0, seq_index, mask.float()).clamp_min(1.0))
@@ -38,7 +37,7 @@ def _inputs(T: int, H: int = 24, vocab: int = 50, rows: int = 56, seed: int = 31
 
 def _worker(rank: int, world: int, init_file: str, backend: str, config: dict, sequence_parallel: bool) -> None:
     import torch.distributed as dist
-    from rlcore.algorithms.losses import PPOClip, TokenObjective
+    from rlcore.algorithms import PPOClip, TokenObjective
     from rlcore.testing.conformance import float64_head
     from rlcore.types import HeadInput, LossRequest, VocabShard
 

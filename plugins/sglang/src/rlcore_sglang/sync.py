@@ -57,7 +57,6 @@ from rlcore.errors import ConfigError, WeightSyncError
 from rlcore.serving import EngineServerError, answer_message
 from rlcore.sync import Bucket, WeightManifest, iter_buckets, verification_level
 from rlcore.types import SyncReport
-from rlcore.weight_sync import prune_versions
 
 from rlcore_sglang import protocol, wire
 from rlcore_sglang.backend import SGLangBackend
@@ -547,7 +546,14 @@ class SGLangDiskSync(_SGLangSync):
         return self._finish_stats(stats, sent)
 
     def _prune(self, version: int) -> None:
-        prune_versions(self.directory, version, self.keep)
+        """Delete ``v<n>`` for every ``n <= version - keep``."""
+        for d in Path(self.directory).glob("v*"):
+            try:
+                v = int(d.name[1:])
+            except ValueError:
+                continue
+            if v <= version - self.keep:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- factories ---
