@@ -34,7 +34,7 @@ def test_unknown_top_level_key(tmp_path):
 def test_wrong_type_names_key(tmp_path):
     with pytest.raises(ConfigError, match="bad value for config key 'rollout.n'"):
         load_config(None, ["rollout.n=lots"])
-    with pytest.raises(ConfigError, match="bad value for config key 'training.steps': must be >= 1"):
+    with pytest.raises(ConfigError, match="bad value for config key 'training.steps': 0; must be >= 1"):
         load_config(None, ["training.steps=0"])
 
 

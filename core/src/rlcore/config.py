@@ -427,23 +427,13 @@ def _check_values(cfg: DictConfig) -> None:
         val = OmegaConf.select(cfg, key)
         if val not in choices:
             raise ConfigError(f"bad value for config key {key!r}: {val!r}; choose one of: {', '.join(choices)}", key=key)
-    positive = ["rollout.n", "rollout.max_new_tokens", "training.micro_batch_tokens", "data.prompts_per_step", "training.steps"]
-    for key in positive:
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"bad value for config key {key!r}: must be >= 1", key=key)
-    if cfg.sync.bucket_mb <= 0:
-        raise ConfigError("bad value for config key 'sync.bucket_mb': must be > 0", key="sync.bucket_mb")
-    if cfg.rollout.temperature < 0:
-        raise ConfigError("bad value for config key 'rollout.temperature': must be >= 0", key="rollout.temperature")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError("bad value for config key 'rollout.top_p': must be in (0, 1]", key="rollout.top_p")
+    _check_ranges(cfg)
     check_local_rollout(cfg)
     check_dapo(cfg)
     for key in ("data.task", "data.reward"):
         val = OmegaConf.select(cfg, key)
         if ":" not in val:
             raise ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key)
-    _check_ranges(cfg)
     check_model(cfg)
     check_cluster(cfg)
     resolve_seed_per_prompt(cfg)
@@ -453,7 +443,11 @@ def _check_values(cfg: DictConfig) -> None:
 #: ``algorithm.clip_low``, are checked by that algorithm's ``validate``): (low, high, low inclusive, high inclusive);
 #: every float must also be finite (a NaN passes every comparison and would train on NaN)
 _RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    **{key: (1, math.inf, True, False) for key in (
+        "rollout.n", "rollout.max_new_tokens", "training.micro_batch_tokens", "data.prompts_per_step",
+        "training.steps")},
     "rollout.temperature": (0.0, math.inf, True, False),
+    "rollout.top_p": (0.0, 1.0, False, True),
     "rollout.top_k": (-1, math.inf, True, False),
     "rollout.draft_depths": (0, math.inf, True, False),
     "rollout.seed": (0, 2**32 - 1, True, True),  # per-step seeds derive from it in int64
@@ -462,6 +456,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "algorithm.kl_coef": (0.0, math.inf, True, False),
     "algorithm.entropy_coef": (0.0, math.inf, True, False),
     "algorithm.updates_per_step": (1, math.inf, True, False),
+    "algorithm.norm_tokens": (0, math.inf, True, False),
     "training.lr": (0.0, math.inf, True, False),
     "training.weight_decay": (0.0, math.inf, True, False),
     "training.grad_clip": (0.0, math.inf, True, False),
@@ -481,31 +476,28 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
 }
 
 
-def _nonfinite_floats(node: Any, prefix: str = "") -> Iterator[str]:
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _nonfinite_floats(v, f"{prefix}{k}.")
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _nonfinite_floats(v, f"{prefix}{i}.")
-    elif isinstance(node, float) and not math.isfinite(node):
-        yield prefix[:-1]
+def _flat(node: Any, prefix: str = "", *, into_lists: bool = False) -> Iterator[tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf of a config container (lists are leaves unless ``into_lists``)."""
+    if isinstance(node, dict) or (into_lists and isinstance(node, list)):
+        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+            yield from _flat(v, f"{prefix}{k}.", into_lists=into_lists)
+    else:
+        yield prefix[:-1], node
 
 
 def _check_ranges(cfg: DictConfig) -> None:
-    for key in _nonfinite_floats(OmegaConf.to_container(cfg, resolve=True)):  # NaN passes every < and >
-        raise ConfigError(f"bad value for config key {key!r}: {OmegaConf.select(cfg, key)!r}; must be a finite "
-                          f"number", key=key)
+    for key, val in _flat(OmegaConf.to_container(cfg, resolve=True), into_lists=True):
+        if isinstance(val, float) and not math.isfinite(val):  # NaN passes every < and >
+            raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be a finite number", key=key)
     for key, (lo, hi, lo_in, hi_in) in _RANGES.items():
         val = OmegaConf.select(cfg, key)
-        if val is None:
+        if val is None or (lo < val < hi) or (val == lo and lo_in) or (val == hi and hi_in):
             continue
-        if isinstance(val, float) and not math.isfinite(val):
-            raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be a finite number", key=key)
-        if (val < lo or (val == lo and not lo_in)) or (val > hi or (val == hi and not hi_in)):
-            lo_s = ("[" if lo_in else "(") + f"{lo:g}"
-            hi_s = f"{hi:g}" + ("]" if hi_in else ")")
-            raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be in {lo_s}, {hi_s}", key=key)
+        if hi == math.inf:
+            raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be {'>=' if lo_in else '>'} {lo:g}",
+                              key=key)
+        raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be in {'[' if lo_in else '('}{lo:g}, "
+                          f"{hi:g}{']' if hi_in else ')'}", key=key)
     betas = list(cfg.training.betas)
     if len(betas) != 2 or not all(isinstance(b, float) and 0.0 <= b < 1.0 for b in betas):
         raise ConfigError(f"bad value for config key 'training.betas': {betas!r}; must be two numbers in [0, 1)",
@@ -535,19 +527,8 @@ FINGERPRINT_EXCLUDED = (
 def training_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """The flattened config (``{"algorithm.kl_coef": 0.0, ...}``) minus :data:`FINGERPRINT_EXCLUDED`:
     what a checkpoint stores so that ``--resume`` can name every key that differs."""
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}{k}.", v)
-            return
-        key = prefix[:-1]
-        if not any(key == e or (e.endswith(".") and key.startswith(e)) for e in FINGERPRINT_EXCLUDED):
-            flat[key] = node
-
-    walk("", OmegaConf.to_container(cfg, resolve=True))
-    return flat
+    return {key: val for key, val in _flat(OmegaConf.to_container(cfg, resolve=True))
+            if not any(key == e or (e.endswith(".") and key.startswith(e)) for e in FINGERPRINT_EXCLUDED)}
 
 
 def fingerprint_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -565,13 +546,7 @@ def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
     """Check core's algorithm values, resolve the ``auto``\\ s, then run the algorithm's own
     ``validate``."""
     a = cfg.algorithm
-    a.name = spec.name
-    if a.updates_per_step < 1:
-        raise ConfigError("bad value for config key 'algorithm.updates_per_step': must be >= 1",
-                          key="algorithm.updates_per_step")
-    for key in ("kl_coef", "entropy_coef", "norm_tokens"):
-        if a[key] < 0:
-            raise ConfigError(f"bad value for config key 'algorithm.{key}': must be >= 0", key=f"algorithm.{key}")
+    a.name = spec.name  # core's values are in _RANGES, checked before
     corrects = check_modifiers(a)  # KL control; mismatch TIS, masks or rejection (rlcore.algorithm_settings)
     if a.old_logprobs == "auto":
         a.old_logprobs = "recompute" if corrects else "rollout"
