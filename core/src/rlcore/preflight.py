@@ -310,7 +310,6 @@ def tiny_parameters(t: Any, vocab: int) -> int:
 def reachable_memory(stack: Any, report: PreflightReport) -> int | None:
     """Bytes of memory a run on this machine could use at most: RAM, swap and, for a CUDA device,
     every GPU's memory. None where it cannot be known here (reasons go to ``report.skipped``)."""
-    cfg = stack.config
     if (where := _remote(stack)) is not None:
         report.skipped.append(f"memory (the ranks run on {where})")
         return None

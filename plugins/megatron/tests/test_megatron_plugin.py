@@ -196,10 +196,6 @@ def test_hf_configs_megatron_cannot_express_are_errors_naming_the_field(arch, ov
      "megatron.expert_parallel_size=4 conflicts with cluster.trainer.ep=2"),
     (["engine.name=megatron", "cluster.backend=ray", "cluster.trainer.tp=2"], "megatron.tensor_parallel_size",
      r"key/value heads \(1\).*cluster.trainer.tp"),
-    (["engine.name=megatron", "cluster.backend=ray", "cluster.trainer.dp=2"], "cluster.trainer.dp",
-     "data parallelism over megatron ranks is not implemented"),
-    (["engine.name=megatron", "cluster.backend=ray", "cluster.trainer.pp=2"], "cluster.trainer.pp",
-     "pipeline parallelism is not supported"),
     (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.topk=1"], "engine.model",
      "norm_topk_prob=true cannot be built in megatron-core.*engine.model.tiny: arch=qwen3_moe, topk=1"),
     # was: the local rollout refused the exported directory at the first weight push
@@ -213,6 +209,21 @@ def test_rlcore_check_refuses_what_the_megatron_engine_would(register_plugin, rl
     with pytest.raises(ConfigError, match=match) as e:
         rlcore_config(*overrides)
     assert e.value.key == key
+
+
+@pytest.mark.parametrize("dim,cap", [("dp", "data_parallel"), ("pp", "pipeline_parallel")])
+def test_the_ray_launcher_runs_only_the_dimensions_the_engine_declares(register_plugin, rlcore_config, dim, cap):
+    """rlcore-ray decides by the engine's capabilities: megatron declares tensor and expert
+    parallelism, not data or pipeline parallelism."""
+    from rlcore.stack import resolve
+    from rlcore_ray import plugin as ray_plugin
+
+    register_plugin(plugin, "megatron")
+    pm = register_plugin(ray_plugin, "ray").pm
+    with pytest.raises(ConfigError, match=f"declares {cap!r}; engine 'megatron'") as e:
+        resolve(rlcore_config("plugins=[megatron,ray]", "engine.name=megatron", "cluster.backend=ray",
+                              f"cluster.trainer.{dim}=2"), pm)
+    assert e.value.key == f"cluster.trainer.{dim}"
 
 
 def test_megatron_model_checks_read_the_model_directory(register_plugin, rlcore_config, tmp_path):

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the megatron suites install Ray (scripts/megatron_suite.sh)")
+ray = pytest.importorskip("ray", reason="the megatron suites install rlcore-ray and Ray (scripts/megatron_suite.sh)")
 
 from rlcore.run_output import read_metrics  # noqa: E402
 from rlcore.stack import load_stack  # noqa: E402
-from rlcore.testing.ray_cluster import assert_reward_curves_agree  # noqa: E402
+from rlcore_ray.testing import assert_reward_curves_agree  # noqa: E402
 
 pytestmark = [pytest.mark.engine("megatron"), pytest.mark.slow]
 
@@ -38,12 +38,12 @@ MODELS = {
             "engine.model.tiny.moe_intermediate_size=64"],
 }
 #: small buckets: a push is several buckets, at most two in flight through the object store
-RAY = ["sync.bucket_mb=0.25", "cluster.backend=ray", "cluster.rollout.replicas=2", "cluster.timeout_s=300"]
+RAY = ["sync.bucket_mb=0.25", "plugins=[megatron,ray]", "cluster.backend=ray", "cluster.rollout.replicas=2", "cluster.timeout_s=300"]
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from rlcore.testing.ray_cluster import simulated_ray_nodes
+    from rlcore_ray.testing import simulated_ray_nodes
 
     with simulated_ray_nodes(2, 2) as cluster:
         yield cluster

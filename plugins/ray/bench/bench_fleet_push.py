@@ -4,7 +4,7 @@ settings. Reports per push: seconds, and the writer rank's peak extra resident m
 private: without shared pages) from ``metrics.jsonl``. One simulated node, two data-parallel
 ranks each colocated with a replica (the layout ``mapped`` needs).
 
-    MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python core/bench/bench_fleet_push.py [hidden] [layers]
+    MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python plugins/ray/bench/bench_fleet_push.py [hidden] [layers]
 
 (the malloc setting makes freed buffers leave the resident set at once, so RSS follows live memory)
 """
@@ -17,24 +17,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def main() -> None:
     import ray
-    from rlcore.cluster.ray_launch import train_on_ray
     from rlcore.run_output import read_metrics
     from rlcore.stack import load_stack
+    from rlcore_ray.launch import train_on_ray
 
     hidden = int(sys.argv[1]) if len(sys.argv) > 1 else 512
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     model = (f"engine.model.tiny={{arch: qwen2, hidden_size: {hidden}, num_layers: {layers}, num_heads: 8, "
              f"num_kv_heads: 2, head_dim: 64}}")
     common = [model, "training.steps=6", "data.prompts_per_step=4", "rollout.n=4", "output.progress=false",
-              "output.tensorboard=false", "output.plot=false", "output.checkpoint_every=0", "cluster.backend=ray",
+              "output.tensorboard=false", "output.plot=false", "output.checkpoint_every=0", "plugins=[ray]", "cluster.backend=ray",
               "cluster.trainer.dp=2", "cluster.rollout.replicas=2", "cluster.placement=colocated",
               "cluster.trainer.resources.num_cpus=0.5", "cluster.rollout.resources.num_cpus=0.5",
-              "cluster.strategy=STRICT_PACK", "cluster.timeout_s=600"]
+              "ray.strategy=STRICT_PACK", "cluster.timeout_s=600"]
     cases = {"inproc 4 MiB": ["sync.name=inproc", "sync.bucket_mb=4"],
              "inproc 32 MiB": ["sync.name=inproc", "sync.bucket_mb=32"],
              "mapped": ["sync.name=mapped"]}

@@ -20,9 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-
 import ray  # noqa: E402 - rlcore-ray depends on it
-
 from rlcore.errors import RolloutError  # noqa: E402
 from rlcore.run_output import read_metrics  # noqa: E402
 from rlcore.stack import load_stack  # noqa: E402
@@ -110,8 +108,8 @@ class _SilentReplica:
 
 
 def test_a_silent_replica_times_out(two_nodes):
-    from rlcore_ray.fleet import RolloutFleet
     from rlcore.types import Prompt, SamplingSettings
+    from rlcore_ray.fleet import RolloutFleet
 
     silent = ray.remote(_SilentReplica).options(num_cpus=0).remote()
     try:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 import types
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from rlcore import errors, hookimpl
 from rlcore.stack import load_stack, resolve
 from rlcore.types import Cap, EngineSpec, RolloutBackendSpec, WeightSyncSpec
@@ -157,7 +156,6 @@ def test_ray_missing_names_the_install_line(monkeypatch):
 def test_bundles():
     from omegaconf import OmegaConf
     from rlcore.config import RunConfig
-
     from rlcore_ray.launch import plan_bundles
 
     c = OmegaConf.structured(RunConfig).cluster

@@ -4,9 +4,9 @@ are split into calls (what rollout replicas do), and they follow the processed d
 from __future__ import annotations
 
 import torch
-from rlcore_ray.fleet import split_prompts
 from rlcore.rollout_local import LocalRollout, inverse_cdf
 from rlcore.types import Prompt, SamplingSettings
+from rlcore_ray.fleet import split_prompts
 
 
 def _backend(model_dir, per_prompt=True):

@@ -216,7 +216,7 @@ def test_shared_pool_refuses_gpu_buckets():
 # ------------------------------------------------- vLLM engines as Ray rollout replicas -----
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples")
-RAY_REPLICAS = ["cluster.backend=ray", "cluster.rollout.replicas=2"]
+RAY_REPLICAS = ["cluster.backend=ray", "cluster.rollout.replicas=2"]  # with plugins=[...,ray] (rlcore-ray)
 
 
 def test_vllm_runs_as_ray_replicas_and_what_is_refused():
@@ -224,17 +224,17 @@ def test_vllm_runs_as_ray_replicas_and_what_is_refused():
     from rlcore_vllm.settings import choose_transport, runs_as_ray_replicas
 
     example = os.path.join(EXAMPLES, "vllm_tiny.yaml")
-    cfg = load_stack(example, RAY_REPLICAS).config
+    cfg = load_stack(example, ["plugins=[vllm,ray]", *RAY_REPLICAS]).config
     assert runs_as_ray_replicas(cfg) and cfg.rollout.seed_per_prompt is True
     assert choose_transport(cfg.vllm, cfg) == "shm"  # the fleet's path, whatever the device
     assert not runs_as_ray_replicas(load_stack(example).config)
     for override, key, message in [("vllm.transport=nccl", "vllm.transport", "the 'shm' transport only"),
                                    ("vllm.mode=http", "vllm.mode", "servers as replicas are not built")]:
         with pytest.raises(ConfigError, match=message) as err:
-            load_stack(example, [*RAY_REPLICAS, override])
+            load_stack(example, ["plugins=[vllm,ray]", *RAY_REPLICAS, override])
         assert err.value.key == key
     with pytest.raises(ConfigError, match="draft's weight version is not carried") as err:
-        load_stack(os.path.join(EXAMPLES, "vllm_tiny_mtp.yaml"), RAY_REPLICAS)
+        load_stack(os.path.join(EXAMPLES, "vllm_tiny_mtp.yaml"), ["plugins=[mtp,vllm,ray]", *RAY_REPLICAS])
     assert err.value.key == "vllm.speculative"
 
 

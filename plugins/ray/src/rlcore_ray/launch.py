@@ -45,7 +45,6 @@ class TrainerRankActor:
 
     def master_address(self) -> str:
         import ray
-
         from rlcore.parallel.worker import free_port
 
         return f"{ray.util.get_node_ip_address()}:{free_port()}"
@@ -131,7 +130,6 @@ def train_on_ray(stack: Any, *, resume: bool = False, overwrite: bool = False, a
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     from rlcore.parallel.worker import config_yaml
 
     from rlcore_ray.fleet import RolloutReplica

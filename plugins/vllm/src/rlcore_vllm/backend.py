@@ -89,7 +89,7 @@ class VLLMBackend:
         self.want_routes = bool(return_routed_experts)
         self.output_dir = output_dir
         self.transport = transport
-        #: set by build_backend: whether this engine is a Ray rollout replica (rlcore.cluster.fleet),
+        #: set by build_backend: whether this engine is a Ray rollout replica (rlcore_ray.fleet, rlcore-ray),
         #: and whether its workers checksum what they load there (``sync.verify``)
         self.ray_replica = False
         self.push_verify = True
@@ -460,7 +460,7 @@ class VLLMBackend:
 
     def fleet_receiver(self) -> Any:
         """This engine as the :class:`~rlcore.types.BucketReceiver` of a Ray rollout replica
-        (:mod:`rlcore_vllm.fleet_receiver`; ``rlcore.cluster.fleet`` asks for it)."""
+        (:mod:`rlcore_vllm.fleet_receiver`; ``rlcore_ray.fleet`` asks for it)."""
         from rlcore_vllm.fleet_receiver import VLLMFleetReceiver
 
         self._fleet_receiver = VLLMFleetReceiver(self, verify=self.push_verify)

@@ -1,7 +1,7 @@
 """A vLLM engine as a Ray rollout replica's weight receiver (``VLLMBackend.fleet_receiver()``).
 
 Under ``cluster.backend: ray`` the writer trainer rank pushes into a
-:class:`~rlcore.cluster.fleet.RolloutFleet`: each bucket is ``ray.put`` once, and every replica
+:class:`~rlcore_ray.fleet.RolloutFleet`: each bucket is ``ray.put`` once, and every replica
 hands it to this receiver, which copies it into a shared-memory segment of its own
 (:class:`~rlcore_vllm.shm.SharedBucketPool`) and has rlcore's worker extension load it through
 vLLM's layerwise reload: the worker path of the in-process ``shm`` push (:mod:`rlcore_vllm.sync`),

@@ -137,7 +137,7 @@ def runs_as_ray_replicas(config: Any) -> bool:
 
 
 def check_ray_replicas(settings: Any, config: Any) -> None:
-    """vLLM engines as Ray rollout replicas (``rlcore.cluster.fleet``): weights reach every
+    """vLLM engines as Ray rollout replicas (``rlcore_ray.fleet``): weights reach every
     replica through the fleet and the ``shm`` worker path only; what is not built for replicas
     yet is refused here, naming the key, instead of running half-wired."""
     if not runs_as_ray_replicas(config):

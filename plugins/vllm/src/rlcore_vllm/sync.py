@@ -227,7 +227,7 @@ class VLLMWeightSync:
     # ------------------------------------------------------- Ray rollout replicas -----
 
     def _push_fleet(self, weights, fleet, version: int) -> SyncReport:
-        """Into a :class:`~rlcore.cluster.fleet.RolloutFleet` of vLLM replicas (``cluster.backend:
+        """Into a :class:`~rlcore_ray.fleet.RolloutFleet` of vLLM replicas (``cluster.backend:
         ray``): core buckets, each ``ray.put`` once by the fleet and loaded by every replica's
         engine through the ``shm`` worker path (:mod:`rlcore_vllm.fleet_receiver`); all replicas
         finish (commit) together. Verified per replica: ``coverage`` in each replica's workers,
