@@ -147,7 +147,7 @@ def iter_buckets(
     :param group_by_dtype: one open bucket per dtype (the default, SGLang's flattened layout);
         ``False`` keeps a single open bucket for all dtypes (each offset still aligned to its
         tensor's item size, ``Bucket.dtype`` is then the first tensor's), so at most one buffer
-        is being filled at a time: what a fixed pool of buffers (:mod:`rlcore.transport`) needs.
+        is being filled at a time: what a fixed pool of buffers needs.
     :param defer_copies: copy a bucket's tensors when it is emitted, all at once
         (``torch._foreach_copy_``: on a GPU one launch per bucket instead of one per tensor); the
         source tensors stay referenced until then, i.e. up to one more bucket of memory when

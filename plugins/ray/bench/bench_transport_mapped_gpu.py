@@ -6,8 +6,8 @@ weights (HF names, bf16, seeded) and the **rollout replica** holds tensors of th
 shapes (no generation engine). Per model, in one pair of processes:
 
 1. reference points, trainer process: one device-to-device copy of the model's bytes, and the
-   replica's copy program (:class:`rlcore.transport.CopyProgram`) run inside one process;
-2. the batched checksum (:class:`rlcore.transport.ChecksumPlan`) checked equal to
+   replica's copy program (:class:`rlcore_ray.transport.CopyProgram`) run inside one process;
+2. the batched checksum (:class:`rlcore.sync.ChecksumPlan`) checked equal to
    ``tensor_checksum`` on every tensor, and both timed;
 3. the mapped path (``MappedSender`` / ``MappedReceiver``) with five copy strategies on the
    receiver (``MAPPED``; default: copies >= 16 MiB one by one, the rest in one Triton launch),
@@ -25,12 +25,12 @@ which 1,536 expert matrices, 6.41 GB; every tensor allocated on its own, on both
 contiguous parameter buffer would be). Writes ``results.json`` to ``--out`` and prints a table.
 
 The run of record (docs/benchmarks/transport.md) also timed the bucket path (``WeightSender`` over
-``CudaIpcPlane``) in the same processes; that code left with commit "transport: delete the bucket
-path" (no run used it), and this script with it lost that column.
+``CudaIpcPlane``) in the same processes; that code was deleted in 5ffb9cf (no run used it), and
+this script lost that column with it.
 
 Usage::
 
-    python core/bench/bench_transport_mapped_gpu.py --out DIR [--device cuda|cpu]
+    python plugins/ray/bench/bench_transport_mapped_gpu.py --out DIR [--device cuda|cpu]
 
 ``--device cpu`` runs the same code over shared memory with a small model (a check of the
 script, not a benchmark).
@@ -162,8 +162,8 @@ def bitwise_mismatches(mine: dict[str, torch.Tensor], storages: list, metas: lis
 
 def rollout_main(conn, result_conn, kind: str, scale: float, device: str) -> None:
     from rlcore.sync import WeightManifest
-    from rlcore.testing.mapped import PipeChannel
-    from rlcore.transport import MappedReceiver
+    from rlcore_ray.transport import MappedReceiver
+    from rlcore_ray.transport.testing import PipeChannel
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -221,8 +221,8 @@ def summarize(reports, nbytes: int, d2d: float) -> dict:
 def trainer_main(conn, result_conn, args: dict) -> None:
     import torch.multiprocessing  # noqa: F401 - registers the CUDA tensor reductions on the pipe's pickler
     from rlcore.sync import ChecksumPlan, tensor_checksum
-    from rlcore.testing.mapped import PipeChannel
-    from rlcore.transport import CopyProgram, MappedSender, TransportError
+    from rlcore_ray.transport import CopyProgram, MappedSender, TransportError
+    from rlcore_ray.transport.testing import PipeChannel
 
     res: dict = {}
     kind, dev, R = args["kind"], torch.device(args["device"]), args["repeats"]

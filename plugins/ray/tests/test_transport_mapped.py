@@ -1,4 +1,4 @@
-"""The source-mapped transport (rlcore.transport.mapped) across real processes on CPU: the trainer's
+"""The source-mapped transport (rlcore_ray.transport.mapped) across real processes on CPU: the trainer's
 tensors live in shared memory (torch's ``file_system`` sharing, the CPU analogue of a CUDA IPC
 handle), the receiver opens each storage once and copies from it into its own tensors. Covers the
 layout cache (nothing re-exported while addresses stay, one storage re-exported when a parameter is
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 from rlcore.sync import ChecksumPlan, tensor_checksum
-from rlcore.testing import mapped as tm
-from rlcore.testing.mapped import PipeChannel
-from rlcore.transport import CopyProgram, MappedSender, TransportError
+from rlcore_ray.transport import CopyProgram, MappedSender, TransportError
+from rlcore_ray.transport import testing as tm
+from rlcore_ray.transport.testing import PipeChannel
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def file_system_sharing():
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC handles need a CUDA GPU; "
-                                "core/bench/bench_transport_mapped_gpu.py runs them on one (docs/benchmarks/transport.md)")
+                                "plugins/ray/bench/bench_transport_mapped_gpu.py runs them on one (docs/benchmarks/transport.md)")
 
 
 def _start(**kwargs):
@@ -111,7 +111,7 @@ def test_a_receiver_that_died_releases_the_lease(file_system_sharing):
     """A closed channel means the receiver's process is gone, and its reads with it: the push
     fails naming the closed channel and the parameters are writable at once (silence, above,
     leaves them locked)."""
-    from rlcore.transport import ChannelClosed
+    from rlcore_ray.transport import ChannelClosed
 
     weights = tm.allocate(tm.SPEC, shared=True, seed=6)
     conn, proc = _start()

@@ -128,7 +128,7 @@ class RolloutReplica:
     def mapped_push(self, msg: tuple) -> tuple:
         """One ``sync.name: mapped`` push: copy out of the writer's lent parameters (its reply)."""
         if self._mapped is None:
-            from rlcore.mapped_sync import ReplicaEndpoint
+            from rlcore_ray.mapped_sync import ReplicaEndpoint
 
             self._mapped = ReplicaEndpoint()
         return self._mapped.serve(self.receiver, msg)

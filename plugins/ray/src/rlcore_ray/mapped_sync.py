@@ -1,39 +1,52 @@
 """``sync.name: mapped``: the writer's parameters lent to its colocated rollout replicas.
 
-The default way into a fleet of replicas (``inproc`` through :class:`~.fleet.RolloutFleet`) copies
-every byte into a bucket, then into Ray's object store, then into each replica. Here the writer
-trainer rank lends its parameters' storages instead (:class:`~rlcore.transport.MappedSender`:
+The default way into a fleet of replicas (``inproc`` through :class:`~rlcore_ray.fleet.RolloutFleet`)
+copies every byte into a bucket, then into Ray's object store, then into each replica. Here the
+writer trainer rank lends its parameters' storages instead (:class:`~rlcore_ray.transport.MappedSender`:
 CUDA IPC handles on a GPU, named shared memory on CPU), once; on every push each replica copies
-straight out of them (:class:`~rlcore.transport.MappedReceiver`, serving inside the replica actor),
-and the writer holds no bucket at all. One control message goes to every replica at once
+straight out of them (:class:`~rlcore_ray.transport.MappedReceiver`, serving inside the replica
+actor), and the writer holds no bucket at all. One control message goes to every replica at once
 (:class:`FleetChannel`); the push returns when every replica has replied, i.e. finished reading,
 so the optimizer step that follows cannot change bytes a replica is still reading (the lease of
-:mod:`rlcore.transport.mapped`). After the replies, the writer checks what every replica now holds
-against the checksums of what it lent (``coverage+exact``, as ``inproc`` does), and the replicas
-against each other.
+:mod:`rlcore_ray.transport.mapped`). After the replies, the writer checks what every replica now
+holds against the checksums of what it lent (``coverage+exact``, as ``inproc`` does), and the
+replicas against each other.
 
-Where it applies: the writer and every replica on one machine (``cluster.placement: colocated``;
-checked at the first push by comparing Ray node ids, since storages cannot be mapped across hosts),
-and the engine's export must be its own parameters (the ``hf`` engine; a TP/EP-gathered export
-has no storage worth lending and is refused by name, use ``inproc``). On CPU the parameters are
-moved into shared memory at the first push (``share_memory_()`` moves a storage in place: the
-model and the optimizer keep the same tensors).
+Where it applies, by capability (:func:`mapped_sync_spec`): the sync declares ``lends_storage``,
+for which the ``ray`` launcher asks for ``cluster.placement: colocated`` and an engine that
+declares ``exports_own_parameters`` (a TP/EP-gathered export has no storage worth lending; use
+``inproc``); the rollout backend must declare ``staged_load`` (it stages a copy of what it is
+lent, so a storage is only read while it loads). Storages cannot be mapped across hosts: the first
+push compares the Ray node of the writer with each replica's. On CPU the parameters are moved
+into shared memory at the first push (``share_memory_()`` moves a storage in place: the model and
+the optimizer keep the same tensors).
+
+Registration and implementation live here together; torch, the transport and Ray are imported
+only by the code that runs a push, so that the plugin's ``weight_sync`` hook stays cheap.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlcore.errors import RolloutError, WeightSyncError
-from rlcore.sync import tensor_checksum, verification_level
-from rlcore.transport.protocol import TransportError
-from rlcore.types import SyncReport
+from rlcore.types import Cap, SyncReport, WeightSyncSpec
 
-MB = 1 << 20
+if TYPE_CHECKING:
+    import torch
+
+
+def mapped_sync_spec() -> WeightSyncSpec:
+    """The ``mapped`` weight sync, as rlcore-ray registers it (its ``weight_sync`` hook)."""
+    return WeightSyncSpec(
+        name="mapped",
+        factory=build_mapped,
+        capabilities={Cap.VERIFIED, Cap.ATOMIC, Cap.CUDA_IPC, Cap.FEEDS_REPLICAS, Cap.LENDS_STORAGE},
+        requires_backend={Cap.RECEIVE_BUCKETS, Cap.WEIGHT_CHECKSUMS, Cap.STAGED_LOAD},
+        description="cluster.backend=ray, colocated replicas: parameters lent by storage, one copy per replica",
+    )
 
 
 class ReplyBox:
@@ -47,6 +60,8 @@ class ReplyBox:
         self.reply = msg
 
     def recv(self, timeout: float | None) -> tuple:
+        from rlcore_ray.transport import TransportError
+
         raise TransportError("the replica end of a mapped push only replies (the request is the remote call)")
 
     def poll(self, timeout: float = 0.0) -> bool:
@@ -57,7 +72,7 @@ class ReplicaEndpoint:
     """Serves mapped pushes into one replica's rollout backend (lives in the replica actor)."""
 
     def __init__(self) -> None:
-        from rlcore.transport import MappedReceiver
+        from rlcore_ray.transport import MappedReceiver
 
         self.box = ReplyBox()
         self.receiver = MappedReceiver(self.box)
@@ -73,9 +88,9 @@ class ReplicaEndpoint:
 
 
 class FleetChannel:
-    """One :class:`~rlcore.transport.Channel` to every replica of a fleet: a message is one remote
-    call per replica, and the replies merge into one (an error names each replica that failed; a
-    dead or silent replica is the fleet's :class:`~rlcore.errors.RolloutError`)."""
+    """One :class:`~rlcore_ray.transport.Channel` to every replica of a fleet: a message is one
+    remote call per replica, and the replies merge into one (an error names each replica that
+    failed; a dead or silent replica is the fleet's :class:`~rlcore.errors.RolloutError`)."""
 
     def __init__(self, fleet: Any):
         self.fleet = fleet
@@ -90,6 +105,10 @@ class FleetChannel:
         return self._refs is not None
 
     def recv(self, timeout: float | None) -> tuple:
+        from rlcore.sync import verification_level
+
+        from rlcore_ray.transport import TransportError
+
         refs, self._refs = self._refs, None
         if refs is None:
             raise TransportError("protocol error: nothing was sent to the replicas")
@@ -112,13 +131,40 @@ class FleetChannel:
         return ("mapped", replies[0][1], verification_level(*passed), min(int(r[3]) for r in replies), phases)
 
 
+def check_replicas(fleet: Any, shapes: list[tuple[str, tuple[int, ...]]], sent: dict[str, int] | None,
+                   version: int) -> tuple[int, str]:
+    """What the replicas hold after a push, against what was lent; returns ``(tensors checked,
+    level)``. ``coverage``: every name and shape against the fleet's manifest; ``exact``: the
+    replicas' checksums (equal among them, :meth:`RolloutFleet.weight_checksums`) against ``sent``."""
+    from rlcore.sync import verification_level, verify_checksums
+
+    checks = []
+    manifest = fleet.weight_manifest() if callable(getattr(fleet, "weight_manifest", None)) else None
+    if manifest is not None:
+        try:
+            manifest.check(shapes)
+            manifest.check_complete(n for n, _ in shapes)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"mapped push of version {version}: {exc}", receiver_version=None) from exc
+        checks.append("coverage")
+    if sent is None:
+        return 0, verification_level(*checks)
+    bad = verify_checksums(sent, fleet.weight_checksums(sent.keys()))
+    if bad:
+        raise WeightSyncError(f"mapped push of version {version}: {len(bad)} of {len(sent)} tensors differ on the "
+                              f"replicas after the push (e.g. {bad[:3]}); they hold unverified weights",
+                              receiver_version=None)
+    checks.append("exact")
+    return len(sent), verification_level(*checks)
+
+
 class MappedFleetSync:
     """The ``mapped`` weight sync (see the module docstring)."""
 
     def __init__(self, verify: bool = True, timeout_s: float = 600.0):
         self.verify = bool(verify)
         self.timeout_s = float(timeout_s)
-        self._sender: Any = None
+        self._sender: Any = None  # a MappedSender to the fleet, made at the first push
         self._fleet: Any = None
 
     def _fleet_of(self, target: Any) -> Any:
@@ -151,8 +197,10 @@ class MappedFleetSync:
         return pairs
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: Any, version: int) -> SyncReport:
-        from rlcore.transport import MappedSender
-        from rlcore.weight_sync import _Tally, _verify
+        import torch.multiprocessing
+        from rlcore.sync import tensor_checksum
+
+        from rlcore_ray.transport import MappedSender
 
         t0 = time.perf_counter()
         fleet = self._fleet_of(target)
@@ -166,18 +214,15 @@ class MappedFleetSync:
             self._fleet = fleet
         pairs = self._lendable(weights)
         before = fleet.weight_version
-        tally = _Tally(self.verify, shapes=[(n, tuple(t.shape)) for n, t in pairs], ntensors=len(pairs))
-        if self.verify:
-            tally.sent = {n: tensor_checksum(t) for n, t in pairs}
+        sent = {n: tensor_checksum(t) for n, t in pairs} if self.verify else None
         try:
             report = self._sender.send(pairs, version)
-        except (TransportError, WeightSyncError) as exc:
+        except WeightSyncError as exc:  # a TransportError is one
             raise WeightSyncError(f"mapped push of version {version} failed: {exc}; the replicas stay on version "
                                   f"{before}", receiver_version=before) from exc
         fleet.note_version(version)
         # what every replica holds now, against what was lent (and the replicas against each other)
-        tally.nbytes = report.bytes
-        checked, level = _verify(fleet, tally, version, "mapped")
+        checked, level = check_replicas(fleet, [(n, tuple(t.shape)) for n, t in pairs], sent, version)
         details = dict(report.details, level=level)
         return SyncReport(version, len(pairs), 0, report.bytes, time.perf_counter() - t0, verified=self.verify,
                           checked=checked, method="mapped", details=details)

@@ -26,6 +26,13 @@ def plugin_settings():
 
 
 @hookimpl
+def weight_sync():
+    from rlcore_ray.mapped_sync import mapped_sync_spec
+
+    yield mapped_sync_spec()
+
+
+@hookimpl
 def launcher():
     yield LauncherSpec(name="ray", factory=_build, remote_ranks=lambda config: bool(config.ray.address),
                        description="trainer ranks and rollout replicas as Ray actors in one placement group")

@@ -18,8 +18,8 @@ copy program in :mod:`.mapping`, the lease and the verification in :mod:`.mapped
 ``docs/transport.md`` has the whole story and what ran where.
 """
 
-from rlcore.transport.mapped import MappedReceiver, MappedSender
-from rlcore.transport.mapping import CopyProgram
-from rlcore.transport.protocol import Channel, ChannelClosed, TransportError
+from rlcore_ray.transport.mapped import MappedReceiver, MappedSender
+from rlcore_ray.transport.mapping import CopyProgram
+from rlcore_ray.transport.protocol import Channel, ChannelClosed, TransportError
 
 __all__ = ["Channel", "ChannelClosed", "CopyProgram", "MappedReceiver", "MappedSender", "TransportError"]

@@ -14,7 +14,7 @@ Protocol (sender ``S``, receiver ``R``; one push)::
 ``layout`` is sent when the tensors moved since the last push (the first push, a parameter whose
 storage was replaced) or the receiver failed: ``{"tensors": [(name, dtype, shape, key, byte
 offset, nbytes)], "storages": {key: payload}}``, one payload per storage, made once per storage
-(:func:`~rlcore.transport.mapping.export_storage`). The receiver opens the storages it has not
+(:func:`~rlcore_ray.transport.mapping.export_storage`). The receiver opens the storages it has not
 opened yet, lets go of those the layout no longer names, and builds its copy program once.
 
 **The lease.** From ``map`` until the reply, the receiver may read the trainer's parameters, so
@@ -26,7 +26,7 @@ fails). ``state`` is ``"lent"`` meanwhile; a push that times out leaves it ``"un
 device, so that every write of the last step is complete before the receiver reads.
 
 **Verification** (``verify``): the sender's checksum of every tensor (one kernel for all,
-:class:`~rlcore.checksums.ChecksumPlan`) is compared with the receiver's checksum of
+:class:`~rlcore.sync.ChecksumPlan`) is compared with the receiver's checksum of
 what it now holds (``exact``); the receiver checks names and shapes against its manifest when a
 layout arrives (``coverage``: the layout id proves that names and shapes did not change since).
 
@@ -46,12 +46,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-
 from rlcore.errors import WeightSyncError
 from rlcore.sync import Bucket, ChecksumPlan, TensorMeta, WeightManifest, verification_level
-from rlcore.transport.mapping import CopyProgram, block_of, export_storage, open_storage, typed_view
-from rlcore.transport.protocol import Channel, ChannelClosed, Phases, TransportError, dtype_name, dtype_of
 from rlcore.types import SyncReport
+
+from rlcore_ray.transport.mapping import CopyProgram, block_of, export_storage, open_storage, typed_view
+from rlcore_ray.transport.protocol import Channel, ChannelClosed, Phases, TransportError, dtype_name, dtype_of
 
 
 def _synchronize(device: torch.device) -> None:

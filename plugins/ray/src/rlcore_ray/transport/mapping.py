@@ -1,4 +1,4 @@
-"""The pieces of the source-mapped plane (:mod:`rlcore.transport.mapped`): sharing a storage with
+"""The pieces of the source-mapped plane (:mod:`rlcore_ray.transport.mapped`): sharing a storage with
 the other process once, opening it there, and the receiver's copy program.
 
 * :func:`export_storage` / :func:`open_storage`: a CUDA storage travels as torch's own IPC
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlcore.transport.protocol import TransportError
+from rlcore_ray.transport.protocol import TransportError
 
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 _COPY_BLOCK, _COPY_ITERS = 1024, 64  # a chunk of the Triton copy: 64 x 1024 int64 words (512 KiB)

@@ -17,7 +17,6 @@ import time
 from typing import Any, Protocol
 
 import torch
-
 from rlcore.errors import WeightSyncError
 
 

@@ -1,4 +1,4 @@
-"""Two processes of a source-mapped push (:mod:`rlcore.transport.mapped`) in tests and benchmarks:
+"""Two processes of a source-mapped push (:mod:`rlcore_ray.transport.mapped`) in tests and benchmarks:
 a channel over a ``multiprocessing`` pipe, a receiving target, and the receiver's process entry
 point (importable by spawn children, so they live in the package).
 
@@ -16,13 +16,13 @@ import time
 from typing import Any
 
 import torch
-
 from rlcore.sync import WeightManifest, tensor_checksum
-from rlcore.transport.protocol import ChannelClosed, TransportError
+
+from rlcore_ray.transport.protocol import ChannelClosed, TransportError
 
 
 class PipeChannel:
-    """A :class:`~rlcore.transport.protocol.Channel` over one end of a ``multiprocessing`` pipe
+    """A :class:`~rlcore_ray.transport.protocol.Channel` over one end of a ``multiprocessing`` pipe
     (what the two spawned processes of a test or a benchmark share). Messages are pickled, so CUDA
     IPC handles travel as the plain tuples torch's reductions make of them."""
 
@@ -146,7 +146,7 @@ def mapped_receiver_main(conn: Any, spec: list, slow_commit: dict[int, float] | 
                          timeout: float = 60.0, device: str = "cpu", relocate_after: dict[int, str] | None = None) -> None:
     """Serve mapped pushes into a :class:`ParamStore` until ``("close",)``, then answer
     ``("result", version, checksums, aborted, torn, summaries)`` (or ``("crash", text)``)."""
-    from rlcore.transport import MappedReceiver
+    from rlcore_ray.transport import MappedReceiver
 
     torch.set_num_threads(1)
     try:
