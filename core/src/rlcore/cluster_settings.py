@@ -12,9 +12,6 @@ from typing import Any
 from rlcore.errors import ConfigError
 
 PLACEMENTS = ("colocated", "disaggregated")
-#: read by rlcore.parallel.worker.run_rank until it picks the rank strategy by engine capability
-#: (issue 27, engineer H1); the launcher's checks no longer use it
-ENGINE_DIMS = {"hf": ("dp",), "megatron": ("tp", "ep")}
 
 
 @dataclass

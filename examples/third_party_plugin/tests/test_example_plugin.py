@@ -31,6 +31,19 @@ def test_plugin_is_found_through_its_entry_point():
     assert pm.implementers("postprocess") == ["example"]
 
 
+def test_the_outsiders_engine_and_backend_declare_what_a_launcher_needs():
+    from rlcore.manager import PluginManager
+    from rlcore.types import Cap
+
+    pm = PluginManager()
+    pm.activate(["example"])
+    engine = pm.select("engine", "outsider-hf", key="engine.name")
+    backend = pm.select("rollout_backend", "outsider-local", key="rollout.backend")
+    assert engine.distribution.startswith("rlcore-example-plugin ") and Cap.DATA_PARALLEL in engine.capabilities
+    assert backend.distribution.startswith("rlcore-example-plugin ") and Cap.REPLICA in backend.capabilities
+    assert Cap.TENSOR_PARALLEL not in engine.capabilities
+
+
 def test_postprocess_adds_length_penalty_only_in_train(rlcore_plugin_manager, register_plugin, rlcore_config):
     register_plugin(plugin, "example")
     cfg = rlcore_config("example.length_penalty=0.5")

@@ -10,7 +10,8 @@ from rlcore.algorithms import AlgorithmSpec
 from rlcore.errors import ConfigError
 from rlcore.types import Cap, ForwardFnSpec, PluginSettings, PostprocessResult
 
-__all__ = ["PLUGIN_API", "algorithm", "forward_fn", "plugin_settings", "postprocess", "step_end"]
+__all__ = ["PLUGIN_API", "algorithm", "engine", "forward_fn", "plugin_settings", "postprocess", "rollout_backend",
+           "step_end"]
 
 #: how many times the naive head ran since the last step_end (shows which head a run used)
 CALLS = {"forward": 0}
@@ -42,6 +43,20 @@ def forward_fn():
         capabilities={Cap.ENTROPY, Cap.PER_TOKEN_TEMPERATURE},
         description="full-logits torch.log_softmax head (the naive baseline)",
     )
+
+
+@hookimpl
+def engine():
+    from rlcore_example.outsider import engines
+
+    yield from engines()
+
+
+@hookimpl
+def rollout_backend():
+    from rlcore_example.outsider import rollout_backends
+
+    yield from rollout_backends()
 
 
 @dataclass
