@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.sync import Bucket, WeightManifest
 from rlcore.types import Prompt, Sample, SamplingSettings
@@ -70,12 +69,23 @@ def bucket_from_store(bucket: Bucket) -> Bucket:
         return replace(bucket, buffer=torch.from_numpy(bucket.buffer))
 
 
+def quiet_transformers() -> None:
+    """No progress bar for every model load in a replica (its log goes to the driver's), as the
+    trainer's run build does; transformers comes with rlcore (an ImportError probe: rlcore-ray does
+    not depend on it itself)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 class RolloutReplica:
     """One rollout replica (made a Ray actor by :mod:`rlcore_ray.launch`)."""
 
     def __init__(self, config_yaml: str, index: int, output_dir: str):
         from rlcore.parallel.worker import stack_from_yaml
-        from rlcore.run_output import quiet_transformers
         from rlcore.types import BuildContext
 
         quiet_transformers()
