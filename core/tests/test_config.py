@@ -93,7 +93,6 @@ def test_engine_model_given_as_a_string_is_its_path(tmp_path):
     (["engine.model.tiny.head_dim=63"], "engine.model.tiny.head_dim"),
     (["engine.model.tiny.arch=gpt9"], "engine.model.tiny.arch"),
     (["engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.topk=9"], "engine.model.tiny.topk"),
-    (["engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.mtp_layers=1"], "engine.model.tiny.mtp_layers"),
     (["engine.model.dtype=float8"], "engine.model.dtype"),
 ])
 def test_a_tiny_model_no_engine_can_build_is_refused_by_the_config(overrides, key):

@@ -306,8 +306,8 @@ class PluginManager:
 
     def _answers(self, hook: str, *expected: type, many: bool = False, **kwargs: Any) -> list[tuple[LoadedPlugin, Any]]:
         """Every active plugin's answer to ``hook`` but None (``many``: each item an implementation
-        yields), in chain order: built-ins, then the config's ``plugins:`` order. An answer that is
-        none of the ``expected`` types is an error naming the plugin."""
+        yields), in call order: the config's ``plugins:`` order, then the built-ins. An answer that
+        is none of the ``expected`` types is an error naming the plugin."""
         by_module = {id(ld.module): ld for ld in self._loaded.values()}
         out = []
         for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):

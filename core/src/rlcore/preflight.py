@@ -30,6 +30,7 @@ from typing import Any
 from rlcore.config import DataConfig, RolloutConfig, TinyModelConfig
 from rlcore.errors import ConfigError
 from rlcore.model_settings import DTYPE_BYTES
+from rlcore.types import Cap
 
 #: below this ``rollout.temperature`` a run is refused. The head and the local sampler divide fp32
 #: logits by it: a logit of magnitude 10 carries a rounding error of about 1e-6 (fp32's epsilon
@@ -47,9 +48,6 @@ BATCH_BYTES_PER_TOKEN = 16
 #: prompts measured against the model's context: the first steps' prompts, made exactly as the
 #: trainer makes them (about 0.1 s for 1024 prompts of 50 words); prompts of later steps are not
 PROMPTS_CHECKED = 1024
-#: engines that build their model from ``engine.model`` (core's schema); another engine's model
-#: comes from its own settings, so core does not measure it
-MODEL_ENGINES = ("hf", "megatron")
 #: the tiny model's context (rlcore.engines.tiny.tiny_config)
 TINY_MAX_POSITIONS = 512
 
@@ -107,8 +105,9 @@ def preflight(stack: Any) -> PreflightReport:
     report.memory_bytes = memory
     # the step's size first: an absurd data.prompts_per_step must not be generated to be measured
     check_step_size(cfg, memory, prompt_tokens=1, measured=False)
-    if str(cfg.engine.name) not in MODEL_ENGINES:
-        report.skipped.append(f"the model of engine {cfg.engine.name!r} (it does not read engine.model)")
+    if Cap.ENGINE_MODEL not in stack.engine.capabilities:  # its model comes from its own settings
+        report.skipped.append(f"the model of engine {stack.engine.name!r} (it does not declare {Cap.ENGINE_MODEL!r}: "
+                              f"its model is not engine.model)")
         return report
     facts = model_facts(cfg, task, memory)
     report.model = facts

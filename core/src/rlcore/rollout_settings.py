@@ -1,6 +1,7 @@
-"""Config checks of the settings only the ``local`` rollout backend reads (``rollout.draft_depths``,
+"""Config checks of the settings the ``local`` rollout backend reads (``rollout.draft_depths``,
 ``rollout.local_update``), kept apart from :mod:`rlcore.config` as :mod:`rlcore.cluster_settings`
-is: each names the key it refuses."""
+is: each names the key it refuses. That the selected backend reads them at all is a capability
+(``policy_mtp_drafts``, ``in_place_load``) the built-in ``local`` plugin requires (rlcore.builtin.local)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,12 @@ LOCAL_UPDATE_MODES = ("staged", "in_place")
 def check_local_rollout(cfg: Any) -> None:
     """Refuse local-rollout settings that another backend would ignore, or that cannot hold."""
     _check_draft(cfg)
-    _check_local_update(cfg)
 
 
 def _check_draft(cfg: Any) -> None:
     depths = cfg.rollout.draft_depths
     if not depths:
         return
-    if cfg.rollout.backend != "local":
-        raise ConfigError(
-            f"rollout.draft_depths={depths} drafts with MTP layers in the local rollout only; rollout.backend is "
-            f"{cfg.rollout.backend!r}, which has its own speculative settings", key="rollout.draft_depths")
     if cfg.rollout.return_routed_experts:
         raise ConfigError("rollout.draft_depths (speculative local rollout) cannot return routed experts",
                           key="rollout.draft_depths")
@@ -34,11 +30,3 @@ def _check_draft(cfg: Any) -> None:
     if not model.path and depths > model.tiny.mtp_layers:
         raise ConfigError(f"rollout.draft_depths={depths} but engine.model.tiny.mtp_layers={model.tiny.mtp_layers}",
                           key="rollout.draft_depths")
-
-
-def _check_local_update(cfg: Any) -> None:
-    if cfg.rollout.local_update != "staged" and cfg.rollout.backend != "local":
-        raise ConfigError(
-            f"rollout.local_update={cfg.rollout.local_update!r} sets how the local rollout loads a push; "
-            f"rollout.backend is {cfg.rollout.backend!r}, which loads pushes its own way: leave it at 'staged'",
-            key="rollout.local_update")

@@ -50,7 +50,7 @@ def test_plugin_is_found_through_its_entry_point():
     spec = pm.select("engine", "megatron", key="engine.name")
     assert spec.distribution.startswith("rlcore-megatron ")
     assert spec.capabilities == {"moe", "mtp", "router_hook", "record_routes", "tensor_parallel", "expert_parallel",
-                                 "value_model"}
+                                 "value_model", "engine_model", "moe_mtp"}
 
 
 def test_settings_section_validates(register_plugin, rlcore_config):

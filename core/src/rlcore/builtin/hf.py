@@ -4,9 +4,10 @@ import json
 from pathlib import Path
 
 from rlcore import PLUGIN_API, hookimpl
+from rlcore.model_settings import TINY_MTP_OVER_MOE
 from rlcore.types import Cap, EngineSpec
 
-__all__ = ["PLUGIN_API", "engine"]
+__all__ = ["PLUGIN_API", "constraints", "engine"]
 
 
 def _build(ctx):
@@ -44,7 +45,12 @@ def engine():
         name="hf",
         factory=_build,
         capabilities={Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL, Cap.DATA_PARALLEL,
-                      Cap.EXPORTS_OWN_PARAMETERS},
+                      Cap.EXPORTS_OWN_PARAMETERS, Cap.ENGINE_MODEL},
         description="any transformers causal LM (CPU or GPU); tiny models created locally; MTP in MiMo's layout",
         platform_gaps=_gaps,
     )
+
+
+@hookimpl
+def constraints():
+    yield TINY_MTP_OVER_MOE  # the tiny model's MTP layers over an MoE arch: transformers has none

@@ -76,6 +76,10 @@ class Cap:
     REPLICA = "replica"
     #: loads a push by staging a copy of each tensor first (a lent storage may be read while it loads)
     STAGED_LOAD = "staged_load"
+    #: can load a push into its live weights as the buckets arrive (``rollout.local_update: in_place``)
+    IN_PLACE_LOAD = "in_place_load"
+    #: drafts speculatively with the pushed policy's own first ``rollout.draft_depths`` MTP layers
+    POLICY_MTP_DRAFTS = "policy_mtp_drafts"
 
     # weight_sync
     VERIFIED = "verified"  #: every push is verified against what the receiver holds
@@ -105,6 +109,11 @@ class Cap:
     #: ``export_weights()`` yields the engine's own parameters (not copies gathered over ranks),
     #: so a sync may lend their storages
     EXPORTS_OWN_PARAMETERS = "exports_own_parameters"
+    #: builds its model from core's ``engine.model`` (an HF directory or the tiny config), so core's
+    #: preflight measures that model; an engine without it takes its model from its own settings
+    ENGINE_MODEL = "engine_model"
+    #: builds MTP layers over an MoE model (``engine.model.tiny.mtp_layers`` on ``qwen2_moe``/``qwen3_moe``)
+    MOE_MTP = "moe_mtp"
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from rlcore_megatron.hf_config import ModelSpec, model_spec_from_hf
 
 #: what the ``megatron`` engine declares (its EngineSpec) and what the engine object reports
 ENGINE_CAPABILITIES = frozenset(
-    {Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL, Cap.VALUE_MODEL}
+    {Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL, Cap.VALUE_MODEL, Cap.ENGINE_MODEL, Cap.MOE_MTP}
 )
 
 

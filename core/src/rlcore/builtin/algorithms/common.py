@@ -4,8 +4,9 @@ import: the builders import the implementations of :mod:`rlcore.algorithms` when
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rlcore.algorithms.spec import Algorithm
 from rlcore.errors import ConfigError
