@@ -62,7 +62,7 @@ def test_round_zero_is_the_step_as_before_and_rounds_never_collide():
     # the largest round-0 seed (seeds below 2**32, a billion steps) is below the smallest round-1 seed
     big = _cfg(2**32 - 1, 2**32 - 1)
     assert prompt_seed(big, 10**9) < prompt_seed(_cfg(0), 0, 1)
-    assert sampling_seed(big, 10**9, 256) < 2**63  # within int64 up to dapo_settings.MAX_ROUNDS_LIMIT
+    assert sampling_seed(big, 10**9, 256) < 2**63  # within int64 up to algorithm_settings.MAX_ROUNDS_LIMIT
     seeds = {prompt_seed(cfg, s, r) for s in range(50) for r in range(5)}
     assert len(seeds) == 250
 

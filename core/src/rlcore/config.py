@@ -20,10 +20,9 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from rlcore.algorithm_settings import KLControlConfig, check_modifiers
+from rlcore.algorithm_settings import DapoConfig, KLControlConfig, MismatchConfig, check_modifiers
 from rlcore.algorithms.spec import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
-from rlcore.dapo_settings import DapoConfig, check_dapo
 from rlcore.errors import ConfigError
 from rlcore.model_settings import check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
@@ -118,22 +117,6 @@ class SyncConfig:
 
 
 @dataclass
-class MismatchConfig:
-    """Rollout–trainer mismatch correction (docs/algorithms.md). ``level``: ``token``,
-    ``sequence`` (product of the token ratios) or ``geometric`` (their geometric mean);
-    ``tis_cap`` > 0: truncated importance weights ``min(ρ, tis_cap)``; ``mask_low`` /
-    ``mask_high`` > 0: tokens (or sequences) whose ratio is below / above get weight 0. All 0:
-    no correction (the metrics ``mismatch/*`` are reported every step anyway)."""
-
-    level: str = "token"
-    tis_cap: float = 0.0
-    mask_low: float = 0.0
-    mask_high: float = 0.0
-    reject: str = ""  #: reject whole sequences by a mismatch statistic (rlcore.algorithm_settings.REJECT_STATS)
-    reject_max: float = 0.0
-
-
-@dataclass
 class AlgorithmConfig:
     """Core's part of the ``algorithm:`` section; the selected algorithm provider (``name``,
     hook ``algorithm``) adds its own keys next to these (``clip_low``, ``clip_high`` ... for
@@ -161,7 +144,7 @@ class AlgorithmConfig:
     updates_per_step: int = 1
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     kl_control: KLControlConfig = field(default_factory=KLControlConfig)  #: adaptive β (rlcore.algorithm_settings)
-    dapo: DapoConfig = field(default_factory=DapoConfig)  #: rlcore.dapo_settings
+    dapo: DapoConfig = field(default_factory=DapoConfig)  #: rlcore.algorithm_settings
 
 
 @dataclass
@@ -429,7 +412,6 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"bad value for config key {key!r}: {val!r}; choose one of: {', '.join(choices)}", key=key)
     _check_ranges(cfg)
     check_local_rollout(cfg)
-    check_dapo(cfg)
     for key in ("data.task", "data.reward"):
         val = OmegaConf.select(cfg, key)
         if ":" not in val:
@@ -547,7 +529,7 @@ def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
     ``validate``."""
     a = cfg.algorithm
     a.name = spec.name  # core's values are in _RANGES, checked before
-    corrects = check_modifiers(a)  # KL control; mismatch TIS, masks or rejection (rlcore.algorithm_settings)
+    corrects = check_modifiers(cfg)  # KL control, DAPO; mismatch TIS, masks or rejection (rlcore.algorithm_settings)
     if a.old_logprobs == "auto":
         a.old_logprobs = "recompute" if corrects else "rollout"
     elif corrects and a.old_logprobs == "rollout":

@@ -1,5 +1,5 @@
 """One step's samples and rewards: generation rounds, and DAPO's dynamic sampling and overlong
-shaping (Yu et al. 2025, "DAPO", arXiv:2503.14476; settings: :mod:`rlcore.dapo_settings`,
+shaping (Yu et al. 2025, "DAPO", arXiv:2503.14476; settings: :mod:`rlcore.algorithm_settings`,
 ``algorithm.dapo``; docs/algorithms.md).
 
 * **Rounds.** A step generates ``rollout.n`` samples for each of its prompts and scores them: one
