@@ -56,7 +56,14 @@ def _ranks(out: Path, world: int, extra: list[str], resume: bool = False, allow:
 
 
 def _shard(out: Path, step: int, rank: int) -> dict:
+    """A rank's part of the checkpoint: ``{"engine": ..., "critic": ...}`` (the critic with ppo only)."""
     return torch.load(out / "checkpoints" / f"step-{step:08d}.rank_{rank}-of-2.pt", weights_only=True)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    """The largest difference between two state dicts' floating-point tensors (same keys)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in b if torch.is_tensor(b[k]) and b[k].is_floating_point())
 
 
 def test_tp2_shards_resume_to_the_same_step_and_refuse_another_layout(tmp_path, figures):
@@ -69,7 +76,7 @@ def test_tp2_shards_resume_to_the_same_step_and_refuse_another_layout(tmp_path, 
     assert [f["file"] for f in record["shards"]["files"]] == ["step-00000001.rank_0-of-2.pt",
                                                              "step-00000001.rank_1-of-2.pt"]
     # the two ranks hold different halves of the same tensors (the last writer would have won)
-    a, b = _shard(tmp_path / "cut", 1, 0)["model"], _shard(tmp_path / "cut", 1, 1)["model"]
+    a, b = _shard(tmp_path / "cut", 1, 0)["engine"]["model"], _shard(tmp_path / "cut", 1, 1)["engine"]["model"]
     qkv = next(k for k in a if k.endswith("linear_qkv.weight"))
     assert a[qkv].shape == b[qkv].shape and not torch.equal(a[qkv], b[qkv])
 
@@ -81,9 +88,7 @@ def test_tp2_shards_resume_to_the_same_step_and_refuse_another_layout(tmp_path, 
     same = {k: rows["cut"][2][k] == rows["straight"][2][k] for k in keys}
     for rank in (0, 1):
         resumed, straight = _shard(tmp_path / "cut", 2, rank), _shard(tmp_path / "straight", 2, rank)
-        assert resumed["model"].keys() == straight["model"].keys()
-        diff = max(float((resumed["model"][k] - straight["model"][k]).abs().max()) for k in straight["model"]
-                   if torch.is_tensor(straight["model"][k]) and straight["model"][k].is_floating_point())
+        diff = _max_diff(resumed["engine"]["model"], straight["engine"]["model"])
         figures(f"TP=2 save at step 1 -> resume vs uninterrupted, rank {rank}",
                 f"step-2 metrics equal {same}; max |d param| after step 2: {diff:.1e}")
         assert diff == 0.0
@@ -95,3 +100,37 @@ def test_tp2_shards_resume_to_the_same_step_and_refuse_another_layout(tmp_path, 
     assert msgs and "CheckpointError" in msgs[0], msgs
     assert "tp: 2 in the checkpoint, 1 now (cluster.trainer.tp / megatron.tensor_parallel_size)" in msgs[0], msgs
     assert "world: 2 in the checkpoint, 1 now" in msgs[0], msgs
+
+
+def test_tp2_ppo_shards_hold_the_critic_and_resume_it(tmp_path, figures):
+    """PPO's critic (a second megatron engine under the same TP layout) is in each rank's shard
+    beside the policy's state: a TP=2 ppo run stopped after step 1 and resumed takes the same
+    step 2 as the uninterrupted run, critic included (before, such a resume was refused)."""
+    ppo = ["megatron.tensor_parallel_size=2", "algorithm.name=ppo"]
+    assert _ranks(tmp_path / "straight", 2, ppo + ["training.steps=3"]) == []
+    assert _ranks(tmp_path / "cut", 2, ppo + ["training.steps=2"]) == []
+    state = torch.load(tmp_path / "cut" / "checkpoints" / "step-00000001.pt", weights_only=True)
+    assert "critic" not in state, "the critic's shards are per rank, not in the writer's state"
+    a, b = _shard(tmp_path / "cut", 1, 0)["critic"], _shard(tmp_path / "cut", 1, 1)["critic"]
+    assert set(a) == {"trunk", "head", "optimizer"} and a["optimizer"] is not None
+    qkv = next(k for k in a["trunk"] if k.endswith("linear_qkv.weight"))
+    assert not torch.equal(a["trunk"][qkv], b["trunk"][qkv]), "each rank saved its own half of the critic's trunk"
+    assert torch.equal(a["head"]["weight"], b["head"]["weight"]), "the replicated value head is the same on both"
+
+    assert _ranks(tmp_path / "cut", 2, ppo + ["training.steps=3"], resume=True) == []
+    rows = {d: [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("straight", "cut")}
+    assert [r["step"] for r in rows["cut"]] == [0, 1, 2]
+    keys = ("reward_mean", "loss", "grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/values_mean")
+    same = {k: rows["cut"][2][k] == rows["straight"][2][k] for k in keys}
+    for rank in (0, 1):
+        resumed, straight = _shard(tmp_path / "cut", 2, rank), _shard(tmp_path / "straight", 2, rank)
+        # the same processes on the same machine repeat the same float operations: the resumed
+        # run matches the uninterrupted one exactly, as the policy's shards do above
+        diffs = {"policy": _max_diff(resumed["engine"]["model"], straight["engine"]["model"]),
+                 "critic trunk": _max_diff(resumed["critic"]["trunk"], straight["critic"]["trunk"]),
+                 "critic head": _max_diff(resumed["critic"]["head"], straight["critic"]["head"])}
+        figures(f"TP=2 ppo save at step 1 -> resume vs uninterrupted, rank {rank}",
+                f"step-2 metrics equal {same}; max |d param| after step 2: {diffs}")
+        assert diffs == {"policy": 0.0, "critic trunk": 0.0, "critic head": 0.0}, diffs
+    assert all(same.values()), (rows["cut"][2], rows["straight"][2])
