@@ -320,6 +320,18 @@ class MegatronEngine:
             dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
         return float((replicated + tp_sharded + expert).sqrt())
 
+    @staticmethod
+    def clipped_step(optimizer: Any, params: Any, norm: float, grad_clip: float) -> float:
+        """Scale the gradients down to ``grad_clip`` when their (already reduced) norm exceeds it,
+        take the optimizer step, return the norm before clipping (the policy's and the critic's step)."""
+        if grad_clip > 0 and norm > grad_clip:
+            scale = grad_clip / (norm + 1e-6)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        optimizer.step()
+        return norm
+
     def divide_expert_grads(self) -> None:
         """Every EP rank fed the same tokens and the dispatcher summed their gradients: the
         experts' gradients are divided by the EP size (before the norm and the step)."""
@@ -332,7 +344,7 @@ class MegatronEngine:
         if self.optimizer is None:
             raise RuntimeError("setup_optimizer() was not called")
         self.divide_expert_grads()
-        return clipped_step(self.optimizer, self.parameters(), self.grad_norm(), grad_clip)
+        return self.clipped_step(self.optimizer, self.parameters(), self.grad_norm(), grad_clip)
 
     def make_reference(self) -> MegatronEngine:
         """A frozen copy of the current policy, built afresh (megatron modules hold process
@@ -409,15 +421,3 @@ def build_megatron_engine(ctx: Any) -> MegatronEngine:
         tok = make_tokenizer(words)
         source = tiny_source(ecfg.model.tiny, tok, ecfg.model.dtype)
     return MegatronEngine(source, settings, device=device, dtype=ecfg.model.dtype)
-
-
-def clipped_step(optimizer: Any, params: Any, norm: float, grad_clip: float) -> float:
-    """Scale the gradients down to ``grad_clip`` when their (already reduced) norm exceeds it,
-    take the optimizer step, return the norm before clipping."""
-    if grad_clip > 0 and norm > grad_clip:
-        scale = grad_clip / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    optimizer.step()
-    return norm

@@ -46,7 +46,7 @@ from rlcore.engines.routing import apply_router_decision, forward_state_of_route
 from rlcore.errors import RLCoreError
 from rlcore.types import MicroBatchContext, RouterCall
 
-from rlcore_megatron.seams import notify_listeners
+from rlcore_megatron.seam_listeners import notify_listeners
 
 
 @dataclass

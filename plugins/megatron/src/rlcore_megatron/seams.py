@@ -24,37 +24,14 @@ This module imports neither torch nor megatron-core at import time.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from rlcore_megatron.routers import RouterSeam
+# the registry is its own small module, which the routers notify through: this facade imports the
+# routers (lazily), the routers never import this facade
+from rlcore_megatron.seam_listeners import add_listener, remove_listener
 
 __all__ = ["add_listener", "interception_installed", "reinstall_interception", "remove_listener"]
 
 ROUTER_MODULE = "megatron.core.transformer.moe.router"
-
-_listeners: list[Callable[[RouterSeam], None]] = []
-
-
-def add_listener(listener: Callable[[RouterSeam], None]) -> None:
-    """Call ``listener(seam)`` with every router seam an engine installs from now on (see the module
-    docstring for what a seam offers). Adding a listener already added does nothing."""
-    if listener not in _listeners:
-        _listeners.append(listener)
-
-
-def remove_listener(listener: Callable[[RouterSeam], None]) -> None:
-    """Stop calling ``listener``; removing one that was never added does nothing."""
-    if listener in _listeners:
-        _listeners.remove(listener)
-
-
-def notify_listeners(seam: RouterSeam) -> None:
-    """The engine's side: hand a just-installed seam to every listener, in the order they were added."""
-    for listener in list(_listeners):
-        listener(seam)
-
 
 def reinstall_interception() -> bool:
     """Wrap the routing function megatron-core's router module calls now (megatron-core's own, or

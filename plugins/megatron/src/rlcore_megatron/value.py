@@ -25,9 +25,8 @@ from rlcore.types import value_head
 
 class MegatronValueModel:
     def __init__(self, policy: Any, seed: int = 0):
-        from rlcore_megatron.engine import MegatronEngine
-
-        self.body = MegatronEngine(policy.source, policy.settings, str(policy.device),
+        # the policy's own engine class (rlcore_megatron.engine imports this module: no import back)
+        self.body = type(policy)(policy.source, policy.settings, str(policy.device),
                                    str(policy.dtype).replace("torch.", ""), _weights_from=policy)
         self.head = value_head(self.body.info.hidden_size, seed, policy.device)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -64,10 +63,8 @@ class MegatronValueModel:
     def optimizer_step(self, grad_clip: float) -> float:
         if self.optimizer is None:
             raise RuntimeError("setup_optimizer() was not called")
-        from rlcore_megatron.engine import clipped_step
-
         self.body.divide_expert_grads()  # as the policy's step
-        return clipped_step(self.optimizer, self.parameters(), self.grad_norm(), grad_clip)
+        return self.body.clipped_step(self.optimizer, self.parameters(), self.grad_norm(), grad_clip)
 
     def state_dict(self) -> dict[str, Any]:
         return {"trunk": self.body.model.state_dict(), "head": self.head.state_dict(),
