@@ -165,8 +165,8 @@ def test_mapped_sync_outside_a_colocated_ray_cluster_is_a_config_error():
     to (the local launcher), and under Ray the replicas must be colocated."""
     from rlcore.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"sync.name 'mapped' \(rlcore .*\) lends .* cluster.backend=local") as err:
-        load_stack(str(EXAMPLE), ["sync.name=mapped"])
+    with pytest.raises(ConfigError, match=r"sync.name 'mapped' \(rlcore-ray .*\) lends .* cluster.backend=local") as err:
+        load_stack(str(EXAMPLE), ["plugins=[ray]", "sync.name=mapped"])
     assert err.value.key == "sync.name"
     with pytest.raises(ConfigError, match=r"set cluster.placement=colocated") as err:
         load_stack(str(EXAMPLE), [*RAY, "sync.name=mapped"])
