@@ -102,7 +102,7 @@ def test_misspelled_plugin_in_env_gets_did_you_mean_and_names_the_variable(monke
 def test_misspelled_provider_name_gets_did_you_mean(rlcore_plugin_manager):
     with pytest.raises(errors.UnknownProviderError) as e:
         rlcore_plugin_manager.select("weight_sync", "inprc", key="sync.name")
-    assert "sync.name: 'inprc' is not a known weight_sync. Choose one of: disk, inproc, mapped. Did you mean 'inproc'?" in str(e.value)
+    assert "sync.name: 'inprc' is not a known weight_sync. Choose one of: disk, inproc. Did you mean 'inproc'?" in str(e.value)
 
 
 # ---- install hints name only distributions that exist --------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -123,11 +122,3 @@ def _fill_record(rec: PluginRecord, module: Any) -> None:
     except Exception as exc:  # noqa: BLE001
         rec.status = "broken"
         rec.error = f"{type(exc).__name__}: {exc}"
-
-
-def module_hooks(module: ModuleType | Any) -> list[str]:
-    """Hook names a plugin module implements (for docs and tests)."""
-    scratch = pluggy.PluginManager(PROJECT)
-    scratch.add_hookspecs(RLCoreSpecs)
-    scratch.register(module)
-    return sorted(hc.name for hc in (scratch.get_hookcallers(module) or []))
