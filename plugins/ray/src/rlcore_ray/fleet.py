@@ -323,10 +323,10 @@ class RolloutFleet:
         refs = [r.weight_version.remote() for r in self.replicas]
         return self._get(refs, list(range(len(refs))), "weight_version")
 
-    # ------------------------------------------------- sync.name: mapped (rlcore/mapped_sync.py) ---
+    # --------------------------------------------- sync.name: mapped (rlcore_ray/mapped_sync.py) ---
 
     def mapped_fleet(self) -> RolloutFleet:
-        """This fleet, for :class:`~rlcore.mapped_sync.MappedFleetSync` (reached through
+        """This fleet, for :class:`~rlcore_ray.mapped_sync.MappedFleetSync` (reached through
         the trainer's wrappers of the rollout backend)."""
         return self
 
