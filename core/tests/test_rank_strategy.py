@@ -90,7 +90,7 @@ def test_ranks_that_declare_a_metric_differently_are_refused():
 def test_the_strategy_follows_the_engines_capabilities():
     from rlcore.parallel.data_parallel import DataParallel
     from rlcore.parallel.model_parallel import ModelParallel
-    from rlcore.parallel.strategy import strategy_for
+    from rlcore.parallel.worker import strategy_for
 
     stack = load_stack(str(EXAMPLE))
     two = Ranks(rank=0, world=2)

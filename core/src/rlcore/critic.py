@@ -12,7 +12,8 @@ The trainer calls four things (rlcore/trainer.py):
   optimizer steps on ``½·max((V−R)², (clip(V, V_old ± c) − R)²)``, token-mean over the step's
   response tokens (:func:`rlcore.algorithms.gae.clipped_value_loss`);
 * :meth:`Critic.state_dict` / :meth:`Critic.load_state_dict` in the checkpoint (model and
-  optimizer), so that a resumed run continues the uninterrupted one.
+  optimizer), so that a resumed run continues the uninterrupted one; model-parallel ranks keep
+  it in each rank's shard beside the engine's (:mod:`rlcore.parallel.model_parallel`).
 
 Data-parallel ranks run the critic on the whole step batch (the same values and updates on
 every rank, from the same seed): correct, not sharded.

@@ -7,7 +7,7 @@ writer takes it: lock, run marker; a new run needs it empty, ``--resume`` a comm
 in it), the checkpoint (read by the writer and handed to every rank, so a damaged one or one of
 another config fails before the model loads), the device platform, then the providers: engine,
 forward_fn, rollout backend, weight sync (each from its spec's factory), the KL reference, the
-algorithm and PPO's critic. A start that fails removes what a new run created
+algorithm (its objective, KL control and mismatch correction) and PPO's critic. A start that fails removes what a new run created
 (:meth:`rlcore.run_output.RunDirectory.abandon`). The rank strategy decides which rank writes and
 may wrap the stack (:meth:`rlcore.parallel.strategy.RankStrategy.prepare_stack`).
 """
@@ -24,6 +24,9 @@ from typing import Any
 import torch
 
 from rlcore import __version__
+from rlcore.algorithms.kl_control import KLControl
+from rlcore.algorithms.losses import TokenObjective
+from rlcore.algorithms.mismatch import MismatchCorrection
 from rlcore.config import training_fingerprint
 from rlcore.critic import Critic, build_critic
 from rlcore.errors import ConfigError, RolloutError
@@ -80,6 +83,11 @@ class BuiltRun:
     reference: Any
     algorithm_spec: Any
     algorithm: Any
+    #: the policy loss with its KL and entropy terms (β as configured; adaptive KL moves it per step)
+    objective: TokenObjective
+    kl_control: KLControl
+    #: the rollout/trainer mismatch correction (``algorithm.mismatch``)
+    correction: MismatchCorrection
     critic: Critic | None
     metrics: MetricsWriter | NullMetrics
     report: RunReport
@@ -147,14 +155,18 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
     engine.setup_optimizer(cfg.training)
     reference = engine.make_reference() if cfg.algorithm.kl_coef > 0 else None
     algorithm_spec = stack.algorithm or stack.plugins.select("algorithm", cfg.algorithm.name, key="algorithm.name")
-    algorithm = algorithm_spec.factory(cfg.algorithm)
+    a = cfg.algorithm
+    algorithm = algorithm_spec.factory(a)
+    objective = TokenObjective(algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
+                               kl_estimator=a.kl_estimator, entropy_coef=float(a.entropy_coef))
     critic = build_critic(engine, stack.engine.name, cfg)  # PPO's value model (rlcore/critic.py)
     strategy.built(engine, reference)
     return BuiltRun(
         stack=stack, strategy=strategy, out=out, run_dir=taken[0] if taken else None, fingerprint=fingerprint,
         resume_from=resume_from, console=console, task=task, reward_fn=reward_fn, platform=platform,
         device=device, engine=engine, tokenizer=tokenizer, forward_fn=forward_fn, backend=backend, sync=sync,
-        reference=reference, algorithm_spec=algorithm_spec, algorithm=algorithm, critic=critic,
+        reference=reference, algorithm_spec=algorithm_spec, algorithm=algorithm, objective=objective,
+        kl_control=KLControl.from_config(a), correction=MismatchCorrection.from_config(a.mismatch), critic=critic,
         metrics=MetricsWriter(out, tensorboard=cfg.output.tensorboard) if ranks.writer else NullMetrics(),
         report=RunReport(console, stack, algorithm_spec.name, out),
     )

@@ -26,9 +26,8 @@ from rlcore import __version__, guards
 from rlcore.algorithms import objective as objmod
 from rlcore.algorithms.advantages import shaped_rewards
 from rlcore.algorithms.aggregation import step_weights
-from rlcore.algorithms.kl_control import KLControl
-from rlcore.algorithms.losses import TokenObjective, kl_penalty
-from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
+from rlcore.algorithms.losses import kl_penalty
+from rlcore.algorithms.mismatch import mismatch
 from rlcore.algorithms.remax import baselines_for, greedy_rewards
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
@@ -82,17 +81,9 @@ class Trainer:
         self.engine, self.tokenizer, self.forward_fn = built.engine, built.tokenizer, built.forward_fn
         self.backend, self.sync, self.reference, self.critic = built.backend, built.sync, built.reference, built.critic
         self.algorithm, self.metrics, self.report = built.algorithm, built.metrics, built.report
-        try:
-            a = self.cfg.algorithm
-            self.objective = TokenObjective(
-                self.algorithm.loss, kl_coef=float(a.kl_coef) if a.kl_in == "loss" else 0.0,
-                kl_estimator=a.kl_estimator, entropy_coef=float(a.entropy_coef),
-            )
-            self.kl_control = KLControl.from_config(a)  # β: fixed, or adaptive (algorithm.kl_control)
-            self.correction = MismatchCorrection.from_config(a.mismatch)
-        except BaseException:
-            self._end_run(started=False)
-            raise
+        # the policy objective (its β follows algorithm.kl_control), the mismatch correction
+        self.objective, self.kl_control, self.correction = built.objective, built.kl_control, built.correction
+        a = self.cfg.algorithm
         #: the field the ratio's denominator comes from
         self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
         self.router = self.pm.router_hook if self.pm.has_router_hooks() else None
@@ -231,11 +222,7 @@ class Trainer:
                 request = None  # Cap.FUSED_LOSS: the head forms the loss and its gradients itself
                 if train and Cap.FUSED_LOSS in self.stack.forward_fn.capabilities:
                     request = objmod.loss_request(mb, self.objective, totals.divisor, self.proximal)
-                head = self.forward_fn(HeadInput(
-                    hidden=out.hidden, weight=hw.weight, labels=mb.labels(), vocab=hw.vocab,
-                    loss_mask=mb.loss_mask, temperature=float(cfg.rollout.temperature),
-                    sequence_parallel=out.sequence_parallel, compute_entropy=train, loss=request,
-                ))
+                head = self.forward_fn(self._head_input(mb, out, hw, compute_entropy=train, loss=request))
                 native = self._native_logprobs(mb, ctx, engine, hw) if req.native_logprobs else None
                 results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn, native))
                 for _plugin, res in results:
@@ -273,16 +260,17 @@ class Trainer:
         tokens = token_sums.pop("_tokens")  # the statistics are sums over them: averaged over the pass's tokens
         metrics.add_token_sums(token_sums, tokens)
 
+    def _head_input(self, mb: PackedBatch, out: Any, hw: Any, compute_entropy: bool, loss: Any = None) -> HeadInput:
+        return HeadInput(hidden=out.hidden, weight=hw.weight, labels=mb.labels(), vocab=hw.vocab,
+                         loss_mask=mb.loss_mask, temperature=float(self.cfg.rollout.temperature),
+                         sequence_parallel=out.sequence_parallel, compute_entropy=compute_entropy, loss=loss)
+
     def _native_logprobs(self, mb: PackedBatch, ctx: MicroBatchContext, engine: Any, hw: Any) -> torch.Tensor:
         """The micro-batch's log-probs with every router routing natively (``forward_request``
         asked ``native_logprobs``): one more forward, no router_hook chain, no gradient."""
         with torch.no_grad():
             out = engine.forward(mb, micro_batch=ctx)
-            return self.forward_fn(HeadInput(
-                hidden=out.hidden, weight=hw.weight, labels=mb.labels(), vocab=hw.vocab, loss_mask=mb.loss_mask,
-                temperature=float(self.cfg.rollout.temperature), sequence_parallel=out.sequence_parallel,
-                compute_entropy=False,
-            )).logprobs.detach().float()
+            return self.forward_fn(self._head_input(mb, out, hw, compute_entropy=False)).logprobs.detach().float()
 
     def _train_step(self) -> dict[str, Any]:
         """One step (see the module docstring); its metrics."""

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from rlcore.batch import PackedBatch
-from rlcore.parallel.strategy import DistributedRanks
+from rlcore.parallel.push_memory import NO_METER, PeakResident, PushMeter
+from rlcore.parallel.strategy import RankStrategy
 from rlcore.pass_metrics import PassMetrics
 from rlcore.ranks import Ranks
 from rlcore.stack import Stack
@@ -167,6 +168,23 @@ def rank_stack(stack: Stack, ranks: Ranks, rollout: Any = None) -> Stack:
 
     sync = stack.weight_sync if ranks.writer else replace(stack.weight_sync, factory=lambda ctx: FollowerSync())
     return replace(stack, rollout_backend=replace(stack.rollout_backend, factory=backend_factory), weight_sync=sync)
+
+
+class DistributedRanks(RankStrategy):
+    """What the distributed rank strategies share (data and model parallel): the writer's rollout
+    broadcasts its samples to every rank, the others drain the export (:func:`rank_stack`), and
+    the writer's push is measured (:mod:`.push_memory`). ``rollout``: the writer's rollout backend
+    (a fleet of replicas); ``None`` builds the configured one in the writer's process."""
+
+    def __init__(self, ranks: Ranks, rollout: Any = None):
+        super().__init__(ranks)
+        self.rollout = rollout
+
+    def prepare_stack(self, stack: Any) -> Any:
+        return rank_stack(stack, self.ranks, self.rollout)
+
+    def push_meter(self) -> PushMeter:
+        return PeakResident() if self.ranks.writer else NO_METER
 
 
 class DataParallel(DistributedRanks):

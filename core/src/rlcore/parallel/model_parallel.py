@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.errors import CheckpointError
-from rlcore.parallel.strategy import DistributedRanks
+from rlcore.parallel.data_parallel import DistributedRanks
 from rlcore.ranks import on_writer
 from rlcore.run_output import CHECKPOINT_DIR, _sha256, _stem, save_checkpoint
 

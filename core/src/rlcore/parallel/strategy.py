@@ -13,8 +13,8 @@ The loop is the same on one process and on many; what differs is decided here:
 
 :class:`RankStrategy` itself is one process (the default). :class:`.data_parallel.DataParallel`
 splits the samples and sums gradients; :class:`.model_parallel.ModelParallel` runs an engine's
-shards on the same samples. :func:`strategy_for` picks one from the engine's declared
-capabilities.
+shards on the same samples. :func:`rlcore.parallel.worker.strategy_for` picks one from the
+engine's declared capabilities.
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from rlcore.batch import PackedBatch
-from rlcore.errors import ConfigError
-from rlcore.parallel.push_memory import NO_METER, PeakResident, PushMeter
+from rlcore.parallel.push_memory import NO_METER, PushMeter
 from rlcore.pass_metrics import PassMetrics
 from rlcore.ranks import SINGLE, Ranks, on_writer
 from rlcore.run_output import save_checkpoint
-from rlcore.types import Cap
 
 
 class RankStrategy:
@@ -85,51 +82,3 @@ class RankStrategy:
     def push_meter(self) -> PushMeter:
         """What measures the writer's memory during a weight push (here: nothing)."""
         return NO_METER
-
-
-class DistributedRanks(RankStrategy):
-    """What the distributed strategies share: the writer's rollout broadcasts its samples to every
-    rank, the others drain the export (:func:`.data_parallel.rank_stack`), and the writer's push
-    is measured (:mod:`.push_memory`). ``rollout``: the writer's rollout backend (a fleet of
-    replicas); ``None`` builds the configured one in the writer's process."""
-
-    def __init__(self, ranks: Ranks, rollout: Any = None):
-        super().__init__(ranks)
-        self.rollout = rollout
-
-    def prepare_stack(self, stack: Any) -> Any:
-        from rlcore.parallel.data_parallel import rank_stack
-
-        return rank_stack(stack, self.ranks, self.rollout)
-
-    def push_meter(self) -> PushMeter:
-        return PeakResident() if self.ranks.writer else NO_METER
-
-
-#: the layout dimensions (``cluster.trainer.*``) that split the model rather than the samples
-MODEL_DIMS = ("tp", "ep", "pp")
-
-
-def strategy_for(stack: Any, ranks: Ranks, rollout: Any = None) -> RankStrategy:
-    """The rank strategy of ``stack``'s engine on ``ranks``, by what the engine declares: an engine
-    with :data:`Cap.DATA_PARALLEL` runs data parallel when the layout splits only the samples
-    (``cluster.trainer``'s tp, ep and pp are 1); one with :data:`Cap.TENSOR_PARALLEL` or
-    :data:`Cap.EXPERT_PARALLEL` runs its own shards, model parallel. An engine with neither is
-    refused naming it."""
-    caps = frozenset(stack.engine.capabilities)
-    layout = OmegaConf.select(stack.config, "cluster.trainer", default=None)
-    model_split = [d for d in MODEL_DIMS if layout is not None and int(layout.get(d, 1) or 1) > 1]
-    if Cap.DATA_PARALLEL in caps and not model_split:
-        from rlcore.parallel.data_parallel import DataParallel
-
-        return DataParallel(ranks, rollout)
-    if caps & {Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL}:
-        from rlcore.parallel.model_parallel import ModelParallel
-
-        return ModelParallel(ranks, rollout)
-    wanted = [Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL] if model_split else \
-        [Cap.DATA_PARALLEL, Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL]
-    split = f" split by {', '.join(f'cluster.trainer.{d}' for d in model_split)}" if model_split else ""
-    raise ConfigError(f"engine {stack.engine.name!r} ({stack.engine.distribution}) cannot run on {ranks.world} "
-                      f"trainer ranks{split}: it declares none of the capabilities {', '.join(wanted)}",
-                      key="engine.name")

@@ -13,9 +13,13 @@ import sys
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
+
+if TYPE_CHECKING:
+    from rlcore.parallel.strategy import RankStrategy
+    from rlcore.ranks import Ranks
 
 #: set in every process the cluster layer starts; ``rlcore train`` under another launcher
 #: (torchrun) refuses to run (see :func:`refuse_foreign_launcher`)
@@ -57,11 +61,10 @@ def init_distributed(rank: int, world: int, master: str, device: str, timeout_s:
 def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: Any = None, resume: bool = False,
              overwrite: bool = False, allow_config_change: bool = False) -> dict[str, Any]:
     """Build the stack, join the group, train; the summary of the run (the writer's is the full one).
-    The engine's declared capabilities decide the kind of ranks (:func:`.strategy.strategy_for`):
+    The engine's declared capabilities decide the kind of ranks (:func:`strategy_for`):
     data parallel (``Cap.DATA_PARALLEL``: samples split, gradients summed) or model parallel
     (``Cap.TENSOR_PARALLEL`` / ``EXPERT_PARALLEL``: every rank the same samples, the engine's
     collectives)."""
-    from rlcore.parallel.strategy import strategy_for
     from rlcore.ranks import TorchRanks
     from rlcore.trainer import Trainer
 
@@ -82,6 +85,36 @@ def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: A
         raise
     finally:
         close_distributed(backend, failed)
+
+
+#: the layout dimensions (``cluster.trainer.*``) that split the model rather than the samples
+MODEL_DIMS = ("tp", "ep", "pp")
+
+
+def strategy_for(stack: Any, ranks: Ranks, rollout: Any = None) -> RankStrategy:
+    """The rank strategy of ``stack``'s engine on ``ranks``, by what the engine declares: an engine
+    with :data:`Cap.DATA_PARALLEL` runs data parallel when the layout splits only the samples
+    (``cluster.trainer``'s tp, ep and pp are 1); one with :data:`Cap.TENSOR_PARALLEL` or
+    :data:`Cap.EXPERT_PARALLEL` runs its own shards, model parallel. An engine with neither is
+    refused naming it."""
+    from rlcore.errors import ConfigError
+    from rlcore.parallel.data_parallel import DataParallel
+    from rlcore.parallel.model_parallel import ModelParallel
+    from rlcore.types import Cap
+
+    caps = frozenset(stack.engine.capabilities)
+    layout = OmegaConf.select(stack.config, "cluster.trainer", default=None)
+    model_split = [d for d in MODEL_DIMS if layout is not None and int(layout.get(d, 1) or 1) > 1]
+    if Cap.DATA_PARALLEL in caps and not model_split:
+        return DataParallel(ranks, rollout)
+    if caps & {Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL}:
+        return ModelParallel(ranks, rollout)
+    wanted = [Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL] if model_split else \
+        [Cap.DATA_PARALLEL, Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL]
+    split = f" split by {', '.join(f'cluster.trainer.{d}' for d in model_split)}" if model_split else ""
+    raise ConfigError(f"engine {stack.engine.name!r} ({stack.engine.distribution}) cannot run on {ranks.world} "
+                      f"trainer ranks{split}: it declares none of the capabilities {', '.join(wanted)}",
+                      key="engine.name")
 
 
 def close_distributed(backend: str, failed: bool) -> None:
