@@ -64,7 +64,7 @@ def test_hook_rollout_backend(rlcore_plugin_manager, register_plugin):
 
 def test_hook_weight_sync(rlcore_plugin_manager, register_plugin):
     register_plugin(_provider_module("ws", "weight_sync", WeightSyncSpec, "rdma"), "ws")
-    assert set(rlcore_plugin_manager.weight_syncs()) == {"inproc", "disk", "mapped", "rdma"}
+    assert set(rlcore_plugin_manager.weight_syncs()) == {"inproc", "disk", "rdma"}  # mapped is rlcore-ray's
 
 
 def test_hook_engine(rlcore_plugin_manager, register_plugin):

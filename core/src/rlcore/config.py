@@ -281,15 +281,11 @@ def selected_algorithm(raw: DictConfig, algorithms: dict[str, Any]) -> Any:
     return algorithms[name]
 
 
-def schema_with_plugins(settings: Sequence[Any], algorithm: Any = None) -> type:
-    """:class:`RunConfig` extended with one field per plugin section (and the selected
-    algorithm's settings in ``algorithm:``)."""
-    if not settings and algorithm is None:
-        return RunConfig
-    extra = []
-    if algorithm is not None:
-        alg_cls = algorithm_schema(algorithm)
-        extra.append(("algorithm", alg_cls, field(default_factory=alg_cls)))
+def schema_with_plugins(settings: Sequence[Any], algorithm: Any) -> type:
+    """:class:`RunConfig` extended with the selected algorithm's settings in ``algorithm:`` and one
+    field per plugin section."""
+    alg_cls = algorithm_schema(algorithm)
+    extra = [("algorithm", alg_cls, field(default_factory=alg_cls))]
     for ps in settings:
         if ps.section in CORE_SECTIONS:
             raise ConfigError(
