@@ -145,6 +145,16 @@ def test_check_prints_the_ray_line(capsys, monkeypatch):
            "dp=2 tp=1 ep=1 pp=1, 2 rollout replica(s), disaggregated, PACK" in out
 
 
+def test_checking_a_ray_stack_imports_no_ray():
+    """The launcher's factory, check and describe run at every `rlcore check`: they stay cheap."""
+    from rlcore.testing.imports import modules_loaded_by
+
+    statements = ("from rlcore.stack import load_stack\n"
+                  f"s = load_stack({str(EXAMPLE)!r}, {[*RAY, 'cluster.trainer.dp=2', 'cluster.rollout.replicas=2']!r})\n"
+                  "print(s.launcher.factory(s.config).describe(s))")
+    assert modules_loaded_by(statements, ["ray", "rlcore_ray.launch", "rlcore_ray.fleet"]) == []
+
+
 def test_ray_missing_names_the_install_line(monkeypatch):
     from rlcore_ray import launch
 
