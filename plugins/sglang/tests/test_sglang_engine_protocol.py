@@ -363,3 +363,40 @@ def test_partial_push_and_wrong_shape_fail_although_sglangs_checksum_changes(sta
     assert gone not in {n for u in _updates(standin.state())[-1:] for n in u["received"]}, "refused before sending"
     report = sync.push(iter(full), backend, version=3)
     assert report.verified and report.details["level"] == "coverage" and backend.weight_version == 3
+
+
+def test_release_for_training_frees_memory_after_each_rollout_and_the_push_brings_it_back(standin, policy_dir,
+                                                                                           tmp_path):
+    """sglang.release_for_training (the colocated GPU run): after a rollout the KV cache and the
+    weights are released (once SGLang is idle: a successful cache flush), so the trainer has the
+    memory while it trains; core's push then gets the weights back before the buckets (their
+    contents are overwritten) and the KV cache after them. A second rollout with no push between
+    refuses: without --enable-weights-cpu-backup SGLang did not keep the released weights."""
+    from rlcore.push import push_weights
+
+    standin.configure()
+    backend = _started(standin, policy_dir, tmp_path, release_for_training=["kv_cache", "weights"])
+    prompts, params = [Prompt(ids=[3, 1, 2], index=0)], SamplingSettings(n=1, max_new_tokens=3)
+    before = len(standin.state()["log"])
+    backend.generate(prompts, params)
+    events = standin.state()["log"][before:]
+    assert [e["route"] for e in events] == ["/generate", "/flush_cache", "/release_memory_occupation"]
+    assert events[-1]["fields"]["tags"] == ["kv_cache", "weights"]
+    assert backend.released_tags == {"kv_cache", "weights"}
+    assert "rollout/training_release_seconds" in backend.rollout_metrics()
+
+    before = len(standin.state()["log"])
+    sync = SGLangTensorSync(_settings(standin), bucket_bytes=1 << 20, verify=False)
+    push_weights(backend, sync, iter(_weights(1)), 1, release_kv=True)
+    events = standin.state()["log"][before:]
+    routes = [e["route"] for e in events]
+    assert routes[:3] == ["/pause_generation", "/resume_memory_occupation", "/begin_weight_update"]
+    assert events[1]["fields"]["tags"] == ["weights"]  # the KV cache stays released during the push
+    assert routes[-4:] == ["/end_weight_update", "/resume_memory_occupation", "/flush_cache", "/continue_generation"]
+    assert events[-3]["fields"]["tags"] == ["kv_cache"]
+    assert standin.state()["weights"] == _sent(_weights(1)) and backend.released_tags == frozenset()
+
+    backend.generate(prompts, params)  # released again after this rollout
+    with pytest.raises(RolloutError, match="enable-weights-cpu-backup"):
+        backend.generate(prompts, params)
+    backend.shutdown()

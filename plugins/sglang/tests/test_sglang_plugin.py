@@ -151,3 +151,27 @@ def test_nccl_sync_refuses_a_server_that_drafts_from_the_policy():
         SGLangNCCLSync(settings, 1 << 20).push(iter([]), backend, 1)
     assert SGLangTensorSync(settings, 1 << 20).updates_draft
     assert not SGLangTensorSync(SGLangSettings(selector="target"), 1 << 20).updates_draft
+
+
+def test_release_for_training_is_checked_at_config_time(register_plugin, rlcore_config):
+    register_plugin(sglang_plugin, "sglang")
+    check_settings(rlcore_config("sglang.release_for_training=[kv_cache,weights]").sglang)
+    with pytest.raises(ConfigError, match="sglang.release_for_training.*'gpu'"):
+        check_settings(rlcore_config("sglang.release_for_training=[gpu]").sglang)
+    with pytest.raises(ConfigError, match="enable_memory_saver"):
+        check_settings(rlcore_config("sglang.release_for_training=[kv_cache]", "sglang.enable_memory_saver=false").sglang)
+
+
+def test_nccl_on_the_servers_own_gpu_is_refused_before_anything_is_sent():
+    """On one GPU (trainer and launched server both on cuda:0) NCCL fails only at the first
+    broadcast, after the self-test has reset SGLang's tensors ("Duplicate GPU detected", seen with
+    SGLang 0.5.17 on an H200): the nccl sync names the problem and the way out first."""
+    from rlcore_sglang.protocol import ServerFeatures
+    from rlcore_sglang.sync import shared_gpu_problem
+
+    one_gpu = ServerFeatures.from_server_info({"version": "0.5.17", "tp_size": 1, "base_gpu_id": 0})
+    assert "sglang-tensor" in shared_gpu_problem(0, one_gpu, "nccl")
+    assert shared_gpu_problem(0, one_gpu, "gloo") is None  # gloo takes two ranks on one device
+    elsewhere = ServerFeatures.from_server_info({"version": "0.5.17", "tp_size": 2, "base_gpu_id": 1})
+    assert elsewhere.gpu_indices == [1, 2] and shared_gpu_problem(0, elsewhere, "nccl") is None
+    assert "cuda:2" in shared_gpu_problem(2, elsewhere, "nccl")

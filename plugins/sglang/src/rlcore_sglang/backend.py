@@ -27,6 +27,7 @@ Capabilities are read from the running server (``/server_info``): releasing memo
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,9 @@ class SGLangBackend:
         #: them back (sgl-project/sglang PR #31674): generation waits for a push that reaches it
         self._draft_discarded = False
         self._memory_metrics: dict[str, float] = {}
+        #: what sglang.release_for_training released after the last generate (not core's release_memory)
+        self._training_released: set[str] = set()
+        self._rollout_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -142,6 +146,12 @@ class SGLangBackend:
         if s.url:
             self._adopt_external_server(version)
         self._version = version
+        if s.release_for_training:
+            try:
+                self._tags(frozenset(s.release_for_training))
+            except RolloutError as exc:
+                self.shutdown()
+                raise RolloutError(f"sglang.release_for_training {list(s.release_for_training)}: {exc}") from None
 
     def _adopt_external_server(self, version: int) -> None:
         """A server we did not launch: load the trainer's initial policy into it (unless the user
@@ -214,6 +224,23 @@ class SGLangBackend:
         return sorted(tags)
 
     def release_memory(self, tags: frozenset[str]) -> None:
+        tags = frozenset(tags)
+        if self._training_released:
+            # released since the rollout (sglang.release_for_training): the push needs the weights
+            # (and later generation its CUDA graphs) back; what core asks to release stays released
+            keep = self._training_released & tags
+            back = self._training_released - tags
+            self._training_released.clear()
+            self._released |= keep
+            if back:
+                t0 = time.perf_counter()
+                self._control("/resume_memory_occupation", {"tags": sorted(back)}, f"resuming {sorted(back)}")
+                self._memory_metrics["rollout/resume_for_push_seconds"] = time.perf_counter() - t0
+            tags = tags - keep
+            if keep:  # freed after the rollout: rollout/training_release_bytes measured it
+                self._memory_metrics.pop("rollout/kv_cache_freed_bytes", None)
+            if not tags:
+                return
         before = cuda_free_bytes()
         self._control("/release_memory_occupation", {"tags": self._tags(tags)}, f"releasing {sorted(tags)}")
         self._released |= set(tags)
@@ -227,6 +254,55 @@ class SGLangBackend:
         self._control("/resume_memory_occupation", {"tags": self._tags(tags)}, f"resuming {sorted(tags)}")
         self._released -= set(tags)
 
+    def _wait_idle(self, limit_s: float = 30.0) -> None:
+        """SGLang asserts idleness when releasing memory, and its scheduler can still hold the
+        finished batch for a moment after the answer; its cache flush refuses (rather than
+        asserts) while busy, so a successful flush means idle."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            try:
+                self.reset_prefix_cache()
+                return
+            except RolloutError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _release_for_training(self) -> None:
+        """After a rollout: release ``sglang.release_for_training``'s tags so the colocated
+        trainer has that memory while it trains; measured (``rollout/training_release_bytes``,
+        ``rollout/training_release_seconds``)."""
+        tags = sorted(set(self.settings.release_for_training) - self._released)
+        if not tags:
+            return
+        t0 = time.perf_counter()
+        self._wait_idle()
+        before = cuda_free_bytes()
+        self._control("/release_memory_occupation", {"tags": tags}, f"releasing {tags} for training")
+        after = cuda_free_bytes()
+        self._training_released = set(tags)
+        self._rollout_metrics["rollout/training_release_seconds"] = time.perf_counter() - t0
+        if before is not None and after is not None:
+            self._rollout_metrics["rollout/training_release_bytes"] = float(after - before)
+
+    def _resume_after_training(self) -> None:
+        """A rollout with no push since the last one: bring back what was released for training;
+        released weights come back with their contents only with --enable-weights-cpu-backup."""
+        back = sorted(self._training_released)
+        if "weights" in back and not (self.features and self.features.weights_cpu_backup):
+            raise RolloutError(
+                "SGLang's weights were released for training (sglang.release_for_training) and no push has "
+                "restored them since: without --enable-weights-cpu-backup SGLang does not keep their contents; "
+                "push the policy before generating, or add --enable-weights-cpu-backup to sglang.launch_args")
+        t0 = time.perf_counter()
+        self._control("/resume_memory_occupation", {"tags": back}, f"resuming {back} after training")
+        self._training_released.clear()
+        self._rollout_metrics["rollout/training_resume_seconds"] = time.perf_counter() - t0
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """The memory released for training after the last rollout (sglang.release_for_training)."""
+        return dict(self._rollout_metrics)
+
     def memory_metrics(self) -> dict[str, float]:
         """The device memory the last release freed, when the server shares this process's GPU
         (core logs it after releasing the KV cache before a push)."""
@@ -234,7 +310,7 @@ class SGLangBackend:
 
     @property
     def released_tags(self) -> frozenset[str]:
-        return frozenset(self._released)
+        return frozenset(self._released | self._training_released)
 
     def reset_prefix_cache(self) -> None:
         transport = self._require()
@@ -272,6 +348,8 @@ class SGLangBackend:
         transport = self._require()
         if self._paused:
             raise RolloutError("the sglang rollout backend is paused; resume() it before generate()")
+        if self._training_released:
+            self._resume_after_training()
         if "kv_cache" in self._released:
             raise RolloutError("SGLang's KV cache is released; resume_memory({'kv_cache'}) before generate()")
         if self._draft_discarded:
@@ -293,7 +371,11 @@ class SGLangBackend:
         if len(items) != len(seqs):
             raise RolloutError(f"SGLang answered {len(items)} samples for {len(seqs)} requests")
         processed = protocol.truncates_distribution(params.top_p, params.top_k)
-        return [self._sample(p, item, processed, bool(params.return_routed_experts)) for p, item in zip(seqs, items, strict=True)]
+        samples = [self._sample(p, item, processed, bool(params.return_routed_experts))
+                   for p, item in zip(seqs, items, strict=True)]
+        if self.settings.release_for_training:
+            self._release_for_training()
+        return samples
 
     def _version_of(self, text: str | None) -> int:
         if text is None:

@@ -72,6 +72,17 @@ class ServerFeatures:
     routed_experts: bool = False
     speculative_algorithm: str | None = None
     weight_cache_mode: str = "off"
+    #: ``--enable-weights-cpu-backup``: released weights come back with their contents
+    weights_cpu_backup: bool = False
+    #: the server's GPUs, as indices of the devices visible to the process that launched it
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+    pp_size: int = 1
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        """The device indices this server's ranks use (``--base-gpu-id``, ``--gpu-id-step``)."""
+        return [self.base_gpu_id + k * self.gpu_id_step for k in range(self.tp_size * self.pp_size)]
 
     @property
     def weight_update_session(self) -> bool:
@@ -100,6 +111,10 @@ class ServerFeatures:
             routed_experts=bool(info.get("enable_return_routed_experts", False)),
             speculative_algorithm=str(spec) if spec else None,
             weight_cache_mode=str(info.get("weight_cache_mode") or "off"),
+            weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
+            base_gpu_id=int(info.get("base_gpu_id") or 0),
+            gpu_id_step=int(info.get("gpu_id_step") or 1),
+            pp_size=int(info.get("pp_size") or 1),
         )
 
 

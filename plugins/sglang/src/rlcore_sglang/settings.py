@@ -11,6 +11,7 @@ MODES = ("server", "engine")
 PAUSE_MODES = ("abort", "retract", "in_place")
 SELECTORS = ("all", "target", "draft")
 KEEP_TOGETHER = ("auto", "none", "layer")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 #: ``launch_server`` flags rlcore sets itself, and the setting each comes from
 OWNED_LAUNCH_FLAGS = {"--model-path": "the trainer's policy directory", "--host": "sglang.host",
                       "--port": "sglang.port", "--weight-version": "rlcore's weight versions"}
@@ -54,6 +55,12 @@ class SGLangSettings:
       hosts the rendezvous at ``nccl_master_address:nccl_master_port``; port 0 = a free one).
     * ``disk_dir``: where ``sglang-disk`` writes versions; it must be readable by the server
       (empty = ``<output>/sglang_sync``).
+    * ``release_for_training``: SGLang memory tags (``kv_cache``, ``weights``, ``cuda_graph``)
+      released after every rollout, so a colocated trainer has that GPU memory while it trains;
+      the next push brings the weights back (its new values overwrite them) and the KV cache
+      after it. Empty = SGLang keeps its memory (core still frees the KV cache around pushes).
+      Needs ``enable_memory_saver``. Generating again without a push in between needs the
+      released weights' contents: SGLang keeps them only with ``--enable-weights-cpu-backup``.
     """
 
     mode: str = "server"
@@ -80,6 +87,7 @@ class SGLangSettings:
     nccl_group_name: str = "rlcore_weight_sync"
     nccl_backend: str = "nccl"
     disk_dir: str = ""
+    release_for_training: list[str] = field(default_factory=list)
 
 
 def drafts_from_policy(s: Any) -> bool:
@@ -152,6 +160,14 @@ def check_settings(s: Any, config: Any = None) -> None:
             "(e.g. NEXTN for MTP, EAGLE3) or clear the other speculative options",
             key="sglang.speculative_algorithm",
         )
+    tags = [str(t) for t in s.release_for_training]
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ConfigError(f"bad value for config key 'sglang.release_for_training': {unknown}; SGLang releases "
+                          f"memory by the tags {', '.join(MEMORY_TAGS)}", key="sglang.release_for_training")
+    if tags and not s.enable_memory_saver:
+        raise ConfigError("sglang.release_for_training needs sglang.enable_memory_saver: true (SGLang releases "
+                          "memory only when started with --enable-memory-saver)", key="sglang.release_for_training")
     sync = getattr(config, "sync", None) if config is not None else None
     problem = draft_sync_problem(s, getattr(sync, "name", None))
     if problem is not None:

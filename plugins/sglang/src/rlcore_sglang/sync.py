@@ -220,6 +220,10 @@ class _SGLangSync(ABC):
 
     # -------------------------------------------------------------------- push -----------
 
+    def _refuse_early(self, backend: SGLangBackend) -> None:
+        """Problems a transport can see before anything is sent (the self-test resets SGLang's
+        tensors first, so a transport that cannot work must say so before it)."""
+
     @abstractmethod
     def _send(self, backend: SGLangBackend, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         """Move the stream into the server as ``version``; return the stats for the report."""
@@ -270,6 +274,7 @@ class _SGLangSync(ABC):
         details: dict[str, Any] = {"sglang_version": protocol.version_text(backend.features.version),
                                    "tp_size": backend.features.tp_size,
                                    "session": backend.features.weight_update_session}
+        self._refuse_early(backend)
         if self.verify and self._selftest is None:
             self._selftest = self._run_selftest(backend, first[1].device)
             details["selftest"] = self._selftest
@@ -408,6 +413,18 @@ def broadcast_from_trainer(pg: Any, tensor: torch.Tensor) -> None:
     pg.broadcast([tensor], opts).wait()
 
 
+def shared_gpu_problem(trainer_gpu: int, features: protocol.ServerFeatures, backend_name: str) -> str | None:
+    """Why an NCCL group of the trainer and a server it launched on the same visible devices
+    cannot form, or None. NCCL refuses two ranks of one communicator on one device ("Duplicate
+    GPU detected", seen with SGLang 0.5.17 on one H100/H200), and only at the first broadcast."""
+    if backend_name != "nccl" or trainer_gpu not in features.gpu_indices:
+        return None
+    return (f"sglang-nccl with sglang.nccl_backend 'nccl': the trainer's GPU cuda:{trainer_gpu} is also a GPU of the "
+            f"SGLang server (devices {features.gpu_indices}), and NCCL refuses two ranks of one group on one device "
+            "('Duplicate GPU detected'); on a shared GPU use sync.name 'sglang-tensor' (CUDA IPC) or "
+            "sglang.nccl_backend 'gloo', or give the server other GPUs (--base-gpu-id in sglang.launch_args)")
+
+
 class SGLangNCCLSync(_SGLangSync):
     """``sglang-nccl``: the trainer (rank 0) and SGLang's TP ranks (``1 .. tp_size``) form a
     group once; then every bucket is one uint8 broadcast, announced by
@@ -452,6 +469,14 @@ class SGLangNCCLSync(_SGLangSync):
                 joining.result(timeout=float(s.request_timeout_s))
             self._backend_ref = backend
             return self.pg
+
+    def _refuse_early(self, backend: SGLangBackend) -> None:
+        device = self._device()
+        if device.type != "cuda" or self.settings.url:
+            return  # a server at sglang.url may run anywhere: NCCL itself says so if it shares the GPU
+        problem = shared_gpu_problem(device.index, backend.features, self.settings.nccl_backend)
+        if problem:
+            raise WeightSyncError(problem, receiver_version=backend.weight_version)
 
     def _transfer(self, backend: SGLangBackend, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         self._ensure_group(backend)  # outside the weight-update session: joining loads nothing
