@@ -156,9 +156,7 @@ class PluginManager:
             self._load_entry_point(ep)
             if not ep.builtin:
                 self._order.append(n)
-        self._reorder()
-        self._check_pending()
-        self.check_provider_conflicts()
+        self._settle()
 
     def _load_entry_point(self, ep: InstalledPlugin) -> None:
         try:
@@ -185,9 +183,7 @@ class PluginManager:
         self._register(plugin, name, distribution, version, builtin=builtin)
         if not builtin:
             self._order.append(name)
-        self._reorder()
-        self._check_pending()
-        self.check_provider_conflicts()
+        self._settle()
         return name
 
     def unregister(self, name: str) -> None:
@@ -246,6 +242,13 @@ class PluginManager:
                         f"trylast/wrapper; chain hooks run in the order of the config's plugins: list."
                     )
 
+    def _settle(self) -> None:
+        """After plugins joined: chain order, every hook known, no provider name twice."""
+        self._reorder()
+        self._check_pending()
+        for hook in PROVIDER_HOOKS:
+            self._providers(hook)
+
     def _reorder(self) -> None:
         # pluggy calls implementations last-registered-first; re-register the ordered plugins
         # in reverse so chain hooks run in config order.
@@ -287,14 +290,6 @@ class PluginManager:
     def plugin_label(self, name: str) -> str:
         ld = self._loaded.get(name)
         return ld.label if ld else name
-
-    def distribution_of(self, name: str) -> tuple[str, str]:
-        ld = self._loaded[name]
-        return ld.distribution, ld.version
-
-    def hooks_of(self, name: str) -> list[str]:
-        ld = self._loaded[name]
-        return sorted(hc.name for hc in (self._pm.get_hookcallers(ld.module) or []))
 
     def implementers(self, hook: str) -> list[str]:
         """Active plugins implementing ``hook``, in call order."""
@@ -400,10 +395,6 @@ class PluginManager:
             return (f", which is not installed. Install it with: pip install {dist}, and add {plugin} "
                     f"to the config's plugins: list.")
         return f": add it to plugins: (and pip install {dist} if it is not installed)."
-
-    def check_provider_conflicts(self) -> None:
-        for hook in PROVIDER_HOOKS:
-            self._providers(hook)
 
     # ------------------------------------------------------------------ declarations -----
 
