@@ -5,14 +5,16 @@ A benchmark script, not part of the ``rlcore_megatron`` package. Ray's wheel is 
 machine can be sent, so the ranks are started WITHOUT Ray: two processes from
 ``torch.multiprocessing`` (spawn), each with its own ``CUDA_VISIBLE_DEVICES`` (so
 ``rlcore.parallel.worker.init_distributed``'s device 0 is its own GPU), each calling the worker code
-the Ray actors call, ``rlcore.parallel.worker.run_rank`` (NCCL on CUDA, gloo on CPU), which builds
-``rlcore.parallel.model_parallel.ModelParallelTrainer``. The writer (rank 0) holds the local
+the Ray actors call, ``rlcore.parallel.worker.run_rank`` (NCCL on CUDA, gloo on CPU), which runs
+``rlcore.trainer.Trainer`` with the model-parallel rank strategy
+(``rlcore.parallel.model_parallel.ModelParallel``, picked from the engine's capabilities). The writer (rank 0) holds the local
 rollout; every push gathers the TP/EP shards tensor by tensor over the trainer group (NCCL) and
 streams them bucket by bucket into it (inproc sync, verified coverage+exact).
 
-The only thing added to the worker path is measurement: ``ModelParallelTrainer`` is replaced in
-its module by a subclass whose ``_push`` reads the GPU allocator's peak around each push (every
-rank) and which, after the run, times one more export drain (the NCCL gather alone).
+The only thing added to the worker path is measurement: ``rlcore.trainer.Trainer`` is replaced in
+its module (``run_rank`` imports it from there when called) by a subclass whose ``_push`` reads the
+GPU allocator's peak around each push (every rank) and which, after the run, times one more
+export drain (the NCCL gather alone).
 
 Parts (``--part``), each independent, each writing one JSON file (``--results``):
 
@@ -207,8 +209,8 @@ def _logprob_rank(rank: int, world: int, port: int, device: str, model_dir: str,
 
     import torch.distributed as dist
     from rlcore.batch import PackedBatch
-    from rlcore.parallel.worker import init_distributed
     from rlcore.heads import reference_logprobs
+    from rlcore.parallel.worker import init_distributed
     from rlcore.types import HeadInput
     from rlcore_megatron.engine import HFSource, MegatronEngine
     from rlcore_megatron.settings import MegatronSettings
@@ -283,7 +285,7 @@ def _measured_trainer(base: type, q_info: dict) -> type:
                               "sharded_over": torch.distributed.get_world_size(group) if group is not None else 1}
             q_info["forward_fn"] = {"name": str(self.cfg.forward.name), "type": type(self.forward_fn).__module__ + "."
                                     + type(self.forward_fn).__qualname__}
-            q_info["layout"] = dict(self.layout)
+            q_info["layout"] = dict(self.strategy.layout)
             q_info["device"] = str(self._device)
             q_info["model_bytes_here"] = sum(p.numel() * p.element_size() for p in self.engine.parameters())
             calls = q_info["head_calls"] = {"total": 0, "vocab_sharded": 0, "with_fused_loss": 0}
@@ -300,11 +302,11 @@ def _measured_trainer(base: type, q_info: dict) -> type:
             self.forward_fn = counted_head
             q_info["pushes"] = []
 
-        def _export_for_push(self) -> Any:
+        def _export_for_push(self, meter: Any) -> Any:
             if not BREAKDOWN:
-                yield from super()._export_for_push()
+                yield from super()._export_for_push(meter)
                 return
-            stream = super()._export_for_push()
+            stream = super()._export_for_push(meter)
             while True:  # the time to produce each tensor (the NCCL gather), GPU included
                 t0 = time.perf_counter()
                 try:
@@ -404,13 +406,13 @@ def _timed_receiver(backend: Any, device: str) -> None:
 
 
 def _train_rank(rank: int, world: int, port: int, overrides: list[str]) -> dict:
-    import rlcore.parallel.model_parallel as model_parallel
+    import rlcore.trainer
     from rlcore.parallel.worker import config_yaml, run_rank
     from rlcore.stack import load_stack
 
     torch.backends.cuda.matmul.allow_tf32 = False
     info: dict = {}
-    model_parallel.ModelParallelTrainer = _measured_trainer(model_parallel.ModelParallelTrainer, info)
+    rlcore.trainer.Trainer = _measured_trainer(rlcore.trainer.Trainer, info)
     stack = load_stack(str(EXAMPLE), overrides)
     t0 = time.perf_counter()
     summary = run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}", overwrite=True)
