@@ -50,7 +50,8 @@ download "omegaconf==2.3.0"
 rm -f "$WHEELS"/*.tar.gz
 
 kernel=$(ls "$WHEELS"/sglang_kernel-0.4.5-*.whl)
-if unzip -l "$kernel" | grep -q 'sgl_kernel/flash_ops.abi3.so'; then
+# grep -c reads the whole listing (grep -q could end unzip with SIGPIPE, which pipefail reports as "absent")
+if [ "$(unzip -l "$kernel" | grep -c 'sgl_kernel/flash_ops.abi3.so')" -gt 0 ]; then
   echo "[fetch] repacking $(basename "$kernel") without flash_ops.abi3.so and sm100/" >&2
   tmp=$(mktemp -d)
   (cd "$tmp" && unzip -q "$kernel")
