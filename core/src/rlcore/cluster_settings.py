@@ -84,6 +84,11 @@ def check_cluster(cfg: Any) -> None:
         for k in ("num_cpus", "num_gpus"):
             if c[role].resources[k] < 0:
                 raise _bad(f"cluster.{role}.resources.{k}", "must be >= 0")
+    split = [f"{d}={c.trainer[d]}" for d in ("tp", "ep", "pp") if int(c.trainer[d]) > 1]
+    if int(c.trainer.dp) > 1 and split:
+        raise _bad("cluster.trainer.dp", f"{c.trainer.dp} beside cluster.trainer.{', '.join(split)}: a trainer rank "
+                   f"is either data parallel (the whole model, its share of the samples) or model parallel (its "
+                   f"shard, every rank the same samples; rlcore.parallel.strategy); both at once is not implemented")
     world = int(c.trainer.dp * c.trainer.tp * c.trainer.ep * c.trainer.pp)
     if c.placement == "colocated" and c.rollout.replicas > world:
         raise _bad("cluster.rollout.replicas", f"{c.rollout.replicas} colocated replicas need as many trainer "
