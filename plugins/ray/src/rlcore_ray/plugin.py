@@ -1,4 +1,6 @@
-"""Plugin ``ray`` (distribution rlcore-ray): the ``ray`` launcher and its ``ray:`` config section.
+"""Plugin ``ray`` (distribution rlcore-ray): the ``ray`` launcher, its ``ray:`` config section, and
+the ``mapped`` weight sync, which lends the writer's parameters to its colocated replicas
+(:mod:`rlcore_ray.mapped_sync`).
 
 ``plugins: [ray]`` and ``cluster.backend: ray`` run the trainer ranks and rollout replicas as Ray
 actors in one placement group (:mod:`rlcore_ray.launch`). Importing this module imports no Ray.
@@ -11,7 +13,7 @@ from rlcore.types import LauncherSpec, PluginSettings
 
 from rlcore_ray.settings import RaySettings, validate
 
-__all__ = ["PLUGIN_API", "launcher", "plugin_settings"]
+__all__ = ["PLUGIN_API", "launcher", "plugin_settings", "weight_sync"]
 
 
 def _build(config):
