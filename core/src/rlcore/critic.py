@@ -31,6 +31,7 @@ from rlcore.algorithms.gae import clipped_value_loss, explained_variance, gae_pe
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import PackedBatch
 from rlcore.errors import MissingCapabilityError
+from rlcore.pass_metrics import PassMetrics
 from rlcore.types import Cap
 
 #: the step batch's per-token fields the critic writes ([T], zero off the loss mask)
@@ -94,7 +95,7 @@ class Critic:
         metrics: dict[str, float] = {}
         for update in range(self.updates):
             self.model.zero_grad()
-            loss_sum = clip_sum = 0.0
+            pass_metrics = PassMetrics()
             for i, mb in enumerate(batch.micro_batches(self.micro_batch_tokens)):
                 m = mb.loss_mask.to(torch.float32)
                 pred = self.model.values(mb)
@@ -105,15 +106,14 @@ class Critic:
                     raise guards.nonfinite_error(step, self.on_nonfinite, "critic loss",
                                                  f"{float(loss.detach())} in micro-batch {i}", skippable=update == 0)
                 loss.backward()
-                loss_sum += float(loss.detach())
-                clip_sum += float((clipped * m.to(clipped.device)).sum())
+                pass_metrics.add_sum("critic/vf_loss", loss.detach())
+                pass_metrics.add_token_sums({"critic/vf_clipfrac": (clipped * m.to(clipped.device)).sum()}, m.sum())
             problem = guards.grad_norm_problem(self.model.parameters())
             if problem:
                 raise guards.nonfinite_error(step, self.on_nonfinite, "critic grad_norm", problem,
                                              skippable=update == 0)
             grad_norm = self.model.optimizer_step(self.grad_clip)
-            metrics = {"critic/vf_loss": loss_sum, "critic/vf_clipfrac": clip_sum / n_tokens,
-                       "critic/grad_norm": grad_norm}
+            metrics = {**pass_metrics.result(), "critic/grad_norm": grad_norm}
         return {**self._stats, **metrics}
 
     # ---------------------------------------------------------------------------- checkpoint --
