@@ -400,3 +400,29 @@ def test_release_for_training_frees_memory_after_each_rollout_and_the_push_bring
     with pytest.raises(RolloutError, match="enable-weights-cpu-backup"):
         backend.generate(prompts, params)
     backend.shutdown()
+
+
+def test_release_for_training_without_core_releasing_the_kv_cache(standin, policy_dir, tmp_path):
+    """rollout.release_kv_cache: never: core does not call release_memory before the push, so the
+    sync itself brings the weights released for training back; the KV cache comes back with the
+    next rollout."""
+    from rlcore.push import push_weights
+
+    standin.configure()
+    backend = _started(standin, policy_dir, tmp_path, release_for_training=["kv_cache", "weights"])
+    prompts, params = [Prompt(ids=[3, 1, 2], index=0)], SamplingSettings(n=1, max_new_tokens=3)
+    backend.generate(prompts, params)
+    before = len(standin.state()["log"])
+    sync = SGLangTensorSync(_settings(standin), bucket_bytes=1 << 20, verify=False)
+    push_weights(backend, sync, iter(_weights(2)), 1, release_kv=False)
+    events = standin.state()["log"][before:]
+    assert [e["route"] for e in events][:3] == ["/pause_generation", "/resume_memory_occupation",
+                                                "/begin_weight_update"]
+    assert events[1]["fields"]["tags"] == ["weights"]
+    assert standin.state()["weights"] == _sent(_weights(2)) and backend.released_tags == {"kv_cache"}
+    before = len(standin.state()["log"])
+    assert backend.generate(prompts, params)[0].weight_version == 1
+    events = standin.state()["log"][before:]
+    assert [e["route"] for e in events][:2] == ["/resume_memory_occupation", "/generate"]
+    assert events[0]["fields"]["tags"] == ["kv_cache"]
+    backend.shutdown()

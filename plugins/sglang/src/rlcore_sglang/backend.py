@@ -226,19 +226,15 @@ class SGLangBackend:
     def release_memory(self, tags: frozenset[str]) -> None:
         tags = frozenset(tags)
         if self._training_released:
-            # released since the rollout (sglang.release_for_training): the push needs the weights
-            # (and later generation its CUDA graphs) back; what core asks to release stays released
+            # released since the rollout (sglang.release_for_training): what core asks to release
+            # stays released; the push needs the weights back
             keep = self._training_released & tags
-            back = self._training_released - tags
-            self._training_released.clear()
+            self._training_released -= keep
             self._released |= keep
-            if back:
-                t0 = time.perf_counter()
-                self._control("/resume_memory_occupation", {"tags": sorted(back)}, f"resuming {sorted(back)}")
-                self._memory_metrics["rollout/resume_for_push_seconds"] = time.perf_counter() - t0
-            tags = tags - keep
             if keep:  # freed after the rollout: rollout/training_release_bytes measured it
                 self._memory_metrics.pop("rollout/kv_cache_freed_bytes", None)
+            self.restore_for_push()
+            tags = tags - keep
             if not tags:
                 return
         before = cuda_free_bytes()
@@ -253,6 +249,19 @@ class SGLangBackend:
     def resume_memory(self, tags: frozenset[str]) -> None:
         self._control("/resume_memory_occupation", {"tags": self._tags(tags)}, f"resuming {sorted(tags)}")
         self._released -= set(tags)
+
+    def restore_for_push(self) -> None:
+        """Before a push after ``sglang.release_for_training``: the weights (their values are about
+        to be overwritten by the push) and CUDA graphs come back; a released KV cache stays
+        released until the next rollout or core's ``resume_memory``. The syncs call it, so a run
+        with ``rollout.release_kv_cache: never`` pushes into resumed weights too."""
+        back = self._training_released - {"kv_cache"}
+        if not back:
+            return
+        t0 = time.perf_counter()
+        self._control("/resume_memory_occupation", {"tags": sorted(back)}, f"resuming {sorted(back)} for the push")
+        self._training_released -= back
+        self._memory_metrics["rollout/resume_for_push_seconds"] = time.perf_counter() - t0
 
     def _wait_idle(self, limit_s: float = 30.0) -> None:
         """SGLang asserts idleness when releasing memory, and its scheduler can still hold the

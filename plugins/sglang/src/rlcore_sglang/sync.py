@@ -151,6 +151,7 @@ class _SGLangSync(ABC):
                 "from the policy's MTP layers, and update_weights_from_distributed loads only the target runner "
                 "(sgl-project/sglang#27718), so the draft would stay at its start weights; use sglang-tensor or "
                 "sglang-disk", receiver_version=target.weight_version)
+        target.restore_for_push()  # weights released for training (sglang.release_for_training) come back
         if "weights" in target.released_tags:
             raise WeightSyncError(
                 "SGLang's weights are released; resume_memory({'weights'}) before pushing new ones",
