@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +53,6 @@ from rlcore.types import Cap, HeadInput, MicroBatchContext, ModelOutput, Prompt,
 #: rollout engine's behaviour log-probs, which the importance ratio uses)
 RECOMPUTED = "recomputed_logprobs"
 PHASE_OUTPUT = {"old_logprob": RECOMPUTED, "ref_logprob": "ref_logprobs"}
-
-
-@dataclass
-class StepTotals:
-    """Normalisers over the whole step (all micro-batches, all ranks)."""
-
-    loss_tokens: int
-    #: the aggregation divisor (see rlcore.algorithms.aggregation)
-    divisor: float
 
 
 class Trainer:
@@ -201,19 +191,21 @@ class Trainer:
                                                                                  layout.num_experts)
         return batch
 
-    def _forward_pass(self, batch: PackedBatch, phase: str, engine: Any, totals: StepTotals,
+    def _forward_pass(self, batch: PackedBatch, phase: str, engine: Any, divisor: float,
                       grad: bool) -> dict[str, float]:
-        """Run this rank's micro-batches of ``batch`` through engine + head (+ loss and backward in
-        ``train``); the no-grad passes leave their log-probs in ``batch``. The pass's metrics,
-        reduced over the micro-batches and the ranks."""
+        """Run this rank's micro-batches of the step's ``batch`` through engine + head (+ loss and
+        backward in ``train``; ``divisor``: the step's aggregation divisor, see
+        rlcore.algorithms.aggregation); the no-grad passes leave their log-probs in ``batch``. The
+        pass's metrics, reduced over the micro-batches and the ranks."""
         cfg = self.cfg
         train = phase == "train"
         metrics = PassMetrics()
         mbs = self.strategy.micro_batches(batch, int(cfg.training.micro_batch_tokens))
+        step_loss_tokens = batch.num_loss_tokens
         logprob_out = None if train else torch.zeros(batch.num_tokens, device=batch.device)
         for i, mb in enumerate(mbs):
             ctx = MicroBatchContext(step=self.step, phase=phase, index=i, count=len(mbs), batch=mb, config=cfg,
-                                    num_tokens_in_step=totals.loss_tokens)
+                                    num_tokens_in_step=step_loss_tokens)
             req = self.pm.forward_request(ctx)
             with torch.set_grad_enabled(grad):
                 out = engine.forward(mb, record_routes=req.record_routes, router=self.router, micro_batch=ctx,
@@ -221,7 +213,7 @@ class Trainer:
                 hw = engine.head()
                 request = None  # Cap.FUSED_LOSS: the head forms the loss and its gradients itself
                 if train and Cap.FUSED_LOSS in self.stack.forward_fn.capabilities:
-                    request = objmod.loss_request(mb, self.objective, totals.divisor, self.proximal)
+                    request = objmod.loss_request(mb, self.objective, divisor, self.proximal)
                 head = self.forward_fn(self._head_input(mb, out, hw, compute_entropy=train, loss=request))
                 native = self._native_logprobs(mb, ctx, engine, hw) if req.native_logprobs else None
                 results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn, native))
@@ -234,7 +226,7 @@ class Trainer:
                     terms = [(f"loss/{plugin}/{name}", term) for plugin, res in results
                              for name, term in res.loss_terms.items()]
                     terms += [(f"loss/engine/{name}", term) for name, term in out.aux_losses.items()]
-                    self._backward(mb, head, terms, totals, metrics, f"train micro-batch {i} of {len(mbs)}")
+                    self._backward(mb, head, terms, divisor, metrics, f"train micro-batch {i} of {len(mbs)}")
                 else:
                     start = mb.token_offset - batch.token_offset
                     logprob_out[start: start + mb.num_tokens] = head.logprobs.detach().float()
@@ -245,10 +237,10 @@ class Trainer:
             batch.fields[PHASE_OUTPUT[phase]] = logprob_out
         return self.strategy.reduce_metrics(metrics).result()
 
-    def _backward(self, mb: PackedBatch, head: Any, terms: list[tuple[str, torch.Tensor]], totals: StepTotals,
+    def _backward(self, mb: PackedBatch, head: Any, terms: list[tuple[str, torch.Tensor]], divisor: float,
                   metrics: PassMetrics, where: str) -> None:
         """The micro-batch's policy loss plus the plugins' and the engine's loss terms, backward."""
-        loss, token_sums = objmod.micro_batch_loss(mb, head.logprobs, head.entropy, self.objective, totals.divisor,
+        loss, token_sums = objmod.micro_batch_loss(mb, head.logprobs, head.entropy, self.objective, divisor,
                                                    self.proximal, head_loss=head.loss)
         for key, term in terms:
             loss = loss + term
@@ -288,20 +280,19 @@ class Trainer:
         a = cfg.algorithm
         weights = step_weights(a.loss_agg, batch.loss_mask, batch.seq_index(), batch.num_seqs, int(a.norm_tokens))
         batch.fields[objmod.AGG_NUMERATOR] = weights.numerator
-        totals = StepTotals(loss_tokens=batch.num_loss_tokens, divisor=weights.divisor)
 
         metrics: dict[str, Any] = {**rollout_metrics(self.backend), **sampled.metrics}  # acceptance per draft depth
         greedy = greedy_rewards(cfg, self.backend, self.version, self.engine.info.eos_token_id, *self._prompts(0),
                                 self._rewards, metrics) if self.algorithm.greedy_baseline else None  # ReMax
         self.engine.train(False)
-        old_metrics = self._forward_pass(batch, "old_logprob", self.engine, totals, grad=False)
+        old_metrics = self._forward_pass(batch, "old_logprob", self.engine, weights.divisor, grad=False)
         metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
         mask = batch.loss_mask
         d = (batch.fields[RECOMPUTED] - batch.fields["old_logprobs"]).abs()[mask]
         metrics["logprob_mismatch_mean"] = float(d.mean()) if d.numel() else 0.0
         metrics["logprob_mismatch_max"] = float(d.max()) if d.numel() else 0.0
         if self.reference is not None:
-            self._forward_pass(batch, "ref_logprob", self.reference, totals, grad=False)
+            self._forward_pass(batch, "ref_logprob", self.reference, weights.divisor, grad=False)
         metrics.update(self._algorithm_inputs(batch, samples, rewards, greedy))
         problem = guards.advantages_problem(batch.fields["advantages"], batch.seq_fields.get("advantage"), rewards)
         if problem:
@@ -312,7 +303,7 @@ class Trainer:
         # update on the ratio moves away from 1 and the losses' clipping rules differ
         for _update in range(int(cfg.algorithm.updates_per_step)):
             self.engine.zero_grad()
-            train_metrics = self._forward_pass(batch, "train", self.engine, totals, grad=True)
+            train_metrics = self._forward_pass(batch, "train", self.engine, weights.divisor, grad=True)
             problem = guards.grad_norm_problem(self.engine.parameters())
             if problem:
                 raise self._nonfinite("grad_norm", problem)
