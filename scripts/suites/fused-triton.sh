@@ -39,5 +39,7 @@ fi
 
 # TRITON_INTERPRET must be set before triton is imported: it decides at @triton.jit time.
 export TRITON_INTERPRET=1
-if [ $# -eq 0 ]; then set -- plugins/fused/tests/test_triton_interpreter.py; fi
+# the suite's tests unless an argument names a test path (`-k expr` alone would collect the whole checkout)
+has_path=0; for a in "$@"; do [ -e "${a%%::*}" ] && has_path=1; done
+[ "$has_path" = 1 ] || set -- plugins/fused/tests/test_triton_interpreter.py "$@"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -W "ignore::DeprecationWarning" "$@"

@@ -66,5 +66,7 @@ fi
 
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export RLCORE_SGLANG_OLD_WHEEL_DIR="$VENV/wheels"
-if [ $# -eq 0 ]; then set -- plugins/sglang/tests; fi
+# the suite's tests unless an argument names a test path (`-k expr` alone would collect the whole checkout)
+has_path=0; for a in "$@"; do [ -e "${a%%::*}" ] && has_path=1; done
+[ "$has_path" = 1 ] || set -- plugins/sglang/tests "$@"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

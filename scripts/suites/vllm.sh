@@ -62,5 +62,7 @@ fi
 # vLLM on this machine: see plugins/vllm/README.md. The plugin sets its own engine env defaults;
 # these keep the tests off the network and make them quiet and reproducible.
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
-if [ $# -eq 0 ]; then set -- plugins/vllm/tests; fi
+# the suite's tests unless an argument names a test path (`-k expr` alone would collect the whole checkout)
+has_path=0; for a in "$@"; do [ -e "${a%%::*}" ] && has_path=1; done
+[ "$has_path" = 1 ] || set -- plugins/vllm/tests "$@"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
