@@ -44,10 +44,17 @@ def install_hint(name: str) -> str:
     )
 
 
+#: first-party providers not named after their plugin: they kept the name users' configs already
+#: had when they moved out of core (``sync.name: mapped`` came with rlcore-ray)
+RENAMED_PROVIDERS = {"mapped": "ray"}
+
+
 def first_party_plugin_of(provider: str) -> str | None:
     """The first-party plugin that provides ``provider``, if one does: first-party plugins name
     their providers after themselves (``fused``, ``megatron``) or ``<plugin>-<variant>``
-    (``sglang-nccl``)."""
+    (``sglang-nccl``), except the few in :data:`RENAMED_PROVIDERS`."""
+    if provider in RENAMED_PROVIDERS:
+        return RENAMED_PROVIDERS[provider]
     plugin = provider.split("-", 1)[0]
     return plugin if plugin in KNOWN_DISTRIBUTIONS else None
 

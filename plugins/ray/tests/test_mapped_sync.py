@@ -65,3 +65,14 @@ def test_a_backend_that_declares_staged_load_is_fed(with_ray, register_plugin, r
     stack = resolve(rlcore_config(*LEND, "rollout.backend=acme"), with_ray)
     assert stack.weight_sync.name == "mapped" and stack.weight_sync.distribution == "rlcore-ray 0.1.0"
     assert stack.rollout_backend.name == "acme"
+
+
+def test_mapped_without_the_ray_plugin_active_names_the_plugin():
+    # 'mapped' kept its name when it left core: the hint still finds its plugin (discovery.RENAMED_PROVIDERS)
+    from pathlib import Path
+
+    from rlcore.stack import load_stack
+
+    tiny = Path(__file__).resolve().parents[3] / "examples" / "tiny.yaml"
+    with pytest.raises(errors.UnknownProviderError, match=r"weight_sync 'mapped' comes with the plugin 'ray' \(rlcore-ray"):
+        load_stack(tiny, ["sync.name=mapped"])
