@@ -100,7 +100,7 @@ def test_a_reward_that_never_returns_stops_the_run_naming_function_sample_and_li
 def test_the_timeout_setting_is_checked_and_does_not_change_the_fingerprint(capsys):
     assert main(["check", TINY, "data.reward_timeout_seconds=-1"]) == 2
     err = capsys.readouterr().err
-    assert "data.reward_timeout_seconds" in err and "must be in [0, inf)" in err, err
+    assert "data.reward_timeout_seconds" in err and "must be >= 0" in err, err
     cfg, _ = load_config(TINY, ["data.reward_timeout_seconds=600"])
     assert cfg.data.reward_timeout_seconds == 600
     # resuming a run stopped by the limit with a larger one is the point: not a config change
