@@ -82,6 +82,7 @@ PUBLIC_MODULES: dict[str, str] = {
         "`WeightSyncConformance`, `EngineConformance`), `float64_head` to compare a head with (section 4)"
     ),
     "rlcore.testing.algorithm_conformance": "`AlgorithmConformance`, the suite of an algorithm (section 4)",
+    "rlcore.testing.launcher_conformance": "`LauncherConformance`, the suite of a launcher (section 4)",
     "rlcore.testing.models": (
         "tiny HF model directories (`make_model_dir`) and what transformers computes from them (`hf_greedy`, "
         "`hf_token_logprobs`), to compare with"
