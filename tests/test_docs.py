@@ -206,3 +206,30 @@ def test_every_registered_pytest_marker_is_selected_by_bin_test():
         name = re.match(r"\w+", line).group(0)
         assert name in selected, f"the pytest marker {name!r} is registered but bin/test never selects or deselects it"
     assert "bin/test --quick" in (ROOT / "README.md").read_text()
+
+
+def _modules(src: Path, package: str) -> list[str]:
+    """Every module and package under ``src/package``, dotted (a package by its ``__init__``)."""
+    names = []
+    for path in sorted((src / package).rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_architecture_lists_every_core_module():
+    """docs/architecture.md names every package and module of core (`rlcore.x`), with a line on
+    what it is for; a module added without its line fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [name for name in _modules(ROOT / "core" / "src", "rlcore") if f"`{name}`" not in text]
+    assert not missing, f"docs/architecture.md does not list these core modules: {', '.join(missing)}"
+
+
+def test_architecture_lists_every_plugin_module():
+    """The same for every first-party plugin's package (plugins/*/src) and the example plugin."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    sources = [*sorted((ROOT / "plugins").glob("*/src")), ROOT / "examples" / "third_party_plugin" / "src"]
+    missing = [name for src in sources for pkg in sorted(p.name for p in src.glob("rlcore_*") if p.is_dir()
+                                                         and not p.name.endswith(".egg-info"))
+               for name in _modules(src, pkg) if f"`{name}`" not in text]
+    assert not missing, f"docs/architecture.md does not list these plugin modules: {', '.join(missing)}"
