@@ -76,3 +76,16 @@ def test_mapped_without_the_ray_plugin_active_names_the_plugin():
     tiny = Path(__file__).resolve().parents[3] / "examples" / "tiny.yaml"
     with pytest.raises(errors.UnknownProviderError, match=r"weight_sync 'mapped' comes with the plugin 'ray' \(rlcore-ray"):
         load_stack(tiny, ["sync.name=mapped"])
+
+
+def test_mapped_into_a_local_rollout_loading_in_place_is_refused():
+    # the local rollout stages a copy of each bucket unless rollout.local_update=in_place: then it
+    # lacks staged_load, which a lent storage needs (it could change under the load)
+    from pathlib import Path
+
+    from rlcore.stack import load_stack
+
+    tiny = Path(__file__).resolve().parents[3] / "examples" / "tiny.yaml"
+    load_stack(tiny, LEND)  # staged (the default): accepted
+    with pytest.raises(errors.RLCoreError, match="staged_load"):
+        load_stack(tiny, [*LEND, "rollout.local_update=in_place"])

@@ -19,6 +19,16 @@ LOADS_IN_PLACE = RequiresCapability(
 )
 
 
+def _gaps(config):
+    """``staged_load`` is how the local rollout loads by default; ``rollout.local_update: in_place``
+    writes each bucket straight into the live weights instead, so a sync that lends its storages
+    (which needs a staged copy) cannot feed it then."""
+    if config.rollout.local_update == "in_place":
+        return {Cap.STAGED_LOAD: "rollout.local_update='in_place' loads each bucket into the live weights, "
+                                 "without a staged copy"}
+    return {}
+
+
 def _build(ctx):
     from rlcore.rollout_local import build_local_rollout
 
@@ -34,6 +44,7 @@ def rollout_backend():
                       Cap.RECEIVE_DISK, Cap.WEIGHT_CHECKSUMS, Cap.SPECULATIVE, Cap.REPLICA, Cap.STAGED_LOAD,
                       Cap.IN_PLACE_LOAD, Cap.POLICY_MTP_DRAFTS},
         description="in-process sampler over a copy of the policy (transformers, KV cache; MTP speculative drafts)",
+        platform_gaps=_gaps,
     )
 
 
