@@ -502,11 +502,14 @@ FINGERPRINT_EXCLUDED = (
 )
 
 
-def training_fingerprint(cfg: DictConfig) -> dict[str, Any]:
-    """The flattened config (``{"algorithm.kl_coef": 0.0, ...}``) minus :data:`FINGERPRINT_EXCLUDED`:
-    what a checkpoint stores so that ``--resume`` can name every key that differs."""
+def training_fingerprint(cfg: DictConfig, settings: Sequence[Any] = ()) -> dict[str, Any]:
+    """The flattened config (``{"algorithm.kl_coef": 0.0, ...}``) minus :data:`FINGERPRINT_EXCLUDED`
+    and the plugin sections (``settings``: the active plugins' :class:`~rlcore.types.PluginSettings`)
+    that do not affect training: what a checkpoint stores so that ``--resume`` can name every key
+    that differs."""
+    excluded = (*FINGERPRINT_EXCLUDED, *(f"{ps.section}." for ps in settings if not ps.affects_training))
     return {key: val for key, val in _flat(OmegaConf.to_container(cfg, resolve=True))
-            if not any(key == e or (e.endswith(".") and key.startswith(e)) for e in FINGERPRINT_EXCLUDED)}
+            if not any(key == e or (e.endswith(".") and key.startswith(e)) for e in excluded)}
 
 
 def fingerprint_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

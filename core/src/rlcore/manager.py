@@ -401,7 +401,7 @@ class PluginManager:
     def plugin_settings(self) -> list[PluginSettings]:
         out: dict[str, PluginSettings] = {}
         for ld, ps in self._answers("plugin_settings", PluginSettings):
-            ps = PluginSettings(ps.section, ps.schema, plugin=ld.name, validate=ps.validate)
+            ps = dataclasses.replace(ps, plugin=ld.name)
             if ps.section in out:
                 other = out[ps.section]
                 raise errors.PluginConflictError(

@@ -116,7 +116,7 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
         taken.append(prepare_output_dir(out, resume=resume, overwrite=overwrite, info={"rlcore_version": __version__}))
 
     on_writer(ranks, take_directory)
-    fingerprint = training_fingerprint(cfg)
+    fingerprint = training_fingerprint(cfg, stack.plugins.plugin_settings())
     resume_from = None
     if resume:  # a checkpoint that is damaged or from another config fails here, before the model loads
         resume_from = ResumePoint(*on_writer(ranks, lambda: load_checkpoint(out, fingerprint, allow_config_change)))

@@ -295,12 +295,16 @@ class PluginSettings:
     takes a second argument, the whole resolved config, for checks that depend on other
     sections such as ``engine.device``) and raises :class:`rlcore.errors.ConfigError` naming the
     key. ``rlcore check`` runs it: whatever the plugin's factories would refuse at build time
-    belongs here, so that a config is refused before anything is built."""
+    belongs here, so that a config is refused before anything is built. ``affects_training``:
+    false for a section that only says where the run's processes run (a launcher's): it stays out
+    of the training fingerprint, so ``--resume`` accepts a change to it without
+    ``--allow-config-change``, as it does for core's ``cluster:`` section."""
 
     section: str
     schema: type
     plugin: str | None = None
     validate: Callable[[Any], None] | None = None
+    affects_training: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "section", normalise_name(self.section).replace("-", "_"))

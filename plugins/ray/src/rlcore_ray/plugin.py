@@ -24,7 +24,7 @@ def _build(config):
 
 @hookimpl
 def plugin_settings():
-    return PluginSettings(section="ray", schema=RaySettings, validate=validate)
+    return PluginSettings(section="ray", schema=RaySettings, validate=validate, affects_training=False)
 
 
 @hookimpl
