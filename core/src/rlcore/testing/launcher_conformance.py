@@ -27,6 +27,7 @@ import pytest
 from rlcore.errors import RunOutputError
 from rlcore.types import LauncherSpec
 
+
 class LauncherConformance:
     overrides: list[str] = []
     config_path: str | None = None

@@ -223,7 +223,8 @@ class _SGLangSync(ABC):
 
     def _refuse_early(self, backend: SGLangBackend) -> None:
         """Problems a transport can see before anything is sent (the self-test resets SGLang's
-        tensors first, so a transport that cannot work must say so before it)."""
+        tensors first, so a transport that cannot work must say so before it). None by default."""
+        return None
 
     @abstractmethod
     def _send(self, backend: SGLangBackend, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
