@@ -20,6 +20,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -257,6 +258,36 @@ def verification_level(*checks: str) -> str:
         raise ValueError(f"unknown verification checks {sorted(unknown)}; known: {LEVEL_CHECKS}")
     got = [c for c in LEVEL_CHECKS if c in checks]
     return "+".join(got) if got else "none"
+
+
+def check_after_push(target: Any, shapes: list[tuple[str, tuple[int, ...]]], sent: Mapping[str, int] | None,
+                     version: int, method: str, *, holder: str = "the receiver",
+                     holds: str = "it holds") -> tuple[int, str]:
+    """Check what ``target`` holds after a ``method`` push of ``version``; returns ``(tensors
+    checked, level)``. ``coverage``: every pushed name and shape against the target's
+    ``weight_manifest()`` (when it has one); ``exact``: the target's ``weight_checksums()`` against
+    ``sent`` (``None``: not verified). A failure is a :class:`WeightSyncError` naming ``holder``
+    (the receiver, or a fleet's replicas) and saying ``holds`` unverified weights."""
+    checks = []
+    manifest = target.weight_manifest() if callable(getattr(target, "weight_manifest", None)) else None
+    if manifest is not None:
+        try:
+            manifest.check(shapes)
+            manifest.check_complete(n for n, _ in shapes)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{method} push of version {version}: {exc}", receiver_version=None) from exc
+        checks.append("coverage")
+    if sent is None:
+        return 0, verification_level(*checks)
+    bad = verify_checksums(sent, target.weight_checksums(sent.keys()))
+    if bad:
+        raise WeightSyncError(
+            f"{method} push of version {version}: {len(bad)} of {len(sent)} tensors differ on {holder} after "
+            f"the push (e.g. {bad[:3]}); {holds} unverified weights",
+            receiver_version=None,
+        )
+    checks.append("exact")
+    return len(sent), verification_level(*checks)
 
 
 #: checkpoint names of an output layer that may be tied to the input embedding

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlcore.errors import WeightSyncError
-from rlcore.sync import Bucket, iter_buckets, verification_level, verify_checksums
+from rlcore.sync import Bucket, check_after_push, iter_buckets
 from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport, implements
 
 MB = 1 << 20
@@ -45,32 +45,6 @@ class _Tally:
             self.nbytes += bucket.nbytes
             self.ntensors += len(bucket.metas)
             self.nbuckets += 1
-
-
-def _verify(target: Any, tally: _Tally, version: int, method: str) -> tuple[int, str]:
-    """Check the receiver after a push; returns ``(tensors checked, level)``."""
-    checks = []
-    manifest = target.weight_manifest() if callable(getattr(target, "weight_manifest", None)) else None
-    if manifest is not None:
-        try:
-            manifest.check(tally.shapes)
-            manifest.check_complete(n for n, _ in tally.shapes)
-        except WeightSyncError as exc:
-            raise WeightSyncError(f"{method} push of version {version}: {exc}", receiver_version=None) from exc
-        checks.append("coverage")
-    if not tally.verify:
-        return 0, verification_level(*checks)
-    sent = tally.sent
-    got = target.weight_checksums(sent.keys())
-    bad = verify_checksums(sent, got)
-    if bad:
-        raise WeightSyncError(
-            f"{method} push of version {version}: {len(bad)} of {len(sent)} tensors differ on the "
-            f"receiver after the push (e.g. {bad[:3]}); it holds unverified weights",
-            receiver_version=None,
-        )
-    checks.append("exact")
-    return len(sent), verification_level(*checks)
 
 
 class InprocSync:
@@ -103,7 +77,7 @@ class InprocSync:
                 f"{type(exc).__name__}: {exc}; {where}",
                 receiver_version=now,
             ) from exc
-        checked, level = _verify(target, tally, version, "inproc")
+        checked, level = check_after_push(target, tally.shapes, tally.sent if tally.verify else None, version, "inproc")
         return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method="inproc", details={"level": level})
 
@@ -150,7 +124,7 @@ class DiskSync:
                 f"stays on version {target.weight_version}",
                 receiver_version=before,
             ) from exc
-        checked, level = _verify(target, tally, version, "disk")
+        checked, level = check_after_push(target, tally.shapes, tally.sent if tally.verify else None, version, "disk")
         self._prune(version)
         return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method="disk",

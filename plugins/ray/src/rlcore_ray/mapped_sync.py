@@ -131,33 +131,6 @@ class FleetChannel:
         return ("mapped", replies[0][1], verification_level(*passed), min(int(r[3]) for r in replies), phases)
 
 
-def check_replicas(fleet: Any, shapes: list[tuple[str, tuple[int, ...]]], sent: dict[str, int] | None,
-                   version: int) -> tuple[int, str]:
-    """What the replicas hold after a push, against what was lent; returns ``(tensors checked,
-    level)``. ``coverage``: every name and shape against the fleet's manifest; ``exact``: the
-    replicas' checksums (equal among them, :meth:`RolloutFleet.weight_checksums`) against ``sent``."""
-    from rlcore.sync import verification_level, verify_checksums
-
-    checks = []
-    manifest = fleet.weight_manifest() if callable(getattr(fleet, "weight_manifest", None)) else None
-    if manifest is not None:
-        try:
-            manifest.check(shapes)
-            manifest.check_complete(n for n, _ in shapes)
-        except WeightSyncError as exc:
-            raise WeightSyncError(f"mapped push of version {version}: {exc}", receiver_version=None) from exc
-        checks.append("coverage")
-    if sent is None:
-        return 0, verification_level(*checks)
-    bad = verify_checksums(sent, fleet.weight_checksums(sent.keys()))
-    if bad:
-        raise WeightSyncError(f"mapped push of version {version}: {len(bad)} of {len(sent)} tensors differ on the "
-                              f"replicas after the push (e.g. {bad[:3]}); they hold unverified weights",
-                              receiver_version=None)
-    checks.append("exact")
-    return len(sent), verification_level(*checks)
-
-
 class MappedFleetSync:
     """The ``mapped`` weight sync (see the module docstring)."""
 
@@ -198,7 +171,7 @@ class MappedFleetSync:
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: Any, version: int) -> SyncReport:
         import torch.multiprocessing
-        from rlcore.sync import tensor_checksum
+        from rlcore.sync import check_after_push, tensor_checksum
 
         from rlcore_ray.transport import MappedSender
 
@@ -222,7 +195,8 @@ class MappedFleetSync:
                                   f"{before}", receiver_version=before) from exc
         fleet.note_version(version)
         # what every replica holds now, against what was lent (and the replicas against each other)
-        checked, level = check_replicas(fleet, [(n, tuple(t.shape)) for n, t in pairs], sent, version)
+        checked, level = check_after_push(fleet, [(n, tuple(t.shape)) for n, t in pairs], sent, version, "mapped",
+                                          holder="the replicas", holds="they hold")
         details = dict(report.details, level=level)
         return SyncReport(version, len(pairs), 0, report.bytes, time.perf_counter() - t0, verified=self.verify,
                           checked=checked, method="mapped", details=details)
