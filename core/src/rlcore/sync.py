@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -288,6 +289,17 @@ def check_after_push(target: Any, shapes: list[tuple[str, tuple[int, ...]]], sen
         )
     checks.append("exact")
     return len(sent), verification_level(*checks)
+
+
+def prune_versions(directory: Path, version: int, keep: int) -> None:
+    """Delete ``directory/v<n>`` for every ``n <= version - keep`` (disk syncs keep the newest)."""
+    for d in Path(directory).glob("v*"):
+        try:
+            v = int(d.name[1:])
+        except ValueError:
+            continue
+        if v <= version - keep:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 #: checkpoint names of an output layer that may be tied to the input embedding

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlcore.errors import WeightSyncError
-from rlcore.sync import Bucket, check_after_push, iter_buckets
+from rlcore.sync import Bucket, check_after_push, iter_buckets, prune_versions
 from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport, implements
 
 MB = 1 << 20
@@ -135,17 +135,6 @@ class DiskSync:
 
     def close(self) -> None:
         pass
-
-
-def prune_versions(directory: Path, version: int, keep: int) -> None:
-    """Delete ``directory/v<n>`` for every ``n <= version - keep`` (disk syncs keep the newest)."""
-    for d in Path(directory).glob("v*"):
-        try:
-            v = int(d.name[1:])
-        except ValueError:
-            continue
-        if v <= version - keep:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def build_inproc(ctx: Any) -> InprocSync:

@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 import torch
 from rlcore.errors import ConfigError, WeightSyncError
 from rlcore.serving import EngineServerError, answer_message
-from rlcore.sync import Bucket, WeightManifest, iter_buckets, verification_level
+from rlcore.sync import Bucket, WeightManifest, iter_buckets, prune_versions, verification_level
 from rlcore.types import SyncReport
 
 from rlcore_sglang import protocol, wire
@@ -574,13 +574,7 @@ class SGLangDiskSync(_SGLangSync):
 
     def _prune(self, version: int) -> None:
         """Delete ``v<n>`` for every ``n <= version - keep``."""
-        for d in Path(self.directory).glob("v*"):
-            try:
-                v = int(d.name[1:])
-            except ValueError:
-                continue
-            if v <= version - self.keep:
-                shutil.rmtree(d, ignore_errors=True)
+        prune_versions(Path(self.directory), version, self.keep)
 
 
 # ---------------------------------------------------------------------------- factories ---
