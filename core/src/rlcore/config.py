@@ -23,7 +23,9 @@ from omegaconf import errors as oc_errors
 from rlcore.algorithm_settings import DapoConfig, KLControlConfig, MismatchConfig, check_modifiers
 from rlcore.algorithms.spec import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
+from rlcore.environment_settings import EnvironmentConfig, check_environment
 from rlcore.errors import ConfigError
+from rlcore.loop_settings import LoopConfig, check_loop
 from rlcore.model_settings import check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
 
@@ -209,6 +211,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)  #: rlcore.loop_settings
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  #: rlcore.environment_settings
 
 
 CORE_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
@@ -414,6 +418,8 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key)
     check_model(cfg)
     check_cluster(cfg)
+    check_loop(cfg)
+    check_environment(cfg)
     resolve_seed_per_prompt(cfg)
 
 

@@ -91,6 +91,9 @@ class BuiltRun:
     critic: Critic | None
     metrics: MetricsWriter | NullMetrics
     report: RunReport
+    #: the environment provider that takes the model's turns (``environment.name``); ``None``: one
+    #: prompt, one completion, scored by ``data.reward`` (the built-in behaviour)
+    environment: Any = None
 
 
 def build_run(stack: Stack, strategy: RankStrategy, *, resume: bool = False, console: Any = None,

@@ -107,9 +107,13 @@ class SampledStep:
 
 def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: int | None,
                 prompts_for: Callable[[int], tuple[list[Prompt], list[Any]]],
-                score: Callable[[list[Sample], list[Prompt], list[Any]], list[float]]) -> SampledStep:
+                score: Callable[[list[Sample], list[Prompt], list[Any]], list[float]], *,
+                environment: Any = None, check_version: bool = True) -> SampledStep:
     """Generate and score rounds until the step is full (see the module docstring).
-    ``prompts_for(round)``: the round's prompts and task prompts; ``score``: their rewards."""
+    ``prompts_for(round)``: the round's prompts and task prompts; ``score``: their rewards.
+    ``environment``: the environment provider that takes the model's turns (``None``: one prompt,
+    one completion). ``check_version``: every sample must come from weight ``version`` (the
+    synchronous loop); off, the caller accounts for staleness itself."""
     dapo = cfg.algorithm.dapo
     ds, ov = dapo.dynamic_sampling, dapo.overlong
     want = int(cfg.data.prompts_per_step)
@@ -131,7 +135,7 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
         got = backend.generate(prompts, params)
         fault_point("rollout")
         seconds += time.perf_counter() - t
-        stale = [s.weight_version for s in got if s.weight_version != version]
+        stale = [s.weight_version for s in got if s.weight_version != version] if check_version else []
         if stale:
             raise RolloutError(f"rollout returned samples of weight version {stale[0]}, expected {version}")
         raw = score(got, prompts, task_prompts)

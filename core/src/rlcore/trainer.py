@@ -29,7 +29,7 @@ from rlcore.algorithms.losses import kl_penalty
 from rlcore.algorithms.mismatch import mismatch
 from rlcore.algorithms.remax import baselines_for, greedy_rewards
 from rlcore.algorithms.spec import AdvantageInput
-from rlcore.batch import ROUTES_NATIVE, PackedBatch, compact_routes, sample_routes
+from rlcore.batch import PackedBatch
 from rlcore.critic import checkpoint_entry, restore_critic
 from rlcore.errors import CheckpointError, NonFiniteError
 from rlcore.export import MODEL_DIR, export_policy, write_run_config
@@ -43,6 +43,7 @@ from rlcore.rewards import RewardCalls, score_on_writer
 from rlcore.run_build import build_run, check_started_rollout
 from rlcore.run_output import CHECKPOINT_DIR, checkpoint_hf_dir, is_committed
 from rlcore.run_stop import StopSignals
+from rlcore.sample_batch import pack_samples
 from rlcore.sampling_rounds import loss_lengths, mask_overlong, prompt_seed, round_prompts, sample_step
 from rlcore.stack import Stack, config_yaml
 from rlcore.sync import sync_level
@@ -163,34 +164,6 @@ class Trainer:
             f"sample {i} of step {self.step} (prompt {samples[i].prompt_index}: {inputs[i].prompt_text!r}, "
             f"response {inputs[i].response_text!r})"))
 
-    def _pack(self, samples: list[Sample], rewards: list[float]) -> PackedBatch:
-        seqs = [list(s.prompt_ids) + s.response_ids.tolist() for s in samples]
-        starts = [len(s.prompt_ids) for s in samples]
-        target = {"old_logprobs": [s.logprobs.float() for s in samples]}
-        inputs = {}
-        seq_fields = {"reward": torch.tensor(rewards), "group": torch.tensor([s.prompt_index for s in samples])}
-        layout = self.engine.info.route_layout
-        have = [s.routed_experts is not None for s in samples]
-        if layout is not None and any(have):
-            # samples the rollout engine returned no routes for keep -1 rows (route natively) and
-            # are marked in ``routes_present``: never dropped in silence (a replay plugin decides)
-            inputs["routes"] = [
-                sample_routes(s.routed_experts, layout, len(seq), f"step {self.step} sample {i}") if ok
-                else torch.full((len(seq) - 1, layout.num_routed, layout.topk), -1, dtype=torch.int16)
-                for i, (s, seq, ok) in enumerate(zip(samples, seqs, have, strict=True))]
-            seq_fields["routes_present"] = torch.tensor(have)
-        batch = PackedBatch.pack(
-            seqs, starts, target_fields=target, input_fields=inputs, seq_fields=seq_fields,
-            align=int(getattr(self.engine, "sequence_alignment", 1)),
-            pad_id=self.engine.info.pad_token_id,
-        )
-        if "routes" in batch.fields:
-            # stored compactly from here on (uint8 ids up to 256 experts, int16 beyond, and a
-            # [T, layers] native mask); read them with batch.routes()
-            batch.fields["routes"], batch.fields[ROUTES_NATIVE] = compact_routes(batch.fields["routes"],
-                                                                                 layout.num_experts)
-        return batch
-
     def _forward_pass(self, batch: PackedBatch, phase: str, engine: Any, divisor: float,
                       grad: bool) -> dict[str, float]:
         """Run this rank's micro-batches of the step's ``batch`` through engine + head (+ loss and
@@ -270,9 +243,9 @@ class Trainer:
         t0 = time.perf_counter()
         # generation rounds and rewards; DAPO's dynamic sampling and overlong shaping (rlcore/sampling_rounds.py)
         sampled = sample_step(cfg, self.step, self.backend, self.version, self.engine.info.eos_token_id,
-                              self._prompts, self._rewards)
+                              self._prompts, self._rewards, environment=self.built.environment)
         samples, rewards, t_gen = sampled.samples, sampled.rewards, sampled.generate_seconds
-        batch = self._pack(samples, rewards)
+        batch = pack_samples(samples, rewards, self.engine, self.step)
         mask_overlong(batch, samples, cfg.algorithm)
         device = getattr(self.engine, "device", None)
         if device is not None:  # one host-to-device copy per step; micro-batches are views of it
