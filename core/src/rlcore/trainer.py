@@ -9,6 +9,9 @@ One step::
         mismatch weights, advantages (the algorithm's estimator), aggregation weights
         train pass: the algorithm's policy loss + postprocess loss terms ─ backward ─ optimizer step
       ─ step_end chain ─ pause, release KV ─ weight_sync.push (verified) ─ resume ─ metrics, checkpoint
+
+``loop.mode`` one_step_off / async: a rollout producer thread generates the samples of later
+steps while this one trains (rlcore/rollout_producer.py, docs/async.md).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from rlcore.algorithms.remax import baselines_for, greedy_rewards
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import PackedBatch
 from rlcore.critic import checkpoint_entry, restore_critic
-from rlcore.errors import CheckpointError, NonFiniteError
+from rlcore.errors import CheckpointError, ConfigError, NonFiniteError
 from rlcore.export import MODEL_DIR, export_policy, write_run_config
 from rlcore.faults import fault_point
 from rlcore.parallel.push_memory import PushMeter
@@ -40,6 +43,7 @@ from rlcore.pass_metrics import PassMetrics
 from rlcore.push import push_weights, rollout_metrics
 from rlcore.ranks import on_writer
 from rlcore.rewards import RewardCalls, score_on_writer
+from rlcore.rollout_producer import apply_staleness, step_source
 from rlcore.run_build import build_run, check_started_rollout
 from rlcore.run_output import CHECKPOINT_DIR, checkpoint_hf_dir, is_committed
 from rlcore.run_stop import StopSignals
@@ -84,6 +88,7 @@ class Trainer:
         self.wall_before = 0.0  # wall seconds of earlier (resumed) segments
         self.release_kv = False
         self.push_metrics: dict[str, float] = {}
+        self.source: Any = None  # where the steps' samples come from (run() builds it)
 
     # ----------------------------------------------------------------------------- setup --
 
@@ -144,16 +149,17 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- steps --
 
-    def _prompts(self, round_: int = 0) -> tuple[list[Prompt], list[Any]]:
-        rng = random.Random(prompt_seed(self.cfg, self.step, round_))  # round 0: the step's own prompts
-        task_prompts = make_prompts(self.built.task, rng, round_prompts(self.cfg), f"step {self.step} round {round_}")
+    def _prompts(self, step: int, round_: int = 0) -> tuple[list[Prompt], list[Any]]:
+        rng = random.Random(prompt_seed(self.cfg, step, round_))  # round 0: the step's own prompts
+        task_prompts = make_prompts(self.built.task, rng, round_prompts(self.cfg), f"step {step} round {round_}")
         prompts = [
             Prompt(ids=self.tokenizer(tp.text, add_special_tokens=False)["input_ids"], index=i, meta=tp.meta)
             for i, tp in enumerate(task_prompts)
         ]
         return prompts, task_prompts
 
-    def _rewards(self, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any]) -> list[float]:
+    def _rewards(self, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any],
+                 step: int) -> list[float]:
         """Scored on the writer, each call time-limited and checked (rlcore/rewards.py)."""
         inputs = []
         for s in samples:
@@ -161,7 +167,7 @@ class Trainer:
             text = self.tokenizer.decode(resp, skip_special_tokens=True)
             inputs.append(RewardInput(tp.text, text, s.prompt_ids, resp, tp.meta, s.finish_reason))
         return score_on_writer(self.ranks, self.reward_calls, inputs, lambda i: (
-            f"sample {i} of step {self.step} (prompt {samples[i].prompt_index}: {inputs[i].prompt_text!r}, "
+            f"sample {i} of step {step} (prompt {samples[i].prompt_index}: {inputs[i].prompt_text!r}, "
             f"response {inputs[i].response_text!r})"))
 
     def _forward_pass(self, batch: PackedBatch, phase: str, engine: Any, divisor: float,
@@ -237,14 +243,25 @@ class Trainer:
             out = engine.forward(mb, micro_batch=ctx)
             return self.forward_fn(self._head_input(mb, out, hw, compute_entropy=False)).logprobs.detach().float()
 
+    def _sample(self, step: int, backend: Any) -> Any:
+        """Step ``step``'s samples and rewards from ``backend``: generation rounds, DAPO's dynamic
+        sampling and overlong shaping (rlcore/sampling_rounds.py). Called in the step (sync) or
+        by the rollout producer, ahead of it: everything here derives from ``step``."""
+        sampled = sample_step(self.cfg, step, backend, self.version, self.engine.info.eos_token_id,
+                              lambda r: self._prompts(step, r), lambda *a: self._rewards(*a, step=step),
+                              environment=self.built.environment, check_version=self.cfg.loop.mode == "sync")
+        sampled.metrics.update(rollout_metrics(self.backend))  # acceptance per draft depth
+        return sampled
+
     def _train_step(self) -> dict[str, Any]:
         """One step (see the module docstring); its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        # generation rounds and rewards; DAPO's dynamic sampling and overlong shaping (rlcore/sampling_rounds.py)
-        sampled = sample_step(cfg, self.step, self.backend, self.version, self.engine.info.eos_token_id,
-                              self._prompts, self._rewards, environment=self.built.environment)
-        samples, rewards, t_gen = sampled.samples, sampled.rewards, sampled.generate_seconds
+        produced, loop_metrics = self.source.take(self.step)
+        sampled = produced.sampled
+        samples, rewards, rescore, stale_metrics = apply_staleness(sampled.samples, sampled.rewards, self.version,
+                                                                  cfg.loop, self.step)
+        t_gen = loop_metrics.get("loop/trainer_wait_s", sampled.generate_seconds)  # sync: this step generated
         batch = pack_samples(samples, rewards, self.engine, self.step)
         mask_overlong(batch, samples, cfg.algorithm)
         device = getattr(self.engine, "device", None)
@@ -254,9 +271,12 @@ class Trainer:
         weights = step_weights(a.loss_agg, batch.loss_mask, batch.seq_index(), batch.num_seqs, int(a.norm_tokens))
         batch.fields[objmod.AGG_NUMERATOR] = weights.numerator
 
-        metrics: dict[str, Any] = {**rollout_metrics(self.backend), **sampled.metrics}  # acceptance per draft depth
-        greedy = greedy_rewards(cfg, self.backend, self.version, self.engine.info.eos_token_id, *self._prompts(0),
-                                self._rewards, metrics) if self.algorithm.greedy_baseline else None  # ReMax
+        metrics: dict[str, Any] = {**sampled.metrics, **loop_metrics}
+        if cfg.loop.mode != "sync":
+            metrics.update(stale_metrics)
+        greedy = greedy_rewards(cfg, self.backend, self.version, self.engine.info.eos_token_id,
+                                *self._prompts(self.step, 0), lambda *a: self._rewards(*a, step=self.step),
+                                metrics) if self.algorithm.greedy_baseline else None  # ReMax
         self.engine.train(False)
         old_metrics = self._forward_pass(batch, "old_logprob", self.engine, weights.divisor, grad=False)
         metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
@@ -264,6 +284,10 @@ class Trainer:
         d = (batch.fields[RECOMPUTED] - batch.fields["old_logprobs"]).abs()[mask]
         metrics["logprob_mismatch_mean"] = float(d.mean()) if d.numel() else 0.0
         metrics["logprob_mismatch_max"] = float(d.max()) if d.numel() else 0.0
+        if bool(rescore.any()):  # loop.stale=rescore: too-stale samples' behaviour log-probs are the trainer's
+            stale_tokens = rescore.to(mask.device)[batch.seq_index()]
+            batch.fields[objmod.ROLLOUT] = torch.where(stale_tokens, batch.fields[RECOMPUTED],
+                                                       batch.fields[objmod.ROLLOUT])
         if self.reference is not None:
             self._forward_pass(batch, "ref_logprob", self.reference, weights.divisor, grad=False)
         metrics.update(self._algorithm_inputs(batch, samples, rewards, greedy))
@@ -351,10 +375,10 @@ class Trainer:
 
     def _push(self, version: int) -> Any:
         meter = self.strategy.push_meter()  # the writer's memory during the push (distributed ranks)
-        with meter:
+        with self.source.pushing(version) as loop_metrics, meter:  # the producer starts no request meanwhile
             report, metrics = push_weights(self.backend, self.sync, self._export_for_push(meter), version,
                                            self.release_kv)
-        self.push_metrics = {**metrics, **meter.metrics()}
+        self.push_metrics = {**metrics, **meter.metrics(), **loop_metrics}
         return report
 
     def _export_for_push(self, meter: PushMeter) -> Any:
@@ -366,17 +390,30 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- run --
 
+    def _step_source(self) -> Any:
+        """Where the steps' samples come from (``loop.mode``; rlcore/rollout_producer.py)."""
+        mode = self.cfg.loop.mode
+        why = ("the trainer runs as several ranks" if self.ranks.distributed else
+               "the algorithm's greedy baseline (ReMax) generates inside the step" if self.algorithm.greedy_baseline
+               else None)
+        if mode != "sync" and why:
+            raise ConfigError(f"loop.mode={mode} overlaps generation with training, but {why}: use loop.mode=sync",
+                              key="loop.mode")
+        return step_source(self.cfg.loop, self._sample, self.backend, int(self.cfg.training.steps))
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         # SIGINT/SIGTERM: stop at the step boundary, a second one at once (rlcore/run_stop.py)
         self.stop = StopSignals(self.out, lambda: self.step).install(not self.ranks.distributed)
         started = completed = False
         try:
+            self.source = self._step_source()
             if self.built.resume_from is not None:
                 self._restore()
             self.report.banner([self.metrics.tb_note])
             self._start_backend()
             started = completed = self.stop.stepping = True
+            self.source.start(self.step, self.version)
             t_start = time.perf_counter()
             limit = float(cfg.training.max_wall_seconds or 0)
             while self.step < cfg.training.steps:
@@ -396,10 +433,12 @@ class Trainer:
                         raise
                     self.metrics.write(dict(record, skipped=str(exc)))
                     self.report.skipped(self.step, exc)
+                    self.source.finished(self.step)
                     self.step += 1
                     continue
                 self.version += 1
                 report = self._push(self.version)
+                self.source.finished(self.step)
                 wall = self.wall_before + time.perf_counter() - t_start
                 step_s = time.perf_counter() - t0
                 m.update({
@@ -424,17 +463,29 @@ class Trainer:
                     self.console.print(f"[yellow]stopping:[/] training.max_wall_seconds={limit:g} reached")
                     completed = self.step >= cfg.training.steps
                     break
+            self.source.close()  # a producer that does not stop is an error here (its LoopStallError)
             wall = self.wall_before + time.perf_counter() - t_start
             self._checkpoint_final(wall)
             export_policy(self, self.out / MODEL_DIR, self.step - 1, at_checkpoint=False)  # the trained model
         finally:
             self.stop.uninstall()
             self.metrics.close()
+            self._close_source()  # the producer thread is stopped and joined before the backend goes
             self.backend.shutdown()
             self.sync.close()
             self._end_run(started)
         summary = self.report.summary(completed) if self.ranks.writer else {"completed": completed, "rank": self.ranks.rank}
         return dict(summary, stopped_by=None if completed else self.stop.requested)
+
+    def _close_source(self) -> None:
+        """On the way out of a failed run: stop the producer; one that does not stop is reported,
+        not raised over the error that ended the run (its thread is a daemon: it cannot keep the
+        process alive)."""
+        try:
+            if self.source is not None:
+                self.source.close()
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to raise
+            self.console.print(f"[red]rlcore: {exc}[/]")
 
     def _end_run(self, started: bool) -> None:
         """Release the output directory; a start that failed first removes what a new run created."""
