@@ -11,7 +11,7 @@ from rlcore.serving import LOOPBACK, check_bind_host
 from rlcore_vllm.speculative import check_speculative
 
 MODES = ("offline", "http")
-TRANSPORTS = ("auto", "shm", "cuda_ipc", "nccl", "ipc")
+TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast", "nccl", "ipc")
 #: server flags rlcore sets from its own settings; ``engine_args`` may not set them again
 OWNED_SERVER_ARGS = {"host": "vllm.host", "port": "vllm.port", "served_model_name": "(rlcore's own name)"}
 
@@ -37,6 +37,11 @@ class VLLMSettings:
       by rlcore's worker extension through vLLM's layerwise reload (works on every platform);
       ``cuda_ipc``: the same worker path and checks (``coverage+exact``), the buckets built on the
       trainer's GPU and opened in vLLM's worker by CUDA IPC (offline engine on the same GPU);
+      ``broadcast`` (``cluster.backend: ray`` only): the writer trainer rank broadcasts every
+      bucket to all replicas (NCCL from its GPU to theirs, gloo on CPU), and each replica hands it
+      to its worker by the ``cuda_ipc`` (GPU: needs ``multiprocessing``) or ``shm`` path, with
+      the same checks (``coverage+exact``); for an engine on a GPU of its own
+      (:mod:`rlcore_vllm.broadcast`);
       ``nccl`` / ``ipc``: vLLM's native weight-transfer API (GPU only; verified by a probe only).
       ``auto``: ``cuda_ipc`` when trainer and engine share a GPU, else ``shm``.
     * ``sleep_for_training``: after every ``generate``, put the engine to sleep (level 1: weights
@@ -44,7 +49,9 @@ class VLLMSettings:
       back before the next push, the KV cache after it. The memory freed and the sleep / wake
       seconds are logged (``rollout/sleep_freed_bytes``, ``rollout/sleep_seconds``,
       ``rollout/wake_weights_seconds``, ``rollout/wake_kv_seconds``). Needs sleep mode (GPU).
-    * ``nccl_master_address`` / ``nccl_master_port``: rendezvous of the ``nccl`` transport.
+    * ``nccl_master_address`` / ``nccl_master_port``: rendezvous of the ``nccl`` and ``broadcast``
+      transports (``broadcast``: the writer rank listens there; replicas on other hosts need its
+      host's address).
     * ``draft_phase``: after the target model, push again into the speculative (MTP) draft
       (vLLM's ``start_draft_weight_update``), with the tensors whose names start with one of
       ``draft_weight_prefixes`` (native transports).
@@ -138,14 +145,26 @@ def runs_as_ray_replicas(config: Any) -> bool:
 
 def check_ray_replicas(settings: Any, config: Any) -> None:
     """vLLM engines as Ray rollout replicas (``rlcore_ray.fleet``): weights reach every
-    replica through the fleet and the ``shm`` worker path only; what is not built for replicas
-    yet is refused here, naming the key, instead of running half-wired."""
+    replica through the fleet and the ``shm`` worker path, or by ``broadcast`` (which is for
+    replicas only); what is not built for replicas yet is refused here, naming the key, instead of
+    running half-wired."""
     if not runs_as_ray_replicas(config):
+        if settings.transport == "broadcast":
+            raise ConfigError("bad value for config key 'vllm.transport': 'broadcast' feeds vLLM rollout replicas "
+                              "under cluster.backend=ray only; one engine of this process takes 'cuda_ipc' or 'shm' "
+                              "(or 'auto')", key="vllm.transport")
         return
-    if settings.transport not in ("auto", "shm"):
+    if settings.transport not in ("auto", "shm", "broadcast"):
         raise ConfigError(f"bad value for config key 'vllm.transport': {settings.transport!r} with "
-                          f"cluster.backend=ray; vLLM rollout replicas receive weights through the Ray fleet and "
-                          f"the 'shm' transport only (set 'shm' or 'auto')", key="vllm.transport")
+                          f"cluster.backend=ray; vLLM rollout replicas receive weights through the Ray fleet, by "
+                          f"'broadcast' or the 'shm' transport only (set 'shm', 'broadcast' or 'auto')",
+                          key="vllm.transport")
+    replica_gpus = float(config.cluster.rollout.resources.num_gpus)
+    if settings.transport == "broadcast" and replica_gpus > 0 and not settings.multiprocessing:
+        raise ConfigError("bad value for config key 'vllm.multiprocessing': false with vllm.transport 'broadcast' and "
+                          "replicas on GPUs: a replica hands each received bucket to vLLM's worker by CUDA IPC, "
+                          "which cannot open a buffer in the process that made it (set it true)",
+                          key="vllm.multiprocessing")
     if settings.mode != "offline":
         raise ConfigError("bad value for config key 'vllm.mode': 'http' with cluster.backend=ray; vLLM rollout "
                           "replicas run offline engines in their actors (servers as replicas are not built)",

@@ -17,6 +17,11 @@ Transports (``vllm.transport``):
   worker cannot locate in a parameter (tensor-parallel shards) drops ``exact`` from the level
   (``details["unreadable"]`` says which and why). The engine refuses to compute from the first
   bucket until every check passed and the trainer commits the push.
+* ``broadcast`` (Ray rollout replicas only): every bucket's bytes go from the writer trainer rank
+  to all replicas by one collective broadcast (NCCL from GPU to GPU, gloo on CPU;
+  :mod:`rlcore_vllm.broadcast`), only names and places through Ray; each replica hands them to
+  its vLLM worker by the ``cuda_ipc`` (GPU) or ``shm`` (CPU) worker path, so the level is
+  ``coverage+exact`` as for ``shm``.
 * ``nccl`` / ``ipc`` (GPU): vLLM's native weight-transfer API, one packed chunk per core bucket
   (:mod:`rlcore_vllm.native`). These engines return nothing per chunk, so verification compares
   the engine's prompt log-probs on a probe sequence with the training engine's (level ``probe``).
@@ -30,8 +35,10 @@ generate until a later push succeeds; with ``shm`` the engine's workers refuse t
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from rlcore.errors import WeightSyncError
@@ -40,6 +47,7 @@ from rlcore.types import SyncReport
 
 from rlcore_vllm import native
 from rlcore_vllm.backend import VLLMBackend
+from rlcore_vllm.broadcast import BroadcastGroup, tensors_extent
 from rlcore_vllm.bucket_requests import (
     bucket_request,
     check_finish_reports,
@@ -81,6 +89,8 @@ class VLLMWeightSync:
         self.pool: SharedBucketPool | None = None
         self._native_ready = False
         self._nccl_group: Any = None
+        self._broadcast_store: Any = None  # vllm.transport 'broadcast': the writer's rendezvous store
+        self._broadcast_group: BroadcastGroup | None = None
 
     # ------------------------------------------------------------------------ push -----
 
@@ -89,6 +99,9 @@ class VLLMWeightSync:
             if callable(getattr(target, "replica_checksums", None)):  # a Ray fleet of vLLM replicas
                 return self._push_fleet(weights, target, version)
             raise WeightSyncError(f"sync 'vllm' feeds only the 'vllm' rollout backend, got {type(target).__name__}")
+        if self.transport == "broadcast":
+            raise WeightSyncError("vllm.transport 'broadcast' feeds Ray rollout replicas only (cluster.backend=ray)",
+                                  receiver_version=None)
         before = target.weight_version
         t0 = time.perf_counter()
         target.begin_push(version)
@@ -233,23 +246,34 @@ class VLLMWeightSync:
         finish (commit) together. Verified per replica: ``coverage`` in each replica's workers,
         ``exact`` here, every replica's checksums against the sent ones; a mismatch names the
         replica. Every replica must report the pushed version."""
-        if self.transport != "shm":
+        if self.transport not in ("shm", "broadcast"):
             raise WeightSyncError(f"vllm.transport {self.transport!r} cannot feed Ray rollout replicas (only 'shm' "
-                                  f"does, through the fleet)", receiver_version=None)
+                                  f"and 'broadcast' do, through the fleet)", receiver_version=None)
+        broadcast = self.transport == "broadcast"
         t0 = time.perf_counter()
         sent: dict[str, int] = {}
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
         phases = dict.fromkeys(("fill", "checksum", "send", "commit", "verify"), 0.0)
         n = len(fleet.replicas)
+        device: Any = "cpu"
+        if broadcast:  # buckets stay where the weights are (a GPU: NCCL sends them from there)
+            weights = iter(weights)
+            first = next(weights, None)
+            if first is not None:
+                device = first[1].device
+                weights = itertools.chain([first], weights)
         fleet.begin_update(version)
         try:
-            for bucket in timed(iter_buckets(weights, self.bucket_bytes, device="cpu"), phases, "fill"):
+            for bucket in timed(iter_buckets(weights, self.bucket_bytes, device=device), phases, "fill"):
                 if self.verify:
                     tc = time.perf_counter()
                     sent.update(bucket.checksums())
                     phases["checksum"] += time.perf_counter() - tc
                 ts = time.perf_counter()
-                fleet.receive_bucket(bucket)  # waits only when two buckets are still in flight
+                if broadcast:
+                    self._broadcast_bucket(fleet, bucket)
+                else:
+                    fleet.receive_bucket(bucket)  # waits only when two buckets are still in flight
                 phases["send"] += time.perf_counter() - ts
                 stats["bytes"] += bucket.nbytes
                 stats["tensors"] += len(bucket.metas)
@@ -273,8 +297,28 @@ class VLLMWeightSync:
         details = {"level": verification_level(*checks), "replicas": n,
                    "replica_versions": list(fleet.replica_weight_versions), "phases": phases,
                    "replica_seconds": [r.get("seconds", {}) for r in reports]}
+        if broadcast:
+            details["broadcast_backend"] = self._broadcast_group.backend if self._broadcast_group else None
         return SyncReport(version, stats["tensors"], stats["buckets"], stats["bytes"], time.perf_counter() - t0,
-                          verified=self.verify, checked=len(sent) * n, method="vllm-fleet-shm", details=details)
+                          verified=self.verify, checked=len(sent) * n, method=f"vllm-fleet-{self.transport}",
+                          details=details)
+
+    def _broadcast_bucket(self, fleet: Any, bucket: Bucket) -> None:
+        """``vllm.transport: broadcast``: the bucket's names and places through the fleet, its bytes
+        by one broadcast to every replica (the group is made at the first bucket of the run)."""
+        import torch
+
+        # the replicas then wait for the bytes in the group
+        fleet.receive_bucket(replace(bucket, buffer=torch.empty(0, dtype=torch.uint8)))
+        if self._broadcast_group is None:
+            s = self.settings
+            world = len(fleet.replicas) + 1
+            backend = "nccl" if bucket.buffer.is_cuda else "gloo"
+            self._broadcast_store = BroadcastGroup.open_store(s.nccl_master_address, s.nccl_master_port, world - 1,
+                                                              backend, s.request_timeout_s)
+            # gloo connects here, together with the replicas joining in their first receive_bucket
+            self._broadcast_group = BroadcastGroup(self._broadcast_store, 0, world, backend, s.request_timeout_s)
+        self._broadcast_group.broadcast(bucket.buffer[:tensors_extent(bucket.metas)])
 
     # ----------------------------------------------------------- native (GPU only) -----
 
@@ -382,6 +426,9 @@ class VLLMWeightSync:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self._broadcast_group is not None:
+            self._broadcast_group.close()
+            self._broadcast_group = self._broadcast_store = None
         if self._nccl_group is not None:
             destroy = getattr(self._nccl_group, "destroy", None)
             if callable(destroy):
