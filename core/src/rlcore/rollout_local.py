@@ -16,6 +16,16 @@ returns, so between calls — and therefore around a push — none is resident.
 0 here, by construction) and blocks ``generate`` until ``resume_memory``; ``memory_metrics()``
 reports that figure and the peak cache size of the last ``generate``.
 
+Pushes while ``generate`` runs (``loop.in_flight: abort``, rlcore/rollout_producer.py): every
+forward of a ``generate`` call holds the weights lock, and a commit (or a disk load) takes it
+between two of them. At its next token the call sees the new version, drops its KV cache and
+prefills prompt + tokens so far on the new weights (a partial rollout resumed where it stopped):
+tokens before keep the log-probs of the version that sampled them, each row records the switch in
+``Sample.weight_versions`` and reports the version of its last token as ``weight_version``. A
+call that records routes (R3) or drafts speculatively holds the lock for its whole length: the
+push waits for it. ``in_place`` updates write live weights bucket by bucket, so with them
+``resumes_in_flight()`` is False and the loop waits for requests in flight before pushing.
+
 ``draft_depths > 0`` (``rollout.draft_depths``) samples speculatively with the model's MTP
 layers as the draft (:mod:`rlcore.rollout_speculative`; the output distribution is unchanged),
 reports acceptance per depth (``rollout_metrics()``) and the draft's weight version
@@ -25,7 +35,9 @@ the version of the last complete push that carried them).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +146,10 @@ class LocalRollout:
         self._last_metrics: dict[str, float] = {}
         self._kv_peak_bytes = 0
         self._kv_freed_bytes: int | None = None
+        #: held by every forward of generate() and by every change of the weights (see the module docstring)
+        self._weights_lock = threading.Lock()
+        #: decode steps taken by generate() calls so far (progress that a caller can watch)
+        self.decode_steps = 0
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -213,6 +229,10 @@ class LocalRollout:
     def reset_prefix_cache(self) -> None:
         """The local sampler keeps no prefix cache between calls; nothing can be stale."""
 
+    def resumes_in_flight(self) -> bool:
+        """Whether a push may land while ``generate`` runs (see the module docstring)."""
+        return self.update != "in_place"
+
     # ----------------------------------------------------------------- sampling ----------
 
     @torch.no_grad()
@@ -234,7 +254,8 @@ class LocalRollout:
         if N == 0:
             return []
         if self.draft_depths:
-            return self._generate_speculative(seqs, params)
+            with self._weights_lock:  # drafting from the MTP layers: the whole call on one version
+                return self._generate_speculative(seqs, params)
         plen = [len(p.ids) for p in seqs]
         P = max(plen)
         pad = int(self.model.config.pad_token_id or 0)
@@ -267,9 +288,54 @@ class LocalRollout:
                                                             self.seam.layout.topk))
             return out
 
-        out = run(ids, mask, pos, None)
-        past = getattr(out, cache)
+        # a call that records routes keeps one version throughout (its routes index the prefill)
+        whole_call = self._weights_lock if record else nullcontext()
+        step_lock = nullcontext() if record else self._weights_lock
+        with whole_call:
+            with step_lock:
+                out = run(ids, mask, pos, None)
+                version = self._version
+            past = getattr(out, cache)
+            tokens, logps, lengths, stopped, switches, past = self._decode(
+                run, out, past, ids, mask, pos, params, uniforms, gen, stop_t, pad, version, step_lock, cache)
+        self._kv_peak_bytes = _cache_bytes(past)
+        self._last_metrics = {}
+
+        samples = []
+        layout = self.seam.layout if self.seam is not None else None
+        for i, p in enumerate(seqs):
+            n = int(lengths[i])
+            routes = None
+            if record and layout is not None:
+                parts = [route_steps[0][i, P - plen[i]:]]
+                parts += [r[i] for r in route_steps[1 : n]]  # decode steps fed tokens 0 .. n-2
+                moe = torch.cat(parts, dim=0)  # [plen + n - 1, R, K]
+                routes = torch.full((moe.shape[0], layout.num_hidden_layers, layout.topk), -1, dtype=torch.int16)
+                routes[:, list(layout.layers)] = moe.cpu()
+            spans = [(v, first) for v, first in switches if first < n or first == 0]
+            samples.append(
+                Sample(
+                    prompt_index=p.index,
+                    prompt_ids=list(p.ids),
+                    response_ids=tokens[i, :n].cpu(),
+                    logprobs=logps[i, :n].cpu(),
+                    weight_version=spans[-1][0],
+                    finish_reason="stop" if bool(stopped[i]) else "length",
+                    routed_experts=routes,
+                    weight_versions=tuple(spans) if len(spans) > 1 else None,
+                )
+            )
+        return samples
+
+    def _decode(self, run: Any, out: Any, past: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                params: SamplingSettings, uniforms: torch.Tensor | None, gen: torch.Generator,
+                stop_t: torch.Tensor | None, pad: int, version: int, step_lock: Any, cache: str) -> tuple:
+        """The token loop after the prefill: tokens, log-probs, lengths, stop flags, the
+        ``(version, first_token)`` spans (a push landing mid-call adds one: the rows still running
+        are prefilled again, prompt + tokens so far, on the new weights) and the last KV cache."""
+        dev, N = ids.device, ids.shape[0]
         logits = out.logits[:, -1]
+        switches = [(version, 0)]
         tokens = torch.full((N, params.max_new_tokens), pad, dtype=torch.long, device=dev)
         logps = torch.zeros((N, params.max_new_tokens), dtype=torch.float32, device=dev)
         done = torch.zeros(N, dtype=torch.bool, device=dev)
@@ -296,35 +362,18 @@ class LocalRollout:
                 break
             mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
-            out = run(tok[:, None], mask, last_pos[:, None], past)
+            self.decode_steps += 1
+            with step_lock:
+                if self._version != version:  # a push landed: resume on the new weights from here
+                    version = self._version
+                    switches.append((version, t + 1))
+                    every = torch.cat([ids, tokens[:, : t + 1]], dim=1)
+                    out = run(every, mask, (mask.cumsum(1) - 1).clamp(min=0), None)
+                else:
+                    out = run(tok[:, None], mask, last_pos[:, None], past)
             past = getattr(out, cache)
             logits = out.logits[:, -1]
-        self._kv_peak_bytes = _cache_bytes(past)
-        self._last_metrics = {}
-
-        samples = []
-        layout = self.seam.layout if self.seam is not None else None
-        for i, p in enumerate(seqs):
-            n = int(lengths[i])
-            routes = None
-            if record and layout is not None:
-                parts = [route_steps[0][i, P - plen[i]:]]
-                parts += [r[i] for r in route_steps[1 : n]]  # decode steps fed tokens 0 .. n-2
-                moe = torch.cat(parts, dim=0)  # [plen + n - 1, R, K]
-                routes = torch.full((moe.shape[0], layout.num_hidden_layers, layout.topk), -1, dtype=torch.int16)
-                routes[:, list(layout.layers)] = moe.cpu()
-            samples.append(
-                Sample(
-                    prompt_index=p.index,
-                    prompt_ids=list(p.ids),
-                    response_ids=tokens[i, :n].cpu(),
-                    logprobs=logps[i, :n].cpu(),
-                    weight_version=self._version,
-                    finish_reason="stop" if bool(stopped[i]) else "length",
-                    routed_experts=routes,
-                )
-            )
-        return samples
+        return tokens, logps, lengths, stopped, switches, past
 
     def _generate_speculative(self, seqs: list[Prompt], params: SamplingSettings) -> list[Sample]:
         if params.return_routed_experts:
@@ -407,11 +456,11 @@ class LocalRollout:
                 raise WeightSyncError(f"{exc}; the weights that did land were written in place, so the local "
                                       f"rollout now holds unknown weights", receiver_version=None) from exc
             raise
-        if self.update != "in_place":
-            with torch.no_grad():
+        with self._weights_lock, torch.no_grad():  # between two forwards of a generate() in flight
+            if self.update != "in_place":
                 for name, t in self._staging.items():
                     self._views[name].copy_(t)
-        self._version = version
+            self._version = version
         self._unknown_weights = None
         self._mark_draft(self._staging, version)
         self._staging = None
@@ -438,10 +487,10 @@ class LocalRollout:
                 self._check_tensor(name, t)
                 staged[name] = t
         self._check_complete(staged, version)
-        with torch.no_grad():
+        with self._weights_lock, torch.no_grad():  # between two forwards of a generate() in flight
             for name, t in staged.items():
                 self._views[name].copy_(t.to(self.device))
-        self._version = version
+            self._version = version
         self._unknown_weights = None
         self._mark_draft(staged, version)
 
