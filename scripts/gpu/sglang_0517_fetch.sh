@@ -26,6 +26,7 @@
 # CHUNK_SIZE=0 skips the split (copy OUT_DIR/wheels to the machine any other way: a USB disk, scp).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "$ROOT/scripts/gpu/lib.sh"
 OUT="$(realpath -m "${1:-$ROOT/.device-carry/sglang0517}")"
 CHUNK_SIZE="${CHUNK_SIZE:-55M}"
 PY="${PYTHON:-python3}"
@@ -89,52 +90,7 @@ ls -1 "$OUT/rlcore" | sed 's/^/[fetch] rlcore wheel: /' >&2
 
 n=$(ls "$WHEELS"/*.whl | wc -l)
 echo "[fetch] $n wheels, $(du -sh "$WHEELS" | cut -f1) in $WHEELS" >&2
-dups=$(ls "$WHEELS"/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z-' 'a-z_' | sort | uniq -d)
-[ -z "$dups" ] || { echo "[fetch] more than one version of: $dups (remove the extra wheels)" >&2; exit 1; }
+check_one_version "$WHEELS"
 
 [ "$CHUNK_SIZE" = 0 ] && exit 0
-# split into carry folders: the same scheme as scripts/gpu/vllm_026_fetch.sh (first fit, largest part first)
-bytes=$(numfmt --from=iec "$CHUNK_SIZE")
-rm -rf "$OUT"/c[0-9]* "$OUT/.split"; mkdir -p "$OUT/.split"
-manifest="$OUT/.split/MANIFEST"; : > "$manifest"
-for f in "$WHEELS"/*.whl; do
-  name=$(basename "$f")
-  split -b "$bytes" -d -a 3 "$f" "$OUT/.split/$name.part"
-  echo "$(sha256sum "$f" | cut -d' ' -f1) $name $(ls "$OUT/.split" | grep -c -F "$name.part")" >> "$manifest"
-done
-(cd "$OUT/.split" && ls | grep '\.part[0-9]*$' | xargs stat -c '%s %n' | sort -rn) | {
-  used=()
-  while read -r s p; do
-    k=0
-    while [ "$k" -lt "${#used[@]}" ] && [ $((used[k] + s)) -gt "$bytes" ]; do k=$((k + 1)); done
-    [ "$k" -eq "${#used[@]}" ] && used+=(0)
-    used[k]=$((used[k] + s))
-    dir=$(printf "%s/c%02d" "$OUT" $((k + 1))); mkdir -p "$dir"; mv "$OUT/.split/$p" "$dir/"
-  done
-}
-for d in "$OUT"/c[0-9]*; do
-  cp "$manifest" "$d/MANIFEST"
-  cat > "$d/stash.sh" <<'STASH'
-#!/usr/bin/env bash
-# moves this folder's parts to /tmp/carry-parts; assembles and verifies once all have arrived
-set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-mkdir -p /tmp/carry-parts /tmp/carry
-cp "$here"/*.part* /tmp/carry-parts/ 2>/dev/null || true
-missing=0
-while read -r sum name nparts; do
-  have=$(ls /tmp/carry-parts 2>/dev/null | grep -c -F "$name.part" || true)
-  if [ "$have" -lt "$nparts" ]; then missing=$((missing + nparts - have)); continue; fi
-  if [ ! -f "/tmp/carry/$name" ]; then
-    cat $(ls -d /tmp/carry-parts/"$name".part* | sort) > "/tmp/carry/$name"
-    echo "$sum  /tmp/carry/$name" | sha256sum -c --quiet || { rm -f "/tmp/carry/$name"; echo "BAD CHECKSUM $name"; exit 1; }
-  fi
-done < "$here/MANIFEST"
-echo "parts here: $(ls /tmp/carry-parts | wc -l); parts still missing: $missing"
-[ "$missing" -eq 0 ] && echo "CARRY COMPLETE: $(ls /tmp/carry | wc -l) wheels in /tmp/carry"
-exit 0
-STASH
-  chmod +x "$d/stash.sh"
-done
-rm -rf "$OUT/.split"
-du -sh "$OUT"/c[0-9]* | sed 's/^/[fetch] carry /' >&2
+split_carry "$OUT" "$WHEELS" "$CHUNK_SIZE"
