@@ -2,7 +2,8 @@
 
 ``RLCORE_FAULT=<point>[:<n>]`` kills the process the ``n``-th time (default: the first) it
 reaches ``<point>``; ``<point>:<n>:hang`` instead makes that thread stop answering (it sleeps
-for an hour), for the tests of the overlapped loop's timeouts. Points (see docs/reliability.md):
+for an hour), for the tests of the overlapped loop's timeouts. Several faults: separate them with
+commas (``producer:2:hang,push_in_flight``). Points (see docs/reliability.md):
 
 ``rollout``           right after the rollout backend returned a step's samples
 ``push``              mid-push: the sync has taken the first tensor of the export stream
@@ -31,17 +32,24 @@ def fault_point(name: str) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    point, _, rest = spec.partition(":")
+    faults = [_parse(spec, one) for one in spec.split(",")]
+    hits = [(count, action) for point, count, action in faults if point == name]
+    if not hits:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    for count, action in hits:
+        if _hits[name] == count:
+            if action == "hang":
+                time.sleep(HANG_S)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parse(spec: str, one: str) -> tuple[str, int, str]:
+    point, _, rest = one.strip().partition(":")
     count, _, action = rest.partition(":")
     if point not in POINTS:
         raise ValueError(f"{ENV}={spec!r}: unknown point {point!r}; known: {', '.join(POINTS)}")
     if action and action not in ACTIONS:
         raise ValueError(f"{ENV}={spec!r}: unknown action {action!r}; known: {', '.join(ACTIONS)}")
-    if point != name:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] == int(count or 1):
-        if action == "hang":
-            time.sleep(HANG_S)
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
+    return point, int(count or 1), action

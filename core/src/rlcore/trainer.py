@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -485,7 +486,7 @@ class Trainer:
             if self.source is not None:
                 self.source.close()
         except Exception as exc:  # noqa: BLE001 - the run's own error is the one to raise
-            self.console.print(f"[red]rlcore: {exc}[/]")
+            print(f"rlcore: {exc}", file=sys.stderr, flush=True)
 
     def _end_run(self, started: bool) -> None:
         """Release the output directory; a start that failed first removes what a new run created."""
