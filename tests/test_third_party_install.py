@@ -32,9 +32,9 @@ def test_pip_install_makes_the_plugin_listed():
     ex = listed["example"]
     assert ex["distribution"] == "rlcore-example-plugin" and ex["version"] == "0.3.0"
     assert ex["status"] == "installed"
-    assert ex["hooks"] == ["algorithm", "engine", "forward_fn", "plugin_settings", "postprocess", "rollout_backend",
-                           "step_end"]
+    assert ex["hooks"] == ["algorithm", "engine", "environment", "forward_fn", "plugin_settings", "postprocess",
+                           "rollout_backend", "step_end"]
     assert ex["provides"] == {"forward_fn": ["example-naive"], "rollout_backend": ["outsider-local"],
                               "engine": ["outsider-hf"], "algorithm": ["example-reinforce"],
-                              "config_section": ["example"]}
+                              "environment": ["guess"], "config_section": ["example"]}
     assert listed["reference"]["status"] == "active"  # beside the built-ins

@@ -191,6 +191,7 @@ class PackedBatch:
         align: int = 1,
         align_total: int = 1,
         pad_id: int = 0,
+        response_masks: Sequence[Any | None] | None = None,
     ) -> PackedBatch:
         """Pack variable-length sequences.
 
@@ -206,6 +207,9 @@ class PackedBatch:
         :param seq_fields: per-sequence values, ``[B, ...]``.
         :param align: pad every sequence to a multiple of this (TP × CP × 2 for Megatron).
         :param align_total: pad the last sequence so the total is a multiple of this.
+        :param response_masks: per sequence, ``None`` (every response token is a loss token) or a
+            bool tensor over its response tokens (``L - response_start``), false on tokens the loss
+            skips (a multi-turn sample's observations, which the model did not generate).
         """
         seqs = [_as_1d_long(s, f"sequences[{i}]") for i, s in enumerate(sequences)]
         if len(response_starts) != len(seqs):
@@ -224,9 +228,19 @@ class PackedBatch:
 
         input_ids = torch.full((T,), pad_id, dtype=torch.long)
         response = torch.zeros(T, dtype=torch.bool)
-        for s, st, rs, n in zip(seqs, starts, response_starts, lens, strict=True):
+        masks = list(response_masks) if response_masks is not None else [None] * len(seqs)
+        if len(masks) != len(seqs):
+            raise BatchShapeError(f"response_masks has {len(masks)} entries, expected one per sequence ({len(seqs)})")
+        for i, (s, st, rs, n, m) in enumerate(zip(seqs, starts, response_starts, lens, masks, strict=True)):
             input_ids[st : st + n] = s
-            response[st + rs : st + n] = True
+            if m is None:
+                response[st + rs : st + n] = True
+                continue
+            m = torch.as_tensor(m)
+            if m.dtype != torch.bool or tuple(m.shape) != (n - rs,):
+                raise BatchShapeError(f"response_masks[{i}] must be a bool tensor of the sequence's {n - rs} response "
+                                      f"tokens, got {m.dtype} {tuple(m.shape)}")
+            response[st + rs : st + n] = m
         probe = cls(layout, input_ids, response)  # token-aligned mask, rolled below
         loss_mask = probe.roll(response, -1, fill=False)
 

@@ -28,6 +28,7 @@ import pluggy
 from rlcore.types import (
     AlgorithmSpec,
     EngineSpec,
+    EnvironmentSpec,
     ForwardFnSpec,
     LauncherSpec,
     PlatformSpec,
@@ -370,6 +371,45 @@ class RLCoreSpecs:
                     return SlurmLauncher(config.slurm)
                 yield LauncherSpec(name="slurm", factory=build,
                                    remote_ranks=lambda config: True)
+        """
+
+    @provider(EnvironmentSpec)
+    def environment(self) -> Iterable[EnvironmentSpec]:
+        """Register environments: what answers the model's turns in a rollout (tool outputs, user
+        messages, the end of the conversation) and rewards them per turn or at the end.
+
+        **Kind:** provider; selected by ``environment.name``. Built-in: ``single_turn`` (one
+        prompt, one completion scored by ``data.reward``: the rollout as it always was) and
+        ``tools`` (the model calls tools from a small registry: ``calc``, and ``python`` when
+        ``environment.code.enable`` is set; docs/agents.md). **Called:** at plugin load (to list
+        names); the selected spec's ``factory(ctx: BuildContext)`` once per run, after the
+        training engine (``ctx.engine.tokenizer``) and the task (``ctx.extras["task"]``) are
+        built, returning an :class:`~rlcore.types.Environment`.
+
+        Core runs the conversation (:mod:`rlcore.environments.conversation`): each turn it
+        sends the conversation's exact token ids to ``rollout_backend.generate``, hands the
+        turn's generated ids to ``Environment.step(state, turn)`` and inserts the
+        :class:`~rlcore.types.EnvStep`'s ``observation_ids`` verbatim (never decoded and
+        re-encoded; they are masked out of the loss), until the environment answers ``done`` or
+        a limit of ``environment:`` (``max_turns``, ``max_total_tokens``, ``max_tool_calls``)
+        ends the sample, the reason recorded in ``Sample.extras["end_reason"]``. ``step`` must
+        not raise for anything the model wrote, and a tool it runs must be bounded
+        (:mod:`rlcore.environments.tools`). ``rlcore.testing.environment_conformance`` checks a
+        provider.
+
+        :return: an iterable of :class:`~rlcore.types.EnvironmentSpec`.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def environment():
+                def build(ctx):
+                    from my_plugin.env import GuessEnvironment   # heavy imports only when selected
+                    return GuessEnvironment(ctx.engine.tokenizer, ctx.config.environment)
+                yield EnvironmentSpec(name="guess", factory=build,
+                                      description="the model guesses; the environment says higher or lower")
         """
 
     # ---------------------------------------------------------------------- chains -------

@@ -45,6 +45,7 @@ from rlcore.types import (
     AlgorithmSpec,
     Cap,
     EngineSpec,
+    EnvironmentSpec,
     ForwardFnSpec,
     ForwardRequest,
     IncompatibleWith,
@@ -355,6 +356,10 @@ class PluginManager:
     def launchers(self) -> dict[str, LauncherSpec]:
         """Registered launchers (built-in ``local``), by name: ``cluster.backend`` picks one."""
         return self._providers("launcher")  # type: ignore[return-value]
+
+    def environments(self) -> dict[str, EnvironmentSpec]:
+        """Registered environments (built-in ``single_turn``, ``tools``), by name: ``environment.name`` picks one."""
+        return self._providers("environment")  # type: ignore[return-value]
 
     def providers(self, hook: str) -> dict[str, ProviderSpec]:
         if hook not in DESCRIPTORS:

@@ -83,6 +83,11 @@ PUBLIC_MODULES: dict[str, str] = {
     ),
     "rlcore.testing.algorithm_conformance": "`AlgorithmConformance`, the suite of an algorithm (section 4)",
     "rlcore.testing.launcher_conformance": "`LauncherConformance`, the suite of a launcher (section 4)",
+    "rlcore.testing.environment_conformance": "`EnvironmentConformance`, the suite of an environment ([agents.md](agents.md))",
+    "rlcore.environments.tools": (
+        "for an environment that runs tools: `Tool`, `ToolRegistry`, `call_tool` (each call bounded in time and "
+        "output, every failure an observation), `CALC` (the calculator tool) ([agents.md](agents.md))"
+    ),
     "rlcore.testing.models": (
         "tiny HF model directories (`make_model_dir`) and what transformers computes from them (`hf_greedy`, "
         "`hf_token_logprobs`), to compare with"

@@ -6,7 +6,7 @@ In order: the preflight checks (nothing is touched before they pass), the output
 writer takes it: lock, run marker; a new run needs it empty, ``--resume`` a committed checkpoint
 in it), the checkpoint (read by the writer and handed to every rank, so a damaged one or one of
 another config fails before the model loads), the device platform, then the providers: engine,
-forward_fn, rollout backend, weight sync (each from its spec's factory), the KL reference, the
+forward_fn, rollout backend, weight sync, environment (each from its spec's factory), the KL reference, the
 algorithm (its objective, KL control and mismatch correction) and PPO's critic. A start that fails removes what a new run created
 (:meth:`rlcore.run_output.RunDirectory.abandon`). The rank strategy decides which rank writes and
 may wrap the stack (:meth:`rlcore.parallel.strategy.RankStrategy.prepare_stack`).
@@ -91,8 +91,9 @@ class BuiltRun:
     critic: Critic | None
     metrics: MetricsWriter | NullMetrics
     report: RunReport
-    #: the environment provider that takes the model's turns (``environment.name``); ``None``: one
-    #: prompt, one completion, scored by ``data.reward`` (the built-in behaviour)
+    #: the environment that takes the model's turns (``environment.name``: built-in ``single_turn``,
+    #: one prompt and one completion scored by ``data.reward``); ``None`` only where a run is built
+    #: by hand (the same single-turn rollout)
     environment: Any = None
 
 
@@ -155,6 +156,8 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
     forward_fn = stack.forward_fn.factory(ctx_for(stack.forward_fn, engine))
     backend = stack.rollout_backend.factory(ctx_for(stack.rollout_backend, engine))
     sync = stack.weight_sync.factory(ctx_for(stack.weight_sync, engine))
+    # what takes the model's turns (a stack built by hand may have none: the single-turn rollout)
+    environment = stack.environment.factory(ctx_for(stack.environment, engine)) if stack.environment else None
     engine.setup_optimizer(cfg.training)
     reference = engine.make_reference() if cfg.algorithm.kl_coef > 0 else None
     algorithm_spec = stack.algorithm or stack.plugins.select("algorithm", cfg.algorithm.name, key="algorithm.name")
@@ -171,7 +174,7 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
         reference=reference, algorithm_spec=algorithm_spec, algorithm=algorithm, objective=objective,
         kl_control=KLControl.from_config(a), correction=MismatchCorrection.from_config(a.mismatch), critic=critic,
         metrics=MetricsWriter(out, tensorboard=cfg.output.tensorboard) if ranks.writer else NullMetrics(),
-        report=RunReport(console, stack, algorithm_spec.name, out),
+        report=RunReport(console, stack, algorithm_spec.name, out), environment=environment,
     )
 
 

@@ -1,6 +1,8 @@
 """A step's samples packed into the one :class:`~rlcore.batch.PackedBatch` that carries the step
 from rollout to loss: token ids, the rollout's behaviour log-probs, rewards and groups, and the
-routed experts a rollout engine returned (stored compactly)."""
+routed experts a rollout engine returned (stored compactly). A multi-turn sample's observations
+(``Sample.response_mask`` false) are in the sequence, as the model saw them, but not in the loss
+mask: the aggregation, KL, entropy and token metrics, which all follow the loss mask, skip them."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def pack_samples(samples: Sequence[Sample], rewards: Sequence[float], engine: An
         seqs, starts, target_fields=target, input_fields=inputs, seq_fields=seq_fields,
         align=int(getattr(engine, "sequence_alignment", 1)),
         pad_id=engine.info.pad_token_id,
+        response_masks=[s.response_mask for s in samples],
     )
     if "routes" in batch.fields:
         # stored compactly from here on (uint8 ids up to 256 experts, int16 beyond, and a

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rlcore.environments.conversation import Limits, conversation_metrics, run_conversations, trained_lengths
 from rlcore.errors import RolloutError
 from rlcore.faults import fault_point
 from rlcore.rollout_seeds import SEED_STRIDE, step_seed
@@ -81,8 +82,9 @@ def is_masked(sample: Sample, algorithm: Any) -> bool:
 
 
 def loss_lengths(samples: Sequence[Sample], algorithm: Any) -> list[int]:
-    """The loss tokens each sample has in the step batch (0 for a sample overlong filtering masks)."""
-    return [0 if is_masked(s, algorithm) else len(s.response_ids) for s in samples]
+    """The loss tokens each sample has in the step batch: its trained tokens (the engine's; a
+    multi-turn sample's observations are not trained), 0 for a sample overlong filtering masks."""
+    return [0 if is_masked(s, algorithm) else n for s, n in zip(samples, trained_lengths(samples), strict=True)]
 
 
 def mask_overlong(batch: Any, samples: Sequence[Sample], algorithm: Any) -> None:
@@ -111,8 +113,10 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
                 environment: Any = None, check_version: bool = True) -> SampledStep:
     """Generate and score rounds until the step is full (see the module docstring).
     ``prompts_for(round)``: the round's prompts and task prompts; ``score``: their rewards.
-    ``environment``: the environment provider that takes the model's turns (``None``: one prompt,
-    one completion). ``check_version``: every sample must come from weight ``version`` (the
+    ``environment``: the :class:`~rlcore.types.Environment` that takes the model's turns
+    (:func:`rlcore.environments.conversation.run_conversations`; ``None``: one prompt, one
+    completion, as ``single_turn`` gives); its rewards (per turn, and a final one in place of
+    ``score``'s when it gives one) are added to the samples'. ``check_version``: every sample must come from weight ``version`` (the
     synchronous loop); off, the caller accounts for staleness itself."""
     dapo = cfg.algorithm.dapo
     ds, ov = dapo.dynamic_sampling, dapo.overlong
@@ -132,13 +136,18 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
             stop_token_ids=tuple(x for x in [eos_token_id] if x is not None),
             return_routed_experts=cfg.rollout.return_routed_experts,
         )
-        got = backend.generate(prompts, params)
+        if environment is None:
+            got = backend.generate(prompts, params)
+        else:
+            got = run_conversations(environment, backend, prompts, task_prompts, params,
+                                    Limits.from_config(cfg.environment), f"environment {cfg.environment.name!r}")
         fault_point("rollout")
         seconds += time.perf_counter() - t
-        stale = [s.weight_version for s in got if s.weight_version != version] if check_version else []
+        stale = [v for s in got for v in _versions_of(s) if v != version] if check_version else []
         if stale:
             raise RolloutError(f"rollout returned samples of weight version {stale[0]}, expected {version}")
-        raw = score(got, prompts, task_prompts)
+        raw = score(got, prompts, task_prompts) if environment is None else _env_rewards(environment, got, prompts,
+                                                                                         task_prompts, score)
         pen = [overlong_penalty(len(s.response_ids), int(cfg.rollout.max_new_tokens), int(ov.buffer_tokens),
                                 float(ov.penalty_factor)) for s in got]
         shaped = [x + p for x, p in zip(raw, pen, strict=True)]
@@ -169,12 +178,34 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
                         "dynamic_sampling/cap_hit": float(kept < want),
                         "dynamic_sampling/reward_generated": sum(generated_rewards) / len(generated_rewards)})
         _check_cap(ds, kept, want, rounds, generated, filtered, step)
+    if environment is not None and cfg.environment.name != "single_turn":
+        metrics.update(conversation_metrics(samples))
     if ov.filter or ov.buffer_tokens:
         truncated = sum(s.finish_reason == "length" for s in samples)
         metrics.update({"overlong/truncated": truncated, "overlong/masked": truncated if ov.filter else 0,
                         "overlong/punished": sum(p < 0 for p in penalties),
                         "overlong/penalty_mean": sum(penalties) / max(len(penalties), 1)})
     return SampledStep(samples, rewards, metrics, seconds)
+
+
+def _versions_of(s: Sample) -> list[int]:
+    """Every weight version a sample's tokens came from."""
+    return [s.weight_version, *(v for v, _ in s.weight_versions or ())]
+
+
+def _env_rewards(environment: Any, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any],
+                 score: Callable[[list[Sample], list[Prompt], list[Any]], list[float]]) -> list[float]:
+    """Each conversation's reward: the environment's final reward where it gives one, else
+    ``score``'s (``data.reward``, called only for those samples), plus its turns' rewards."""
+    final = [s.extras.get("final_reward") for s in samples]
+    ask = [i for i, f in enumerate(final) if f is None]
+    scored = dict(zip(ask, score([samples[i] for i in ask], prompts, task_prompts), strict=True)) if ask else {}
+    out = []
+    for i, s in enumerate(samples):
+        r = float(final[i]) if final[i] is not None else scored[i]
+        turns = s.extras.get("turn_rewards") or ()
+        out.append(r + sum(v for _, v in turns) if turns else r)
+    return out
 
 
 def _check_cap(ds: Any, kept: int, want: int, rounds: int, generated: int, filtered: int, step: int) -> None:

@@ -50,6 +50,8 @@ class Stack:
     platform: Any = None
     #: where the ranks and replicas run (``cluster.backend``)
     launcher: LauncherSpec | None = None
+    #: what takes the model's turns (``environment.name``; an :class:`~rlcore.types.EnvironmentSpec`)
+    environment: Any = None
 
     def has(self, role: str, cap: str) -> bool:
         """Declared by the selected provider and available on this platform."""
@@ -85,6 +87,7 @@ class Stack:
                           "dist_backend": self.platform.dist_backend}),
             "launcher": (None if self.launcher is None else
                          {**spec(self.launcher), "describe": self.launcher.factory(self.config).describe(self)}),
+            "environment": None if self.environment is None else spec(self.environment),
             "chains": self.chains,
             "notes": self.notes,
             "gaps": self.gaps,
@@ -198,6 +201,7 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
             if cap in stack.wanted.get(role, {}):
                 stack.notes.append(f"{role} {stack.role(role).name!r} lacks {cap!r} here: {reason}")
 
+    stack.environment = pm.select("environment", cfg.environment.name, key="environment.name")
     # where the ranks and replicas run: the launcher checks the providers' capabilities for it
     stack.launcher = pm.select("launcher", cfg.cluster.backend, key="cluster.backend")  # type: ignore[assignment]
     stack.launcher.factory(cfg).check(stack)

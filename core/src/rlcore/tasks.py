@@ -73,6 +73,39 @@ def successor_reward(x: RewardInput) -> float:
     return 1.0 if words and words[0] == x.meta.get("answer") else 0.0
 
 
+#: the factors of ``tool_product`` (2..9: products from 4 to 81, 36 of them)
+FACTORS = [str(i) for i in range(2, 10)]
+TOOL_WORDS = ["*", "=", "calc", "result", "error"]
+
+
+def tool_product(data_cfg: Any = None) -> Task:
+    """Prompt: ``a * b =`` with ``a``, ``b`` in 2..9; answer: the product, one word (``56``).
+
+    A task for the ``tools`` environment (docs/agents.md): a tiny model cannot multiply, but it
+    can call the calculator with one word (``calc``: an empty argument means the prompt's own
+    ``meta["expression"]``), read ``result 56`` and copy it. A random policy calls ``calc`` about
+    once in |vocab| first tokens (~1/50); the reward is 1 when the response's last word is the
+    product (``tool_product_reward``).
+    """
+
+    def make(rng: random.Random, count: int) -> list[TaskPrompt]:
+        out = []
+        for _ in range(count):
+            a, b = rng.choice(FACTORS), rng.choice(FACTORS)
+            out.append(TaskPrompt(f"{a} * {b} =", {"answer": str(int(a) * int(b)), "expression": f"{a} * {b}"}))
+        return out
+
+    products = sorted({str(int(a) * int(b)) for a in FACTORS for b in FACTORS}, key=int)
+    vocab = list(dict.fromkeys([*FACTORS, *products, *TOOL_WORDS]))
+    return Task("tool_product", vocab, make, "multiply two digits, with a calculator tool")
+
+
+def tool_product_reward(x: RewardInput) -> float:
+    """1 when the response's last word is the product (after the tool's ``result`` or without it)."""
+    words = x.response_text.split()
+    return 1.0 if words and words[-1] == x.meta.get("answer") else 0.0
+
+
 def make_prompts(task: Task, rng: random.Random, count: int, where: str) -> list[TaskPrompt]:
     """``task.make_prompts(rng, count)``, checked: a list of ``count`` :class:`TaskPrompt`\\ s whose
     ``text`` is a str and ``meta`` a dict (``where`` names the step in the error)."""

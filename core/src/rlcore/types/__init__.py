@@ -37,6 +37,7 @@ from rlcore.types.algorithms import (
     TokenLoss,
 )
 from rlcore.types.chains import ForwardRequest, ModelOutput, PostprocessResult, StepContext
+from rlcore.types.environment import Environment, EnvironmentSpec, EnvStep, ToolCall, Turn
 from rlcore.types.forward import (
     EngineOutput,
     ForwardFn,
@@ -101,6 +102,8 @@ __all__ = [
     # rollout and weight sync
     "SamplingSettings", "Prompt", "Sample", "MemoryTag", "RolloutBackend", "BucketReceiver", "implements",
     "DiskReceiver", "SyncReport", "WeightSync",
+    # environments (docs/agents.md)
+    "EnvironmentSpec", "Environment", "Turn", "EnvStep", "ToolCall",
     # algorithms (docs/algorithms.md)
     "AlgorithmSpec", "Algorithm", "AdvantageInput", "AdvantageEstimator", "TokenInputs", "PolicyLoss", "TokenLoss",
     "LOSS_AGGREGATIONS",

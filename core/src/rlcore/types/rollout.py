@@ -58,7 +58,9 @@ class Sample:
     while it generated the sample, ``((version, first_response_index), ...)`` in order: response
     tokens from ``first_response_index`` on came from ``version``. ``routed_experts``:
     ``[P + R - 1, num_hidden_layers, topk]`` ints in the engine's layer order (every token but
-    the last), or None.
+    the last), or None. ``response_mask``: in a multi-turn conversation (:mod:`rlcore.environments`),
+    ``[R]`` bool, true on the tokens the engine generated (trained) and false on the observations
+    inserted between turns (not trained; their ``logprobs`` are 0); ``None``: every token trained.
     """
 
     prompt_index: int
@@ -70,6 +72,7 @@ class Sample:
     routed_experts: torch.Tensor | None = None
     weight_versions: tuple[tuple[int, int], ...] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    response_mask: torch.Tensor | None = None
 
 
 MemoryTag = Literal["kv_cache", "weights"]

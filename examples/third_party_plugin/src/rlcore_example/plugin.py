@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from rlcore import PLUGIN_API, hookimpl
 from rlcore.algorithms import AlgorithmSpec
 from rlcore.errors import ConfigError
-from rlcore.types import Cap, ForwardFnSpec, PluginSettings, PostprocessResult
+from rlcore.types import Cap, EnvironmentSpec, ForwardFnSpec, PluginSettings, PostprocessResult
 
-__all__ = ["PLUGIN_API", "algorithm", "engine", "forward_fn", "plugin_settings", "postprocess", "rollout_backend",
-           "step_end"]
+__all__ = ["PLUGIN_API", "algorithm", "engine", "environment", "forward_fn", "plugin_settings", "postprocess",
+           "rollout_backend", "step_end"]
 
 #: how many times the naive head ran since the last step_end (shows which head a run used)
 CALLS = {"forward": 0}
@@ -87,6 +87,18 @@ def algorithm():
         description="REINFORCE with a group-mean baseline (no ratio, no clipping)",
         source="Williams 1992, eq. 11",
     )
+
+
+def _build_guess(ctx):
+    from rlcore_example.guess import GuessEnvironment
+
+    return GuessEnvironment(ctx.engine.tokenizer)
+
+
+@hookimpl
+def environment():
+    yield EnvironmentSpec(name="guess", factory=_build_guess,
+                          description="the model guesses the secret digit; told how far off, it guesses again")
 
 
 @hookimpl
