@@ -18,6 +18,7 @@
 #                     (plugins/megatron/bench/two_gpu.py --part logprobs; fp32)
 #   dp2_colocated     (c) DP=2 (hf engine), a vLLM replica beside each rank (examples/gpu_two_dp2_colocated.yaml)
 #   dp2_megatron      (c) the same with rlcore-megatron's data parallelism
+#   disagg_big        item 3: disagg_broadcast with a 1.03 B-parameter model (2.07 GB in bfloat16)
 # Each part's stacks (every process in its tree: the driver, the Ray actors, vLLM's engine cores)
 # are dumped 15 s before its limit (SIGUSR1, faulthandler via sitecustomize), then it is killed, Ray
 # is stopped and whatever still holds a GPU is killed before the next part. Results: $OUT/log.txt,
@@ -127,6 +128,9 @@ run_part() {  # name limit command...
   [ -f "$WORK/parts/$name.json" ] || printf '{"part": "%s", "rc": %s, "log_tail": "see %s.log"}\n' "$name" "$rc" \
     "$name" > "$WORK/parts/$name.json"
   tail -n 5 "$WORK/parts/$name.log" | sed "s/^/[$name] /" | tee -a "$OUT/log.txt"
+  # after every part: a call stopped at its limit still brings back what finished
+  python3 "$HERE/two_gpu_ray_report.py" summary "$WORK/parts" "$OUT/summary.md" > /dev/null
+  tar -czf "$OUT/parts.tar.gz" -C "$WORK" parts
 }
 train() {  # name config overrides...: one rlcore run
   local name=$1 config=$2; shift 2
@@ -147,10 +151,13 @@ for part in $PARTS; do
         --out "$WORK/runs/tp_logprobs_models" --results "$WORK/parts/tp_logprobs.json" ;;
     dp2_colocated) train "$part" examples/gpu_two_dp2_colocated.yaml ;;
     dp2_megatron) train "$part" examples/gpu_two_dp2_colocated.yaml "plugins=[megatron,vllm,ray]" engine.name=megatron ;;
+    disagg_big)  # item 3: a verified push of a model over 2 GB (1.03 B parameters, 2.07 GB bf16) by broadcast
+      train "$part" examples/gpu_two_disagg.yaml vllm.transport=broadcast engine.model.tiny.hidden_size=2048 \
+        engine.model.tiny.num_layers=16 engine.model.tiny.num_heads=16 engine.model.tiny.num_kv_heads=4 \
+        engine.model.tiny.head_dim=128 engine.model.tiny.intermediate_size=5632 data.prompts_per_step=8 \
+        rollout.max_new_tokens=32 ;;
     *) log "unknown part $part" ;;
   esac
 done
-python3 "$HERE/two_gpu_ray_report.py" summary "$WORK/parts" "$OUT/summary.md" > /dev/null
-tar -czf "$OUT/parts.tar.gz" -C "$WORK" parts
 log "total: $(( $(date +%s) - t0 )) s"
 cat "$OUT/summary.md"

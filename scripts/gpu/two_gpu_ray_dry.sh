@@ -20,7 +20,7 @@ tiny="engine.device=cpu engine.model.dtype=float32 engine.model.tiny.hidden_size
 engine.model.tiny.num_heads=2 engine.model.tiny.num_kv_heads=2 engine.model.tiny.head_dim=32
 engine.model.tiny.intermediate_size=128 engine.model.tiny.vocab_size=0 engine.model.tiny.tie_word_embeddings=false
 cluster.trainer.resources.num_gpus=0 cluster.rollout.resources.num_gpus=0 vllm.kv_cache_gib=0.25
-vllm.gpu_memory_utilization=0.5 vllm.enable_sleep_mode=false vllm.sleep_for_training=false vllm.max_model_len=128
+vllm.gpu_memory_utilization=0.5 vllm.enable_sleep_mode=false vllm.sleep_for_training=false rollout.release_kv_cache=never vllm.max_model_len=128
 rollout.max_new_tokens=4 data.prompts_per_step=4 sync.bucket_mb=0.25 ray.local_nodes=2 ray.local_node_cpus=8"
 PATH="$ROOT/.venvs/vllm/bin:$PATH" PYTHONPATH="$megatron_only" SITE="$site" WHEEL_DIR=/nonexistent \
   OUT="$ROOT/runs/two-gpu-ray-dry" WORK="$ROOT/runs/two-gpu-ray-dry/work" STEPS=2 LIMIT_RUN=300 \
