@@ -17,12 +17,22 @@ segments, its worker extension's RPCs) offers ``fleet_receiver()``, a
 :class:`~rlcore.types.BucketReceiver` built in the replica; the fleet's push calls go to it.
 Its ``commit_update`` may return a report (JSON-able dict), which the fleet keeps per replica
 (:attr:`RolloutFleet.commit_reports`).
+
+A Ray actor runs one call at a time, so a push sent while a replica generates would wait behind
+the whole ``generate`` (and an overlapped loop that waits for the push before taking the samples
+would deadlock). A replica therefore generates on a thread of its own: ``submit`` starts a request
+and returns, ``collect`` waits for it at most :data:`COLLECT_WAIT_S` seconds, so a push's calls
+reach the replica within that much of being sent while requests are in flight. Whether the push
+may then land mid-request is the backend's own answer (``resumes_in_flight()``, e.g. the local
+rollout's partial rollouts); the fleet reports it only when every replica's backend says so.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -53,6 +63,9 @@ def read_dir(path: str | Path) -> dict[str, bytes]:
     root = Path(path)
     return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 
+
+#: the longest a replica's ``collect`` call holds the actor (the longest a push waits behind a generate)
+COLLECT_WAIT_S = 0.1
 
 #: the calls of a push, which go to a replica's fleet receiver
 RECEIVER_METHODS = frozenset({"begin_update", "receive_bucket", "commit_update", "abort_update", "weight_checksums",
@@ -101,6 +114,7 @@ class RolloutReplica:
         self.receiver = make_receiver() if callable(make_receiver) else self.backend
         self._dir = tempfile.mkdtemp(prefix=f"rlcore-replica{index}-")
         self._mapped: Any = None  # the sync.name=mapped endpoint, made at the first mapped push
+        self._requests: dict[int, _Request] = {}  # generate requests running on their own threads
 
     def where(self) -> dict[str, Any]:
         import ray
@@ -120,6 +134,25 @@ class RolloutReplica:
 
     def generate(self, prompts: list[Prompt], params: SamplingSettings) -> list[Sample]:
         return self.backend.generate(prompts, params)
+
+    def submit(self, request: int, prompts: list[Prompt], params: SamplingSettings) -> None:
+        """Start ``generate`` on a thread of its own (see the module docstring)."""
+        self._requests[request] = _Request(self.backend, prompts, params)
+
+    def collect(self, request: int, wait_s: float) -> tuple[bool, list[Sample] | None]:
+        """``(True, samples)`` once request ``request`` is done (its error raised here), else
+        ``(False, None)`` after at most ``wait_s`` seconds."""
+        req = self._requests[request]
+        if not req.done.wait(wait_s):
+            return False, None
+        del self._requests[request]
+        if req.error is not None:
+            raise req.error
+        return True, req.samples
+
+    def resumes_in_flight(self) -> bool:
+        resumes = getattr(self.backend, "resumes_in_flight", None)
+        return bool(resumes()) if callable(resumes) else False
 
     def call(self, method: str, *args: Any) -> Any:
         """Any other backend method (pause, resume, release_memory, ...); the weight-push calls
@@ -144,6 +177,25 @@ class RolloutReplica:
         return self._mapped.serve(self.receiver, msg)
 
 
+class _Request:
+    """One ``generate`` call running on its own thread in a replica."""
+
+    def __init__(self, backend: Any, prompts: list[Prompt], params: SamplingSettings):
+        self.done = threading.Event()
+        self.samples: list[Sample] | None = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, args=(backend, prompts, params), daemon=True,
+                         name="rlcore-replica-generate").start()
+
+    def _run(self, backend: Any, prompts: list[Prompt], params: SamplingSettings) -> None:
+        try:
+            self.samples = backend.generate(prompts, params)
+        except BaseException as exc:  # noqa: BLE001 - raised again by collect(), in the caller
+            self.error = exc
+        finally:
+            self.done.set()
+
+
 class RolloutFleet:
     """The replicas as one rollout backend (see the module docstring)."""
 
@@ -160,6 +212,8 @@ class RolloutFleet:
         self.commit_reports: list[Any] = []
         #: the weight version each replica reported after the last push (checked equal to it)
         self.replica_weight_versions: list[int] = []
+        self._request_ids = itertools.count()
+        self._resumes: bool | None = None
 
     # every remote call goes through here: a dead or silent replica is an error naming it. The
     # answers are taken as they come (ray.wait), so one replica's failure is reported at once,
@@ -224,11 +278,36 @@ class RolloutFleet:
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingSettings) -> list[Sample]:
         shares = split_prompts(prompts, len(self.replicas))
-        refs = [self.replicas[i].generate.remote(share, params) for i, share in enumerate(shares)]
-        out: list[Sample] = []
-        for part in self._get(refs, list(range(len(refs))), "generate"):
-            out.extend(part)
-        return out
+        if not all(hasattr(self.replicas[i], "submit") for i in range(len(shares))):
+            # an actor of another kind (without submit/collect): one blocking generate call each
+            refs = [self.replicas[i].generate.remote(share, params) for i, share in enumerate(shares)]
+            return [s for part in self._get(refs, list(range(len(refs))), "generate") for s in part]
+        request = next(self._request_ids)
+        self._get([self.replicas[i].submit.remote(request, share, params) for i, share in enumerate(shares)],
+                  list(range(len(shares))), "generate")
+        parts: dict[int, list[Sample]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(parts) < len(shares):
+            todo = [i for i in range(len(shares)) if i not in parts]
+            answers = self._get([self.replicas[i].collect.remote(request, COLLECT_WAIT_S) for i in todo], todo,
+                                "generate")
+            parts.update({i: samples for i, (done, samples) in zip(todo, answers, strict=True) if done})
+            if len(parts) < len(shares) and time.monotonic() > deadline:
+                i = min(set(range(len(shares))) - set(parts))
+                raise RolloutError(f"rollout replica {i} of {len(self.replicas)} did not finish generate within "
+                                   f"cluster.rollout.timeout_s={self.timeout_s:g} s")
+        return [s for i in range(len(shares)) for s in parts[i]]
+
+    def resumes_in_flight(self) -> bool:
+        """Whether every replica's backend resumes requests in flight on weights pushed meanwhile."""
+        if self._resumes is None:
+            if not all(hasattr(r, "resumes_in_flight") for r in self.replicas):
+                self._resumes = False
+            else:
+                answers = self._get([r.resumes_in_flight.remote() for r in self.replicas],
+                                    list(range(len(self.replicas))), "resumes_in_flight")
+                self._resumes = all(answers)
+        return self._resumes
 
     def rollout_metrics(self) -> dict[str, float]:
         """The weight version each replica reported after the last push (``rollout/replica{i}_weight_version``)."""
