@@ -17,6 +17,7 @@ from rlcore.environments.conversation import (
     TURN_STRIDE,
     Limits,
     conversation_metrics,
+    place_turn_rewards,
     run_conversations,
     turn_token_rewards,
 )
@@ -164,6 +165,14 @@ def test_per_turn_rewards_land_on_their_turns_last_token(glued_model):
         ends = torch.cumsum(s.response_mask.long(), 0) - 1
         for at, value in s.extras["turn_rewards"][:-1]:
             assert tr[int(ends[at])] == value  # each turn's reward on its last trained token
+    # what the trainer's estimators get: shaped_rewards' outcome on the last token, moved to the turns
+    from rlcore.algorithms.advantages import shaped_rewards
+
+    counts = [int(s.response_mask.sum()) for s in samples]
+    shaped, _ = shaped_rewards(rewards, counts, [torch.full((n,), -0.01) for n in counts], True)
+    place_turn_rewards(shaped, samples, rewards)
+    for tr, want in zip(shaped, per_token, strict=True):
+        assert torch.allclose(tr, want - 0.01)  # the per-token KL penalty stays where it was
     m = conversation_metrics(samples)
     assert m["env/turns_mean"] == 3 and m["env/end/max_turns"] == 1.0
     assert m["env/tool_calls/calc"] == 6 and m["env/tool_failures/calc"] == 2  # turn 1 of each fails

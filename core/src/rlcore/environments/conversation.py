@@ -223,6 +223,19 @@ def turn_token_rewards(samples: Sequence[Sample], rewards: Sequence[float]) -> l
     return out
 
 
+def place_turn_rewards(token_rewards: list[torch.Tensor], samples: Sequence[Sample], rewards: Sequence[float]) -> None:
+    """Move per-turn rewards onto their turns in ``token_rewards`` (what
+    :func:`rlcore.algorithms.advantages.shaped_rewards` gives: each sample's whole reward on its
+    last loss token, plus any per-token KL penalty), in place: the turn rewards go to their turns'
+    last tokens (:func:`turn_token_rewards`), the sum per sample unchanged. A sample without turn
+    rewards, or out of the loss (overlong filtering: no loss tokens), is left as it is."""
+    placed = turn_token_rewards(samples, rewards)
+    for tr, s, r, p in zip(token_rewards, samples, rewards, placed, strict=True):
+        if s.extras.get("turn_rewards") and tr.numel() and tr.numel() == p.numel():
+            tr[-1] -= float(r)
+            tr += p
+
+
 def conversation_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     """Turns per sample, tool calls and failures per tool, end reasons, tokens trained and observed."""
     n = max(len(samples), 1)
