@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,24 @@ def test_a_trainer_killed_mid_push_resumes_to_the_sync_runs_numbers(tmp_path):
     assert main(["train", TINY, "--output", str(out), "--resume", *ARGS, "loop.mode=async",
                  "loop.max_staleness=0"]) == 0
     assert _numbers(read_metrics(out)) == _numbers(read_metrics(sync))
+
+
+def test_sigterm_stops_an_async_run_at_the_step_boundary_with_the_producer_joined(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rlcore.cli", "train", TINY, "--output", str(out), *ARGS, "training.steps=500",
+           "loop.mode=async", "loop.max_staleness=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # the producer is running ahead, requests may be in flight
+        _, err = proc.communicate(timeout=LIMIT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "--resume" in err, err[-3000:]
+    steps = [r["step"] for r in read_metrics(out)]
+    assert steps == list(range(len(steps))) and len(steps) < 500
+    assert list_checkpoints(out)[-1][0] == steps[-1], "the last finished step is checkpointed"
