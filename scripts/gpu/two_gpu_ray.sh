@@ -58,6 +58,9 @@ if [ ! -f "$SITE/.two-gpu-ray-wheels" ]; then
   [ "$n" -ge 70 ] || { log "only $n wheels in $WHEEL_DIR: run every carry folder's stash.sh first"; exit 1; }
   python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" "$WHEEL_DIR"/*.whl 2>&1 | grep -v "already exists" | tee -a "$OUT/log.txt"
+  # compiled once, on every core: each part's processes (Ray actors, vLLM's engine cores) import vLLM,
+  # and the first run on a fresh machine otherwise compiles it import by import (seen: ~30 s more)
+  timeout 90 python3 -m compileall -q -j 0 "$SITE" > /dev/null 2>&1
   touch "$SITE/.two-gpu-ray-wheels"
 fi
 # rlcore itself every call (a later call may bring newer code)
