@@ -35,15 +35,21 @@ GLUED = [f"##{d}" for d in range(10)]
 
 
 class Recording:
-    """The rollout backend, recording every id it generated, per call."""
+    """The rollout backend, recording every call (params, prompts) and, per whole sequence, the
+    ids each turn of that conversation generated (an earlier turn found as the longest recorded
+    prefix) with their behaviour log-probs."""
 
     def __init__(self, backend):
-        self.backend, self.calls = backend, []
+        self.backend, self.calls, self.turns = backend, [], {}
 
     def generate(self, prompts, params):
         got = self.backend.generate(prompts, params)
-        self.calls.append((params, [list(p.ids) for p in prompts], [s.response_ids.tolist() for s in got],
-                           [s.logprobs.clone() for s in got]))
+        self.calls.append((params, [list(p.ids) for p in prompts]))
+        for s in got:
+            prompt = tuple(s.prompt_ids)
+            before = max((k for k in self.turns if prompt[: len(k)] == k), key=len, default=None)
+            self.turns[(*prompt, *s.response_ids.tolist())] = [*self.turns.get(before, []),
+                                                                (s.response_ids.tolist(), s.logprobs.clone())]
         return got
 
 
@@ -96,8 +102,10 @@ def test_trained_ids_are_the_generated_ids_over_several_turns(glued_model):
     prompts = _prompts(tok)
     params = SamplingSettings(n=2, temperature=1.5, max_new_tokens=5, seed=11)
     samples = run_conversations(Chatty(tok), rec, prompts, [None] * 3, params, Limits(3, 0, 99))
-    assert len(rec.calls) == 3 and [c[0].n for c in rec.calls] == [2, 1, 1]
-    assert [c[0].seed for c in rec.calls] == [11, 11 + TURN_STRIDE, 11 + 2 * TURN_STRIDE]
+    assert rec.calls[0][0].n == 2 and rec.calls[0][1] == [p.ids for p in prompts]
+    for params_k, _ in rec.calls[1:]:  # later turns: the turn's own seed
+        assert (params_k.seed - 11) // TURN_STRIDE in (1, 2) and (params_k.seed - 11) % TURN_STRIDE == 0
+    later = [ids for _, asked in rec.calls[1:] for ids in asked]
     obs = tok.convert_tokens_to_ids(["##3", "=", "##9"])
     drifted = 0
     batch = pack_samples(samples, [0.0] * len(samples), SimpleNamespace(info=SimpleNamespace(route_layout=None,
@@ -106,24 +114,38 @@ def test_trained_ids_are_the_generated_ids_over_several_turns(glued_model):
     masks = batch.unpack(batch.loss_mask)
     old = batch.unpack(batch.fields["old_logprobs"])
     for i, s in enumerate(samples):
-        turns = [call[2][i] for call in rec.calls]  # turn k of conversation i: row i of call k
         prompt = prompts[i // 2].ids
+        expected = prompt + s.response_ids.tolist()
+        turns = rec.turns[tuple(expected)]
+        ids = [t for t, _ in turns]
+        assert len(ids) == 3
         # every turn's prompt was the conversation so far, as ids: no decode/encode in between
-        assert rec.calls[1][1][i] == prompt + turns[0] + obs
-        assert rec.calls[2][1][i] == prompt + turns[0] + obs + turns[1] + obs
-        expected = prompt + turns[0] + obs + turns[1] + obs + turns[2]
+        assert prompt + ids[0] + obs in later and prompt + ids[0] + obs + ids[1] + obs in later
+        assert expected == prompt + ids[0] + obs + ids[1] + obs + ids[2]
         assert seqs[i].tolist() == expected
         # the loss covers exactly the generated tokens (label-aligned: position t predicts t + 1)
         trained = [expected[t + 1] for t in range(len(expected) - 1) if masks[i][t]]
-        assert trained == turns[0] + turns[1] + turns[2]
-        behaviour = torch.cat([call[3][i] for call in rec.calls])
-        assert torch.equal(old[i][masks[i]], behaviour.float())
+        assert trained == ids[0] + ids[1] + ids[2]
+        assert torch.equal(old[i][masks[i]], torch.cat([lp for _, lp in turns]).float())
         assert s.extras["turns"] == 3 and s.extras["end_reason"] == "max_turns"
         text = tok.decode(expected[len(prompt):])
         drifted += tok(text, add_special_tokens=False)["input_ids"] != expected[len(prompt):]
     assert drifted == len(samples), "the glued observation makes every decode/encode drift: the ids above did not"
     assert loss_lengths(samples, SimpleNamespace(dapo=SimpleNamespace(overlong=SimpleNamespace(filter=False)))) == [
         int(m.sum()) for m in masks]
+
+
+def test_conversations_with_equal_ids_are_sampled_as_one_prompt_with_n(glued_model):
+    """Greedy turn 0 gives both samples of a prompt the same ids: turn 1 asks for them as one prompt
+    with n = 2 (an engine that seeds every request alike would draw the same token for each)."""
+    tok, backend = glued_model
+    rec = Recording(backend)
+    params = SamplingSettings(n=2, temperature=0.0, max_new_tokens=2, seed=1)
+    samples = run_conversations(Chatty(tok), rec, _prompts(tok), [None] * 3, params, Limits(2, 0, 99))
+    assert [(p.n, len(asked)) for p, asked in rec.calls] == [(2, 3), (2, 3)]
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
+    for a, b in zip(samples[::2], samples[1::2], strict=True):
+        assert torch.equal(a.response_ids, b.response_ids)  # greedy: the same, from one prompt
 
 
 def test_limits_end_a_conversation_with_the_reason(glued_model):

@@ -5,8 +5,9 @@ samples per prompt, the step's sampling seed. After each turn the environment an
 (:meth:`rlcore.types.Environment.step`); a conversation that goes on gets the observation's ids
 appended, and its next turn's prompt is the conversation's ids so far: the prompt, every id the
 engine generated, every observation id, exactly (sent to ``generate`` as token ids; nothing is
-decoded and re-encoded). Turn ``k`` samples with seed ``params.seed + k * TURN_STRIDE`` and
-``n = 1``, each conversation a prompt of its own.
+decoded and re-encoded). Turn ``k`` samples with seed ``params.seed + k * TURN_STRIDE``;
+conversations whose ids are equal so far go in as one prompt with ``n`` samples (:func:`_calls`),
+every other conversation as a prompt of its own.
 
 Limits (``environment:``) end a conversation with the reason recorded in
 ``Sample.extras["end_reason"]``: ``max_turns`` (the environment wanted another turn after the
@@ -105,19 +106,32 @@ def run_conversations(environment: Any, backend: Any, prompts: Sequence[Prompt],
     while active:
         active = [c for c in active if _answer(environment, c, turn, limits, name, len(convs))]
         turn += 1
-        groups: dict[int, list[_Conversation]] = {}
-        for c in active:
-            groups.setdefault(c.budget(params.max_new_tokens, limits), []).append(c)
         seed = None if params.seed is None else params.seed + turn * TURN_STRIDE
-        for budget, group in sorted(groups.items()):
-            asks = [Prompt(ids=list(c.ids), index=i, meta=c.prompt.meta)
-                    for i, c in enumerate(group)]
-            got = backend.generate(asks, replace(params, n=1, max_new_tokens=budget, seed=seed))
+        for (budget, n), contexts in _calls(active, params.max_new_tokens, limits):
+            asks = [Prompt(ids=list(convs[0].ids), index=i, meta=convs[0].prompt.meta)
+                    for i, convs in enumerate(contexts)]
+            got = backend.generate(asks, replace(params, n=n, max_new_tokens=budget, seed=seed))
+            group = [c for convs in contexts for c in convs]  # generate's order: by prompt, then sample
             if len(got) != len(group):
                 raise RolloutError(f"rollout returned {len(got)} samples for {len(group)} conversations in turn {turn}")
             for c, s in zip(group, got, strict=True):
                 c.add_turn(s)
     return [_sample(c, environment.final_reward(c.state)) for c in convs]
+
+
+def _calls(active: list[_Conversation], max_new_tokens: int,
+           limits: Limits) -> list[tuple[tuple[int, int], list[list[_Conversation]]]]:
+    """A turn's ``generate`` calls: conversations whose ids are equal so far (the samples of one
+    prompt often are, after a deterministic observation) go in as one prompt with ``n`` samples, so
+    that they are sampled apart: an engine that seeds each request with the call's seed (vLLM)
+    would otherwise draw the same token for each of them. One call per (token budget, ``n``)."""
+    contexts: dict[tuple[int, ...], list[_Conversation]] = {}
+    for c in active:
+        contexts.setdefault(tuple(c.ids), []).append(c)
+    calls: dict[tuple[int, int], list[list[_Conversation]]] = {}
+    for convs in contexts.values():
+        calls.setdefault((convs[0].budget(max_new_tokens, limits), len(convs)), []).append(convs)
+    return sorted(calls.items(), key=lambda kv: kv[0])
 
 
 def _answer(environment: Any, c: _Conversation, turn: int, limits: Limits, name: str, total: int) -> bool:
