@@ -160,7 +160,8 @@ class RolloutProducer:
         self.timeouts = loop.timeouts
         self.ahead = ahead_steps(loop)
         #: a push lands while requests are in flight only if the backend resumes them on the new weights
-        self.abort_in_flight = loop.in_flight == "abort" and _resumes_in_flight(backend)
+        #: (asked in start(): a backend knows once it runs)
+        self.abort_in_flight = False
         self.cond = threading.Condition()
         self.ready: dict[int, ProducedStep] = {}
         self.error: BaseException | None = None
@@ -193,6 +194,7 @@ class RolloutProducer:
 
     def start(self, first_step: int, version: int) -> None:
         self.next_to_train = int(first_step)
+        self.abort_in_flight = self.loop.in_flight == "abort" and _resumes_in_flight(self.backend)
         self.thread = threading.Thread(target=self._run, args=(int(first_step),), name="rlcore-rollout-producer",
                                        daemon=True)  # a thread that ignores a stop must not keep the process
         self.thread.start()

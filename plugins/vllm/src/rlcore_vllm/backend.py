@@ -19,6 +19,15 @@ With ``vllm.speculative: mtp`` (:mod:`rlcore_vllm.speculative`) the backend also
 weight version (reported by the workers after every push) and measures the acceptance of each
 ``generate`` call from vLLM's counters; :meth:`VLLMBackend.rollout_metrics` hands both to the
 trainer. Releasing the KV cache measures the device memory it freed.
+
+Partial rollouts (``loop.in_flight: abort`` with ``loop.mode`` one_step_off / async; offline
+engine, no drafting, no routed experts; docs/async.md): ``generate`` then drives the engine
+request by request (one request per sample, seeded ``seed + copy`` as vLLM seeds the copies of
+an ``n > 1`` request, so the samples are those of one ``LLM.generate`` call). A push's
+:meth:`VLLMBackend.pause` asks it to stop: it aborts its unfinished requests between two engine
+steps and parks; :meth:`~VLLMBackend.resume` lets it go on: each unfinished sample is submitted
+again with prompt + tokens so far on the new weights, its log-probs concatenated and the switch
+recorded in ``Sample.weight_versions``.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -112,6 +122,12 @@ class VLLMBackend:
         self._memory_metrics: dict[str, float] = {}
         #: what vllm.sleep_for_training released after the last generate (not core's release_memory)
         self._training_released: set[str] = set()
+        #: partial rollouts (see the module docstring): set by build_backend from loop.in_flight / loop.mode
+        self.resume_partial = False
+        self._interrupt = threading.Event()
+        self._gen_state = threading.Condition()
+        self._resumable_in_flight = 0
+        self._parked = 0
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -256,7 +272,10 @@ class VLLMBackend:
                                    f"{params.temperature} and the model's vocabulary size is unknown")
             sp["logprobs"] = min(TOP_LOGPROBS, self.vocab_size)
         before = engine.spec_counters() if self.mtp else None
-        completions = engine.generate([list(p.ids) for p in prompts], sp)
+        if self._resumable(params):
+            completions = self._generate_resumable(engine, [list(p.ids) for p in prompts], sp, temper)
+        else:
+            completions = engine.generate([list(p.ids) for p in prompts], sp)
         if before is not None:
             self._account_acceptance(engine.spec_counters().minus(before))
         samples = []
@@ -274,18 +293,93 @@ class VLLMBackend:
                 routes = None
                 if params.return_routed_experts:
                     routes = self._routes(c["routed_experts"], prompt, len(ids))
+                spans = c.get("weight_versions")
                 samples.append(Sample(
                     prompt_index=prompt.index,
                     prompt_ids=list(prompt.ids),
                     response_ids=torch.tensor(ids, dtype=torch.long),
                     logprobs=torch.tensor(lps, dtype=torch.float32),
-                    weight_version=self._version,
+                    weight_version=spans[-1][0] if spans else self._version,
                     finish_reason="stop" if c["finish_reason"] == "stop" else str(c["finish_reason"]),
                     routed_experts=routes,
+                    weight_versions=tuple(spans) if spans and len(spans) > 1 else None,
                 ))
         if self.settings.sleep_for_training:
             self._sleep_for_training()
         return samples
+
+    def resumes_in_flight(self) -> bool:
+        """Whether a push may land while ``generate`` runs (see the module docstring)."""
+        return self.resume_partial and isinstance(self.engine, OfflineEngine) and not self.mtp
+
+    def _resumable(self, params: SamplingSettings) -> bool:
+        return self.resumes_in_flight() and not params.return_routed_experts
+
+    def _generate_resumable(self, engine: OfflineEngine, prompts: list[list[int]], sp: dict[str, Any],
+                            top_logprobs: bool) -> list[list[dict[str, Any]]]:
+        """``engine.generate``'s answer, request by request; a push (``pause``) stops the
+        unfinished ones, ``resume`` continues them on the new weights (the module docstring)."""
+        n, seed, limit = int(sp["n"]), int(sp["seed"]), int(sp["max_tokens"])
+        rows = [{"prompt": i, "copy": j, "token_ids": [], "logprobs": [], "top_logprobs": [], "finish_reason": None,
+                 "weight_versions": [(self._version, 0)]} for i in range(len(prompts)) for j in range(n)]
+        with self._gen_state:
+            self._resumable_in_flight += 1
+        try:
+            segment = 0
+            while True:
+                pending = [r for r in rows if r["finish_reason"] is None]
+                for r in pending:
+                    if len(r["token_ids"]) >= limit:
+                        r["finish_reason"] = "length"
+                pending = [r for r in pending if r["finish_reason"] is None]
+                if not pending:
+                    break
+                # seed + copy: how vLLM seeds the copies of an n > 1 request; a resumed part gets its own
+                requests = {id(r): engine.submit(prompts[r["prompt"]] + r["token_ids"], {
+                    **sp, "n": 1, "seed": seed + r["copy"] + segment * (n + 1), "max_tokens": limit - len(r["token_ids"])})
+                    for r in pending}
+                stopped = False
+                while not all(engine.finished(q) for q in requests.values()):
+                    if self._interrupt.is_set():
+                        engine.abort(list(requests.values()))
+                        stopped = True
+                        break
+                    engine.step()
+                for r in pending:
+                    part = engine.take(requests[id(r)], top_logprobs)
+                    r["token_ids"] += part["token_ids"]
+                    r["logprobs"] += part["logprobs"]
+                    r["top_logprobs"] += part.get("top_logprobs", [])
+                    r["finish_reason"] = part["finish_reason"]
+                if stopped:
+                    self._park()
+                    for r in rows:
+                        if r["finish_reason"] is None:
+                            spans = [s for s in r["weight_versions"] if s[1] < len(r["token_ids"])]
+                            r["weight_versions"] = spans + [(self._version, len(r["token_ids"]))]
+                    segment += 1
+        finally:
+            with self._gen_state:
+                self._resumable_in_flight -= 1
+                self._gen_state.notify_all()
+        return [[{k: r[k] for k in ("token_ids", "logprobs", "top_logprobs", "finish_reason", "weight_versions")}
+                 for r in rows[i * n:(i + 1) * n]] for i in range(len(prompts))]
+
+    def _park(self) -> None:
+        """Wait, requests aborted, until the push that stopped them resumes the backend."""
+        limit = float(self.settings.request_timeout_s)
+        with self._gen_state:
+            self._parked += 1
+            self._gen_state.notify_all()
+            try:
+                if not self._gen_state.wait_for(lambda: not self._interrupt.is_set(), timeout=limit):
+                    raise RolloutError(f"vllm backend: generate stopped for a weight push, and the push did not "
+                                       f"resume it within vllm.request_timeout_s={limit:g} s")
+            finally:
+                self._parked -= 1
+        if self._unknown_weights is not None:
+            raise RolloutError(f"vllm backend: the requests stopped for a push cannot resume: "
+                               f"{self._unknown_weights}")
 
     def _sleep_for_training(self) -> None:
         """Level 1 after a rollout: weights to host memory, KV cache released, so the trainer has
@@ -353,12 +447,21 @@ class VLLMBackend:
         if isinstance(engine, HTTPEngine):
             engine.pause()  # other clients of the server wait too
         self._paused = True
+        limit = float(self.settings.request_timeout_s)
+        with self._gen_state:  # partial rollouts in flight: stop their requests, wait until they park
+            self._interrupt.set()
+            if not self._gen_state.wait_for(lambda: self._parked >= self._resumable_in_flight, timeout=limit):
+                raise RolloutError(f"vllm backend: {self._resumable_in_flight} generate call(s) in flight did not stop "
+                                   f"their requests for a weight push within vllm.request_timeout_s={limit:g} s")
 
     def resume(self) -> None:
         engine = self._require_engine()
         if isinstance(engine, HTTPEngine):
             engine.resume()
         self._paused = False
+        with self._gen_state:
+            self._interrupt.clear()
+            self._gen_state.notify_all()
 
     def release_memory(self, tags: frozenset[str]) -> None:
         """Free the KV cache (and/or weights) through vLLM's sleep mode (GPU)."""
@@ -475,5 +578,7 @@ def build_backend(ctx: Any) -> VLLMBackend:
                           return_routed_experts=bool(cfg.rollout.return_routed_experts), output_dir=ctx.output_dir,
                           transport=choose_transport(settings, cfg) if cfg.sync.name == "vllm" else "shm")
     backend.ray_replica = runs_as_ray_replicas(cfg)
+    loop = getattr(cfg, "loop", None)  # partial rollouts: the overlapped loop with in_flight=abort
+    backend.resume_partial = loop is not None and loop.mode != "sync" and loop.in_flight == "abort"
     backend.push_verify = bool(cfg.sync.verify)
     return backend

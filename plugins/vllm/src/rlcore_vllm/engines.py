@@ -8,15 +8,24 @@ health polling and HTTP requests are core's (:mod:`rlcore.serving`), shared with
 A server rlcore launches listens on ``vllm.host``, loopback by default: it runs with
 ``VLLM_SERVER_DEV_MODE=1``, whose routes (``/collective_rpc``, ``/update_weights``, ``/sleep``)
 replace weights and run code in the workers without authentication.
+
+Partial rollouts (``loop.in_flight: abort``, docs/async.md) drive the offline engine request by
+request: :meth:`OfflineEngine.submit` adds one, :meth:`~OfflineEngine.step` runs one engine step
+and files every output under its request, :meth:`~OfflineEngine.abort` stops the unfinished
+ones. ``LLM.generate`` steps *every* request in the engine until all finish and returns their
+outputs, so while such requests live, the verification probe (:meth:`~OfflineEngine.prompt_logprobs`)
+goes through the same calls instead; one lock lets one thread drive the engine at a time.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +45,7 @@ WORKER_EXTENSION = "rlcore_vllm.worker_ext.RLCoreWorkerExtension"
 #: expert-parallel group of MoE models) in process globals, so only one engine can live in-process
 _LIVE_INPROC_ENGINES: list[object] = []
 SERVED_MODEL_NAME = "rlcore-policy"
+_REQUEST_IDS = itertools.count()
 #: vLLM's weight-transfer API: op -> (worker method, its keyword argument)
 NATIVE_WORKER_METHODS = {
     "init": ("init_weight_transfer_engine", "init_info"),
@@ -145,6 +155,9 @@ class OfflineEngine:
         self.llm = LLM(**kw)
         self.in_process = in_process
         self.watch = EngineCoreWatch(self.llm)
+        self.lock = threading.RLock()  # one thread drives the engine at a time
+        #: requests added by submit(): id -> their latest (cumulative) output, None before the first
+        self._live: dict[str, Any] = {}
         if in_process:
             _LIVE_INPROC_ENGINES.append(self)
 
@@ -181,10 +194,64 @@ class OfflineEngine:
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         from vllm import SamplingParams
 
-        out = self._call(self.llm.generate, [{"prompt_token_ids": ids}],
-                         SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0),
-                         use_tqdm=False)[0]
+        probe = {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
+        with self.lock:
+            if not self._live:
+                out = self._call(self.llm.generate, [{"prompt_token_ids": ids}],
+                                 SamplingParams(detokenize=False, **probe), use_tqdm=False)[0]
+                return [float(entry[tok].logprob) for tok, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
+        request = self.submit(ids, probe)  # partial rollouts live in the engine: step beside them
+        while not self.finished(request):
+            self.step()
+        out = self._live.pop(request)
         return [float(entry[tok].logprob) for tok, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
+
+    # ------------------------------------------------- request by request (partial rollouts) --
+
+    def submit(self, prompt: list[int], sp: dict[str, Any]) -> str:
+        """Add one request (``sp``: SamplingParams fields, ``n`` 1); its id."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        request = f"rlcore-{next(_REQUEST_IDS)}"
+        params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **sp)
+        with self.lock:
+            self._call(self.llm.llm_engine.add_request, request, {"prompt_token_ids": list(prompt)}, params)
+            self._live[request] = None
+        return request
+
+    def step(self) -> None:
+        """One engine step; each output is filed under its request."""
+        with self.lock:
+            for out in self._call(self.llm.llm_engine.step):
+                if out.request_id in self._live:
+                    self._live[out.request_id] = out
+
+    def finished(self, request: str) -> bool:
+        out = self._live[request]
+        return out is not None and bool(out.finished)
+
+    def abort(self, requests: list[str]) -> None:
+        """Stop the unfinished ``requests`` (what they produced so far stays with :meth:`take`)."""
+        with self.lock:
+            running = [r for r in requests if not self.finished(r)]
+            if running:
+                self._call(self.llm.llm_engine.abort_request, running)
+
+    def take(self, request: str, top_logprobs: bool) -> dict[str, Any]:
+        """A finished or aborted request's completion (``finish_reason`` None: aborted), as
+        :meth:`generate` returns one, and forgets it."""
+        out = self._live.pop(request)
+        c = out.outputs[0] if out is not None and out.outputs else None
+        ids = list(c.token_ids) if c is not None else []
+        entries = list(c.logprobs or []) if c is not None else []
+        comp: dict[str, Any] = {"token_ids": ids, "logprobs": [float(e[t].logprob) for t, e in zip(ids, entries,
+                                                                                                 strict=False)],
+                                "finish_reason": (c.finish_reason or "length") if out is not None and out.finished
+                                else None}
+        if top_logprobs:
+            comp["top_logprobs"] = [{int(t): float(lp.logprob) for t, lp in e.items()} for e in entries]
+        return comp
 
     def collective_rpc(self, method: str, request: str, timeout: float | None) -> list[Any]:
         return self._call(self.llm.collective_rpc, method, timeout=timeout, args=(request,))
