@@ -93,10 +93,15 @@ class BroadcastGroup:
             torch.cuda.current_stream(tensor.device).synchronize()
 
     def close(self) -> None:
-        shutdown = getattr(self.pg, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - closing on the way out; nothing to report to
-                pass
+        """Drop this side of the group without waiting for the others. NCCL's orderly shutdown
+        waits for every rank to shut down too, and the writer and the replicas close at different
+        times (the writer waits for the replicas' own shutdown first): that deadlocked on two H100s.
+        An abort is local."""
+        if self.backend == "nccl":
+            abort = getattr(self.pg, "abort", None) or getattr(self.pg, "_abort", None)
+            if callable(abort):
+                try:
+                    abort()
+                except Exception:  # noqa: BLE001 - closing on the way out; nothing to report to
+                    pass
         self.pg = None
