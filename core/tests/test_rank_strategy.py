@@ -104,10 +104,14 @@ def test_the_strategy_follows_the_engines_capabilities():
     # an engine of another name that shards itself: model parallel (no name decides)
     assert type(strategy_for(engine({Cap.TENSOR_PARALLEL}), two)) is ModelParallel
     assert type(strategy_for(engine({Cap.EXPERT_PARALLEL, Cap.MOE}), two)) is ModelParallel
-    # both kinds declared: the layout decides
+    # both kinds declared: model parallel, splitting the samples over the engine's data-parallel
+    # replicas (which the engine names once built: its layout may come from its own settings)
     both = {Cap.DATA_PARALLEL, Cap.TENSOR_PARALLEL}
-    assert type(strategy_for(engine(both), two)) is DataParallel
-    assert type(strategy_for(engine(both, {"tp": 2}), two)) is ModelParallel
+    for layout in ({}, {"tp": 2}, {"dp": 2, "tp": 2}):
+        picked = strategy_for(engine(both, layout), two)
+        assert type(picked) is ModelParallel and picked.splits_samples, layout
+    assert not strategy_for(engine({Cap.TENSOR_PARALLEL}), two).splits_samples
+    assert type(strategy_for(engine({Cap.PIPELINE_PARALLEL}, {"pp": 2}), two)) is ModelParallel
     with pytest.raises(ConfigError, match="engine 'thirdparty' .* cannot run on 2 trainer ranks: it declares none of "
                                           "the capabilities data_parallel, tensor_parallel") as err:
         strategy_for(engine({Cap.MOE}), two)

@@ -27,8 +27,10 @@ class TrainerRanks:
     """Trainer ranks along each parallel dimension: ``dp`` data-parallel, ``tp`` tensor-, ``ep``
     expert- and ``pp`` pipeline-parallel (``dp * tp * ep * pp`` ranks). The launcher runs a size
     above 1 only for an engine that declares the dimension's capability (``data_parallel``,
-    ``tensor_parallel``, ``expert_parallel``, ``pipeline_parallel``); rlcore-megatron takes its
-    ``tp`` / ``ep`` from here when ranks are launched (its own sizes may be left at 1 or set equal)."""
+    ``tensor_parallel``, ``expert_parallel``, ``pipeline_parallel``); ``dp`` beside a model split
+    needs an engine declaring both (rlcore-megatron: ``dp`` with ``tp`` / ``pp``). rlcore-megatron
+    takes its ``tp`` / ``ep`` / ``pp`` from here when ranks are launched (its own sizes may be left
+    at 1 or set equal)."""
 
     dp: int = 1
     tp: int = 1
@@ -84,11 +86,6 @@ def check_cluster(cfg: Any) -> None:
         for k in ("num_cpus", "num_gpus"):
             if c[role].resources[k] < 0:
                 raise _bad(f"cluster.{role}.resources.{k}", "must be >= 0")
-    split = [f"{d}={c.trainer[d]}" for d in ("tp", "ep", "pp") if int(c.trainer[d]) > 1]
-    if int(c.trainer.dp) > 1 and split:
-        raise _bad("cluster.trainer.dp", f"{c.trainer.dp} beside cluster.trainer.{', '.join(split)}: a trainer rank "
-                   f"is either data parallel (the whole model, its share of the samples) or model parallel (its "
-                   f"shard, every rank the same samples; rlcore.parallel.strategy); both at once is not implemented")
     world = int(c.trainer.dp * c.trainer.tp * c.trainer.ep * c.trainer.pp)
     if c.placement == "colocated" and c.rollout.replicas > world:
         raise _bad("cluster.rollout.replicas", f"{c.rollout.replicas} colocated replicas need as many trainer "

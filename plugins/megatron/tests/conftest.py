@@ -12,7 +12,7 @@ import pytest
 @pytest.fixture(scope="session")
 def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     """HF directories beyond the conformance ones: tied embeddings, KV heads divisible by 2
-    (tensor parallelism), Qwen3-MoE with KV heads divisible by 2, Qwen3-MoE with an MTP layer (DeepSeek-V3
+    (tensor parallelism), four layers (pipeline stages), Qwen3-MoE with KV heads divisible by 2, Qwen3-MoE with an MTP layer (DeepSeek-V3
     layout), Qwen2 with an MTP layer (MiMo layout), Qwen2-MoE (shared expert with a gate)."""
     from rlcore.testing.models import WORDS, make_model_dir, tiny_config
 
@@ -20,6 +20,8 @@ def megatron_dirs(tmp_path_factory, tiny_model_dirs):
     dirs = dict(tiny_model_dirs)
     dirs["dense_tied"] = make_model_dir(root / "dense_tied", "qwen2", seed=6, tie_word_embeddings=True)
     dirs["dense_kv2"] = make_model_dir(root / "dense_kv2", "qwen2", seed=7, num_kv_heads=2)
+    # four decoder layers: two pipeline stages of two virtual stages each
+    dirs["dense_4l"] = make_model_dir(root / "dense_4l", "qwen2", seed=11, num_kv_heads=2, num_layers=4)
     dirs["qwen2_moe"] = make_model_dir(root / "qwen2_moe", "qwen2_moe", seed=8)
     dirs["moe_kv2"] = make_model_dir(root / "moe_kv2", "qwen3_moe", seed=10, num_kv_heads=2)
     dirs["moe_mtp"] = _mtp_model_dir(root / "moe_mtp", tiny_config("qwen3_moe", seed=9, mtp_layers=1), WORDS)
@@ -80,9 +82,10 @@ def figures():
 
 @pytest.fixture(scope="session")
 def run_worker():
-    """``run_worker(worker, model_dir, out, tp, ep, world)``: a worker script of this folder over
-    ``world`` ranks (``torch.distributed.run``, gloo on CPU; a world of one as a plain process),
-    one thread each; returns what the workers ``torch.save``d to ``out``."""
+    """``run_worker(worker, model_dir, out, tp, ep, world, *extra)``: a worker script of this
+    folder over ``world`` ranks (``torch.distributed.run``, gloo on CPU; a world of one as a plain
+    process), one thread each, ``extra`` appended to its arguments; returns what the workers
+    ``torch.save``d to ``out``."""
     import socket
     import subprocess
     import sys
@@ -94,12 +97,13 @@ def run_worker():
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
-    def run(worker: Path, model_dir: Path, out: Path, tp: int, ep: int, world: int) -> dict:
+    def run(worker: Path, model_dir: Path, out: Path, tp: int, ep: int, world: int, *extra: object) -> dict:
         if world == 1:
-            cmd = [sys.executable, str(worker), str(model_dir), str(out), "1", "1"]
+            cmd = [sys.executable, str(worker), str(model_dir), str(out), "1", "1", *map(str, extra)]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                   f"--master-port={free_port()}", str(worker), str(model_dir), str(out), str(tp), str(ep)]
+                   f"--master-port={free_port()}", str(worker), str(model_dir), str(out), str(tp), str(ep),
+                   *map(str, extra)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                               timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -49,8 +49,8 @@ def test_plugin_is_found_through_its_entry_point():
     pm.activate(["megatron"])
     spec = pm.select("engine", "megatron", key="engine.name")
     assert spec.distribution.startswith("rlcore-megatron ")
-    assert spec.capabilities == {"moe", "mtp", "router_hook", "record_routes", "tensor_parallel", "expert_parallel",
-                                 "value_model", "engine_model", "moe_mtp"}
+    assert spec.capabilities == {"moe", "mtp", "router_hook", "record_routes", "data_parallel", "tensor_parallel",
+                                 "expert_parallel", "pipeline_parallel", "value_model", "engine_model", "moe_mtp"}
 
 
 def test_settings_section_validates(register_plugin, rlcore_config):
@@ -172,7 +172,15 @@ def test_hf_configs_megatron_cannot_express_are_errors_naming_the_field(arch, ov
 
 @pytest.mark.parametrize("overrides,key,match", [
     (["megatron.tensor_parallel_size=0"], "megatron.tensor_parallel_size", ">= 1"),  # was ZeroDivisionError
-    (["megatron.pipeline_parallel_size=2"], "megatron.pipeline_parallel_size", "not supported yet"),
+    # pipeline stages: what they do not run is refused naming the key
+    (["engine.name=megatron", "megatron.pipeline_parallel_size=2", "megatron.virtual_pipeline_stages=2"],
+     "megatron.pipeline_parallel_size", r"4 chunks need at least as many decoder layers; the model has 2"),
+    (["engine.name=megatron", "megatron.virtual_pipeline_stages=2"], "megatron.virtual_pipeline_stages",
+     "needs megatron.pipeline_parallel_size"),
+    (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "megatron.pipeline_parallel_size=2"],
+     "megatron.pipeline_parallel_size", "not supported with an MoE model"),
+    (["engine.name=megatron", "engine.model.tiny.tie_word_embeddings=true", "megatron.pipeline_parallel_size=2"],
+     "megatron.pipeline_parallel_size", "not supported with tied embeddings"),
     (["megatron.attention=flash"], "megatron.attention", "auto, te or local"),
     (["megatron.token_dispatcher=flex"], "megatron.token_dispatcher", "allgather or alltoall"),
     (["megatron.sequence_parallel=true"], "megatron.sequence_parallel", "tensor_parallel_size > 1"),
@@ -211,19 +219,25 @@ def test_rlcore_check_refuses_what_the_megatron_engine_would(register_plugin, rl
     assert e.value.key == key
 
 
-@pytest.mark.parametrize("dim,cap", [("dp", "data_parallel"), ("pp", "pipeline_parallel")])
-def test_the_ray_launcher_runs_only_the_dimensions_the_engine_declares(register_plugin, rlcore_config, dim, cap):
-    """rlcore-ray decides by the engine's capabilities: megatron declares tensor and expert
-    parallelism, not data or pipeline parallelism."""
+def test_the_ray_launcher_runs_megatron_data_parallel_beside_tensor_parallel(register_plugin, rlcore_config):
+    """rlcore-ray decides by the engine's capabilities: megatron declares data and pipeline
+    parallelism (before: refused naming cluster.trainer.dp / pp), data parallelism alone or beside
+    tensor or pipeline parallelism; beside expert
+    parallelism it is refused naming cluster.trainer.dp (every EP rank of a model runs every sample)."""
     from rlcore.stack import resolve
     from rlcore_ray import plugin as ray_plugin
 
     register_plugin(plugin, "megatron")
     pm = register_plugin(ray_plugin, "ray").pm
-    with pytest.raises(ConfigError, match=f"declares {cap!r}; engine 'megatron'") as e:
-        resolve(rlcore_config("plugins=[megatron,ray]", "engine.name=megatron", "cluster.backend=ray",
-                              f"cluster.trainer.{dim}=2"), pm)
-    assert e.value.key == f"cluster.trainer.{dim}"
+    ray = ["plugins=[megatron,ray]", "engine.name=megatron", "cluster.backend=ray"]
+    assert resolve(rlcore_config(*ray, "cluster.trainer.dp=2"), pm).launcher.name == "ray"
+    assert resolve(rlcore_config(*ray, "cluster.trainer.dp=2", "cluster.trainer.tp=2",
+                                 "engine.model.tiny.num_kv_heads=2"), pm).launcher.name == "ray"
+    # pipeline stages too (before: refused naming cluster.trainer.pp), beside data parallelism
+    assert resolve(rlcore_config(*ray, "cluster.trainer.pp=2", "cluster.trainer.dp=2"), pm).launcher.name == "ray"
+    with pytest.raises(ConfigError, match="cluster.trainer.dp=2 beside expert parallelism") as e:
+        rlcore_config(*ray, "engine.model.tiny.arch=qwen3_moe", "cluster.trainer.dp=2", "cluster.trainer.ep=2")
+    assert e.value.key == "cluster.trainer.dp"
 
 
 def test_megatron_model_checks_read_the_model_directory(register_plugin, rlcore_config, tmp_path):
@@ -267,6 +281,9 @@ def test_cluster_trainer_sizes_decide_megatrons_under_ray(register_plugin, rlcor
 def test_megatron_section_passes_when_the_engine_can_build_it(register_plugin, rlcore_config):
     register_plugin(plugin, "megatron")
     rlcore_config("engine.name=megatron")
+    rlcore_config("engine.name=megatron", "megatron.pipeline_parallel_size=2")  # before: refused
+    rlcore_config("engine.name=megatron", "engine.model.tiny.num_layers=4", "megatron.pipeline_parallel_size=2",
+                  "megatron.virtual_pipeline_stages=2")
     rlcore_config("engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "megatron.expert_parallel_size=2")
     rlcore_config("engine.name=megatron", "engine.device=auto", "megatron.token_dispatcher=alltoall")
     rlcore_config("engine.name=megatron", "engine.model.tiny.mtp_layers=1")  # Qwen2: MiMo's layout

@@ -1,12 +1,16 @@
-"""rlcore-megatron's tensor- and expert-parallel ranks under Ray: the tiny GRPO on a Ray cluster of
+"""rlcore-megatron's tensor-, expert-, data- and pipeline-parallel ranks under Ray: the tiny GRPO on a Ray cluster of
 two simulated nodes (``ray.cluster_utils.Cluster``), TP=2 on the dense tiny model and EP=2 on the
-tiny MoE, each with two rollout replicas, against the single-process run of the same seed.
+tiny MoE, DP=2 (two megatron replicas splitting the sequences) on the dense one, PP=2 with two
+virtual stages each on a four-layer dense one, each with two rollout replicas, against the
+single-process run of the same seed.
 
 Why the reward curves agree within one sample per step (docs/scale.md): with
 ``rollout.seed_per_prompt`` the two replicas draw the samples one process draws from the same
 weights; the TP/EP ranks compute the same step as one rank up to float summation order (TP: the
 row-parallel all-reduce and the vocab-parallel softmax; EP: the dispatcher's sum of expert
-outputs), which ``tests/test_parallel.py`` bounds at 1e-5 for log-probs and gradients. The
+outputs; DP: each replica's gradient sum, then the all-reduce; PP: the same operations, exact
+sends), which ``tests/test_parallel.py``
+bounds at 1e-5 for log-probs and gradients. The
 first step's samples are drawn from the identical initial weights, so it must be equal; after
 that a sample differs only where such a change moves a token's cumulative probability across its
 uniform draw. Allowed: one flipped sample in a step (1/64 of its mean reward), all but one step
@@ -34,6 +38,7 @@ RUN = [f"training.steps={STEPS}", "data.prompts_per_step=8", "rollout.n=8", "out
        "output.tensorboard=false", "output.plot=false", "output.checkpoint_every=0"]
 MODELS = {
     "dense": ["engine.model.tiny.num_kv_heads=2"],
+    "dense4": ["engine.model.tiny.num_kv_heads=2", "engine.model.tiny.num_layers=4"],
     "moe": ["engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.num_experts=4", "engine.model.tiny.topk=2",
             "engine.model.tiny.moe_intermediate_size=64"],
 }
@@ -49,14 +54,17 @@ def two_nodes():
         yield cluster
 
 
-@pytest.mark.parametrize("model,dim", [("dense", "tp"), ("moe", "ep")])
-def test_two_model_parallel_ranks_on_two_nodes_match_one_process(two_nodes, tmp_path, figures, model, dim):
+@pytest.mark.parametrize("model,dim,ray_only", [("dense", "tp", []), ("moe", "ep", []), ("dense", "dp", []),
+                                               ("dense4", "pp", ["megatron.virtual_pipeline_stages=2"])],
+                         ids=["dense-tp", "moe-ep", "dense-dp", "dense4-pp-vpp2"])
+def test_two_model_parallel_ranks_on_two_nodes_match_one_process(two_nodes, tmp_path, figures, model, dim, ray_only):
     from rlcore.cli import main
     from rlcore.trainer import Trainer
 
     run = RUN + MODELS[model]
     t0 = time.perf_counter()  # the command a user types (Ray is already up: the run joins it)
-    assert main(["train", str(EXAMPLE), *run, *RAY, f"cluster.trainer.{dim}=2", "--output", str(tmp_path / "ray")]) == 0
+    assert main(["train", str(EXAMPLE), *run, *RAY, *ray_only, f"cluster.trainer.{dim}=2",
+                 "--output", str(tmp_path / "ray")]) == 0
     t_ray = time.perf_counter() - t0
     t0 = time.perf_counter()
     Trainer(load_stack(str(EXAMPLE), run + ["rollout.seed_per_prompt=true", f"output.dir={tmp_path / 'one'}"])).run()

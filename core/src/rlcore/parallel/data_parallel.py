@@ -48,17 +48,17 @@ def broadcast_parameters(params: Iterable[torch.Tensor]) -> None:
             dist.broadcast(p.data, src=0)
 
 
-def all_reduce_gradients(params: list[torch.Tensor]) -> None:
-    """Sum every gradient over the ranks, one flat buffer per dtype. A parameter without a
-    gradient on some rank (its shard never used it) gets zeros there when another rank has one;
-    a parameter no rank has a gradient for stays without one (the optimizer skips it, as on one
-    rank)."""
+def all_reduce_gradients(params: list[torch.Tensor], group: Any = None) -> None:
+    """Sum every gradient over the ranks of ``group`` (``None``: every rank), one flat buffer per
+    dtype. A parameter without a gradient on some rank (its shard never used it) gets zeros there
+    when another rank has one; a parameter no rank has a gradient for stays without one (the
+    optimizer skips it, as on one rank)."""
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         return
     device = trainable[0].device
     has = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32, device=device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
     grads = []
     for p, h in zip(trainable, has.tolist(), strict=True):
         if h and p.grad is None:
@@ -68,11 +68,11 @@ def all_reduce_gradients(params: list[torch.Tensor]) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
-    for group in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in group])
-        dist.all_reduce(flat)
+    for same_dtype in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same_dtype])
+        dist.all_reduce(flat, group=group)
         offset = 0
-        for g in group:
+        for g in same_dtype:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
 

@@ -1,11 +1,28 @@
 """Model parallelism for trainer ranks (engines with ``Cap.TENSOR_PARALLEL`` or
 ``Cap.EXPERT_PARALLEL``, such as rlcore-megatron's): the rank strategy :class:`ModelParallel`.
 
-Every rank holds a shard of the model and runs the whole step on the *same* samples: the writer
-asks the rollout (a fleet of replicas) and broadcasts the samples (:func:`.data_parallel.rank_stack`,
-as for data parallelism), then every rank packs the same batch, computes the same advantages
-and takes the same step; the engine does the collectives (TP all-reduces, the EP dispatcher,
-vocab-parallel log-probs), so the trainer splits and reduces nothing.
+Every rank holds a shard of the model; the writer asks the rollout (a fleet of replicas) and
+broadcasts the samples (:func:`.data_parallel.rank_stack`, as for data parallelism), then every
+rank packs the same batch and computes the same advantages. The ranks of one model replica run
+the same sequences; the engine does the collectives (TP all-reduces, the EP dispatcher,
+vocab-parallel log-probs).
+
+Data parallelism beside the model split (an engine that also declares ``Cap.DATA_PARALLEL``, such
+as rlcore-megatron with ``cluster.trainer.dp`` > 1): the engine names its data-parallel group
+(``engine.data_parallel_group()``: the ranks holding the same shard, one per model replica), and
+each forward pass runs only that replica's contiguous share of the sequences, exactly as
+:class:`.data_parallel.DataParallel` splits them over whole-model ranks. The loss of every
+micro-batch is normalised by the *whole step's* divisor, so gradients are all-reduced with SUM
+over the data-parallel group (rlcore's reduce, not megatron's DDP, which averages and keeps its
+own gradient buffers: the engine's optimizer and gradient norm read ``.grad``), log-probs of the
+no-grad passes the same way, and a pass's metrics combine over that group (the model-parallel
+peers of a replica computed the same ones).
+
+Pipeline stages (an engine with ``Cap.PIPELINE_PARALLEL`` whose ``pipeline_group()`` names this
+rank's pipeline and the global rank of its last stage): the engine runs the stages inside each
+``forward`` and the trainer's head and loss run on every rank, but only the last stage's are
+real (rlcore-megatron's ``rlcore_megatron.pipeline``): each pass's log-probs and metrics are
+broadcast from the last stage over the pipeline, after the data-parallel reduce.
 
 Rank-safe outputs: metrics, plot and the run marker by the writer (as on one process). The HF exports gather every tensor over the ranks, so every
 rank takes part and the writer writes: ``policy_hf`` (``save_hf``), the trained model (``RUN/model``
@@ -24,15 +41,17 @@ naming the keys: shards are not resharded.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlcore.errors import CheckpointError
-from rlcore.parallel.data_parallel import DistributedRanks
+from rlcore.batch import PackedBatch
+from rlcore.errors import CheckpointError, RLCoreError
+from rlcore.parallel.data_parallel import DistributedRanks, all_reduce_gradients, shard_bounds
+from rlcore.pass_metrics import PassMetrics
 from rlcore.ranks import on_writer
 from rlcore.run_output import CHECKPOINT_DIR, _sha256, _stem, save_checkpoint
 
@@ -40,7 +59,8 @@ from rlcore.run_output import CHECKPOINT_DIR, _sha256, _stem, save_checkpoint
 LAYOUT_KEYS = {"tp": "cluster.trainer.tp / megatron.tensor_parallel_size",
                "ep": "cluster.trainer.ep / megatron.expert_parallel_size",
                "etp": "megatron's expert tensor-parallel size (follows tp)",
-               "pp": "cluster.trainer.pp", "world": "the number of trainer ranks (cluster.trainer.*)"}
+               "pp": "cluster.trainer.pp / megatron.pipeline_parallel_size", "vpp": "megatron.virtual_pipeline_stages",
+               "dp": "cluster.trainer.dp", "world": "the number of trainer ranks (cluster.trainer.*)"}
 
 
 def shard_file(step: int, rank: int, world: int) -> str:
@@ -48,10 +68,18 @@ def shard_file(step: int, rank: int, world: int) -> str:
 
 
 class ModelParallel(DistributedRanks):
-    """The model-parallel ranks of one model (torch.distributed is initialised; see the module
-    docstring): the engine's collectives split the work, so passes reduce nothing here."""
+    """The model-parallel ranks of one model, in one or several data-parallel replicas
+    (torch.distributed is initialised; see the module docstring). ``splits_samples``: the engine
+    declares ``Cap.DATA_PARALLEL`` too, so it names its data-parallel group once built."""
 
     layout: dict[str, Any]
+
+    def __init__(self, ranks: Any, rollout: Any = None, splits_samples: bool = False):
+        super().__init__(ranks, rollout)
+        self.splits_samples = splits_samples
+        self.dp_group: Any = None  # None: every rank runs every sequence
+        self.dp_rank, self.dp_size = 0, 1
+        self.pipeline: tuple[Any, int] | None = None  # (group, the last stage's global rank)
 
     def built(self, engine: Any, reference: Any) -> None:
         get_layout = getattr(engine, "parallel_layout", None)
@@ -59,6 +87,47 @@ class ModelParallel(DistributedRanks):
         layout.pop("rank", None)
         layout["world"] = self.ranks.world
         self.layout = layout
+        if self.splits_samples:
+            group_of = getattr(engine, "data_parallel_group", None)
+            if not callable(group_of):
+                raise RLCoreError(f"engine {type(engine).__name__} declares data_parallel beside model parallelism "
+                                  f"but has no data_parallel_group(): its ranks cannot tell which split the samples")
+            self.dp_group = group_of()
+            if self.dp_group is not None:
+                self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
+        pipeline_of = getattr(engine, "pipeline_group", None)
+        self.pipeline = pipeline_of() if callable(pipeline_of) else None
+
+    # the passes: split over the data-parallel replicas (nothing to do with one replica)
+
+    def micro_batches(self, batch: PackedBatch, budget: int) -> list[PackedBatch]:
+        if self.dp_size == 1:
+            return batch.micro_batches(budget)
+        start, stop = shard_bounds(batch.num_seqs, self.dp_rank, self.dp_size)
+        return batch.select_seqs(start, stop).micro_batches(budget) if start < stop else []
+
+    def reduce_logprobs(self, logprobs: torch.Tensor) -> None:
+        if self.dp_size > 1:
+            dist.all_reduce(logprobs, group=self.dp_group)  # each replica filled its own sequences' rows
+        if self.pipeline is not None:
+            group, last = self.pipeline
+            dist.broadcast(logprobs, src=last, group=group)
+
+    def reduce_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
+        if self.dp_size > 1:
+            all_reduce_gradients(list(parameters), self.dp_group)
+
+    def reduce_metrics(self, metrics: PassMetrics) -> PassMetrics:
+        if self.dp_size > 1:
+            parts: list[Any] = [None] * self.dp_size
+            dist.all_gather_object(parts, metrics, group=self.dp_group)
+            metrics = PassMetrics.combine(parts)
+        if self.pipeline is not None:
+            group, last = self.pipeline
+            box = [metrics]
+            dist.broadcast_object_list(box, src=last, group=group)
+            metrics = box[0]
+        return metrics
 
     def write_policy_hf(self, engine: Any, model_dir: Path) -> None:
         # the export gathers each tensor over the ranks: every rank takes part, the writer writes;

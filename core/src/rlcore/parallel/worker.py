@@ -92,11 +92,12 @@ MODEL_DIMS = ("tp", "ep", "pp")
 
 
 def strategy_for(stack: Any, ranks: Ranks, rollout: Any = None) -> RankStrategy:
-    """The rank strategy of ``stack``'s engine on ``ranks``, by what the engine declares: an engine
-    with :data:`Cap.DATA_PARALLEL` runs data parallel when the layout splits only the samples
-    (``cluster.trainer``'s tp, ep and pp are 1); one with :data:`Cap.TENSOR_PARALLEL` or
-    :data:`Cap.EXPERT_PARALLEL` runs its own shards, model parallel. An engine with neither is
-    refused naming it."""
+    """The rank strategy of ``stack``'s engine on ``ranks``, by what the engine declares: one with
+    :data:`Cap.TENSOR_PARALLEL`, :data:`Cap.EXPERT_PARALLEL` or :data:`Cap.PIPELINE_PARALLEL`
+    runs its own shards, model parallel (and, declaring :data:`Cap.DATA_PARALLEL` too, splits the
+    samples over its data-parallel replicas); one with :data:`Cap.DATA_PARALLEL` alone runs data
+    parallel when the layout splits only the samples (``cluster.trainer``'s tp, ep and pp are 1).
+    Any other engine is refused naming it."""
     from rlcore.errors import ConfigError
     from rlcore.parallel.data_parallel import DataParallel
     from rlcore.parallel.model_parallel import ModelParallel
@@ -105,12 +106,12 @@ def strategy_for(stack: Any, ranks: Ranks, rollout: Any = None) -> RankStrategy:
     caps = frozenset(stack.engine.capabilities)
     layout = OmegaConf.select(stack.config, "cluster.trainer", default=None)
     model_split = [d for d in MODEL_DIMS if layout is not None and int(layout.get(d, 1) or 1) > 1]
+    model_caps = [Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL, Cap.PIPELINE_PARALLEL]
+    if caps & set(model_caps):
+        return ModelParallel(ranks, rollout, splits_samples=Cap.DATA_PARALLEL in caps)
     if Cap.DATA_PARALLEL in caps and not model_split:
         return DataParallel(ranks, rollout)
-    if caps & {Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL}:
-        return ModelParallel(ranks, rollout)
-    wanted = [Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL] if model_split else \
-        [Cap.DATA_PARALLEL, Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL]
+    wanted = model_caps if model_split else [Cap.DATA_PARALLEL, *model_caps]
     split = f" split by {', '.join(f'cluster.trainer.{d}' for d in model_split)}" if model_split else ""
     raise ConfigError(f"engine {stack.engine.name!r} ({stack.engine.distribution}) cannot run on {ranks.world} "
                       f"trainer ranks{split}: it declares none of the capabilities {', '.join(wanted)}",

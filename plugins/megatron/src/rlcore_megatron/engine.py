@@ -25,14 +25,21 @@ them and :meth:`MegatronEngine.head`'s vocab-parallel weight rows (see :func:`.c
 **Routers.** See :mod:`.routers`. **Weights.** See :mod:`.weights` (names, gathers) and
 :mod:`.hf_dir` (HF directories read and written).
 
-**Distributed runs.** Every rank runs the whole rlcore step on the same batch (the trainer is
-replicated; tensor/expert parallelism split the model, not the data). Expert gradients are
+**Distributed runs.** The ranks of one model replica run the whole rlcore step on the same
+batch (tensor/expert parallelism split the model, not the data). Expert gradients are
 therefore summed over the EP replicas of each token by megatron's dispatcher and are divided by
-the EP size before the optimizer step; the gradient norm sums each shard once.
+the EP size before the optimizer step; the gradient norm sums each shard once. Several replicas
+(data parallelism, ``cluster.trainer.dp`` > 1, beside TP, not EP) each run their share of the
+sequences: :meth:`MegatronEngine.data_parallel_group` names megatron's data-parallel group, over
+which rlcore's model-parallel rank strategy (:mod:`rlcore.parallel.model_parallel`) sums
+gradients and log-probs; megatron's own DDP wrapper is not used (it averages into buffers of its
+own, which the optimizer and :meth:`MegatronEngine.grad_norm` here do not read).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,6 +70,7 @@ from rlcore_megatron.model import (
     padded_vocab_size,
     router_sites,
 )
+from rlcore_megatron.pipeline import chunk_layers, gather_stages, pipeline_groups, run_chunks
 from rlcore_megatron.routers import RouterSeam, RoutingState
 from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings, resolve_parallel, section_settings
 from rlcore_megatron.weights import NameMap, Parallel, detect_mtp_layout, export_hf, load_hf_into
@@ -75,6 +83,9 @@ def settings_from_section(section: Any, config: Any = None) -> MegatronSettings:
     with the parallel sizes of ``config``'s launcher (:func:`.settings.resolve_parallel`)."""
     return resolve_parallel(section_settings(section), config)
 
+
+#: a chunk's decoder layer (numbered from 0 in each pipeline chunk)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 #: what the decoder got that an MTP layer's transformer layer needs too (every version has them)
 _MTP_LAYER_KWARGS = ("attention_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
@@ -103,11 +114,16 @@ class MegatronEngine:
         self.par = Parallel.from_megatron()
         self.padded_vocab = padded_vocab_size(self.spec.vocab_size, s.vocab_size_divisible_by, self.par.tp_size)
         self.attention_path = choose_attention_path(s, self.device)
-        built = build_model(self.spec, s, self.par, self.padded_vocab, self.attention_path, self.device, self.dtype)
-        self.config, self.model, self.mtp = built.config, built.model, built.mtp
+        self.pipe = pipeline_groups(self.par.tp_size, s.pipeline_parallel_size) if s.pipeline_parallel_size > 1 \
+            else None
+        self.chunks, self.chunk_offsets = self._build_chunks()
+        self.model = self.chunks[0]  # the whole model unless pipelined
         self.names = NameMap(self.spec, self.par, detect_mtp_layout(self.spec, source.names))
         if _weights_from is None:
-            load_hf_into(self.named_parameters(), self.names, self.padded_vocab, source.names, source.get,
+            hf_names = source.names
+            if self.pipe is not None:  # this stage's tensors only
+                hf_names = set(source.names) & {h for n, _ in self.named_parameters() for h in self.names(n).hf}
+            load_hf_into(self.named_parameters(), self.names, self.padded_vocab, hf_names, source.get,
                          tied=self.spec.tie_word_embeddings)
         else:
             with torch.no_grad():
@@ -133,9 +149,39 @@ class MegatronEngine:
 
     # ----------------------------------------------------------------- construction ------
 
+    def _build_chunks(self) -> tuple[list[Any], list[int]]:
+        """The ``GPTModel``\\ s of this rank and the first decoder layer of each: the whole model,
+        or this pipeline rank's chunks (:mod:`.pipeline`); sets ``config`` and ``mtp``."""
+        s = self.settings
+        if self.pipe is None:
+            built = build_model(self.spec, s, self.par, self.padded_vocab, self.attention_path, self.device,
+                                self.dtype)
+            self.config, self.mtp = built.config, built.mtp
+            return [built.model], [0]
+        pp = self.pipe.pp
+        cuts = chunk_layers(self.spec.num_layers, pp * s.virtual_pipeline_stages)
+        chunks, offsets = [], []
+        for c in range(self.pipe.stage, len(cuts), pp):
+            first, count = cuts[c]
+            built = build_model(dataclasses.replace(self.spec, num_layers=count), s, self.par, self.padded_vocab,
+                                self.attention_path, self.device, self.dtype, pre_process=c == 0,
+                                post_process=c == len(cuts) - 1)
+            chunks.append(built.model)
+            offsets.append(first)
+        self.config, self.mtp = built.config, None
+        return chunks, offsets
+
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """Megatron-named parameters of this rank: the model's, then the MTP block's (``mtp.``)."""
-        out = list(self.model.named_parameters())
+        """Megatron-named parameters of this rank: the model's (a pipeline rank's chunks with
+        their decoder layers numbered as in the whole model), then the MTP block's (``mtp.``)."""
+        if self.pipe is None:
+            out = list(self.model.named_parameters())
+        else:
+            out = []
+            for chunk, first in zip(self.chunks, self.chunk_offsets, strict=True):
+                for name, p in chunk.named_parameters():
+                    m = _LAYER.match(name)
+                    out.append((f"decoder.layers.{first + int(m.group(1))}.{m.group(2)}" if m else name, p))
         if self.mtp is not None:
             out += [(f"mtp.{n}", p) for n, p in self.mtp.named_parameters()]
         return out
@@ -175,7 +221,10 @@ class MegatronEngine:
             self.seam.state = RoutingState(router, micro_batch, record_routes, layout.router_tokens,
                                            layout.router_offset, layout.to_rows, layout.from_rows)
         try:
-            hidden, mtp_out = self._run(layout, mtp_hidden, mtp_detach_trunk)
+            if self.pipe is not None:  # MoE and MTP are refused with pipeline stages (settings.check_pipeline)
+                hidden, mtp_out = self._run_pipeline(layout, batch.num_tokens), None
+            else:
+                hidden, mtp_out = self._run(layout, mtp_hidden, mtp_detach_trunk)
             routes = self.seam.collect(batch.num_tokens) if record_routes else None
             if routes is not None and layout.router_tokens != batch.num_tokens:
                 # sequence parallel: each rank recorded its slice of the token axis
@@ -219,6 +268,22 @@ class MegatronEngine:
             trunk = captured.pop("prenorm_hidden")
         return hidden, self._run_mtp(layout, trunk, captured, detach_trunk)
 
+    def _run_pipeline(self, layout: PackedLayout, num_tokens: int) -> torch.Tensor:
+        """This pipeline rank's chunks over the micro-batch: the final hidden states on the last
+        stage, zeros elsewhere (:func:`.pipeline.run_chunks`)."""
+        rows, cols = layout.input_ids.shape  # [b, s] (padded rows) or [1, T] (THD)
+        activation = (cols, rows, self.spec.hidden_size)
+
+        def run_chunk(chunk: Any, last: bool) -> torch.Tensor:
+            args = (layout.input_ids, layout.position_ids, layout.attention_mask)
+            if not last:
+                return chunk(*args, **layout.model_kwargs)
+            with compat.head_seam(chunk) as run:
+                return layout.to_packed(run(*args, **layout.model_kwargs))
+
+        return run_chunks(self.chunks, self.pipe, run_chunk, activation, (num_tokens, self.spec.hidden_size),
+                          self.dtype, self.device)
+
     def _run_mtp(self, layout: PackedLayout, trunk_sbh: torch.Tensor, decoder_kwargs: dict[str, Any],
                  detach_trunk: bool) -> list[torch.Tensor]:
         """MTP depths 1..D: ``h_d = norm_d(layer_d(eh_proj_d([enorm_d(emb(x_{t+d})), hnorm_d(h_{d-1})])))``
@@ -260,10 +325,19 @@ class MegatronEngine:
         return outs
 
     def head(self) -> HeadWeight:
+        if self.pipe is not None and not self.pipe.last:
+            # a stage before the last: its head runs on zero hidden states and is thrown away
+            # (.pipeline); a zero weight of the shard's shape, one row of memory
+            rows = self.padded_vocab // self.par.tp_size
+            start = self.par.tp_rank * rows
+            weight = torch.zeros(1, self.spec.hidden_size, dtype=self.dtype, device=self.device).expand(rows, -1)
+            group = self.par.tp_group if self.par.tp_size > 1 else None
+            return HeadWeight(weight=weight, vocab=VocabShard(start, start + rows, self.spec.vocab_size, group))
+        last = self.chunks[-1]  # the whole model, or the last stage's last chunk
         if self.spec.tie_word_embeddings:
-            w = self.model.shared_embedding_or_output_weight()
+            w = last.shared_embedding_or_output_weight()
         else:
-            w = self.model.output_layer.weight
+            w = last.output_layer.weight
         rows = w.shape[0]
         start = self.par.tp_rank * rows
         group = self.par.tp_group if self.par.tp_size > 1 else None
@@ -276,7 +350,8 @@ class MegatronEngine:
             yield p
 
     def train(self, mode: bool = True) -> MegatronEngine:
-        self.model.train(mode)
+        for chunk in self.chunks:
+            chunk.train(mode)
         if self.mtp is not None:
             self.mtp.train(mode)
         return self
@@ -318,7 +393,10 @@ class MegatronEngine:
             from megatron.core import parallel_state as ps
 
             dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
-        return float((replicated + tp_sharded + expert).sqrt())
+        total = replicated + tp_sharded + expert
+        if self.pipe is not None:  # each stage's parameters are its own
+            dist.all_reduce(total, group=self.pipe.group)
+        return float(total.sqrt())
 
     @staticmethod
     def clipped_step(optimizer: Any, params: Any, norm: float, grad_clip: float) -> float:
@@ -361,18 +439,24 @@ class MegatronEngine:
         a scalar head (:mod:`rlcore_megatron.value`)."""
         from rlcore_megatron.value import MegatronValueModel
 
+        if self.pipe is not None:
+            raise ConfigError("PPO's critic is not built for pipeline stages (megatron.pipeline_parallel_size > 1): "
+                              "use a critic-free algorithm (grpo) or pipeline size 1", key="algorithm.name")
+
         return MegatronValueModel(self, seed)
 
     # ----------------------------------------------------------------- weights -----------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors, gathered per tensor (every rank must consume the stream)."""
+        """HF-named full tensors, gathered per tensor over the tensor/expert-parallel ranks and,
+        pipelined, from every stage to the writer (every rank must consume the stream)."""
         skip_mtp = not self.settings.export_mtp
 
         def skip(name: str) -> bool:
             return skip_mtp and name.startswith("mtp.")
 
-        return export_hf(self.named_parameters(), self.names, skip)
+        stream = export_hf(self.named_parameters(), self.names, skip)
+        return stream if self.pipe is None else gather_stages(stream, self.pipe, self.device)
 
     def save_hf(self, path: str | Path, shard_bytes: int = 2 << 30) -> None:
         """Config, tokenizer and safetensors shards (with an index when there are several);
@@ -382,21 +466,47 @@ class MegatronEngine:
         write_hf_dir(self.export_hf_weights(), path, config, self.tokenizer,
                      writer=dist.get_rank() == 0, shard_bytes=shard_bytes)
 
+    def data_parallel_group(self) -> Any:
+        """The ranks that hold the same shard and split the step's sequences (megatron-core's
+        data-parallel group; pipelined, :mod:`.pipeline`'s), or ``None`` when there is one model
+        replica."""
+        if self.pipe is not None:
+            return self.pipe.dp_group
+        if self.par.ep_size > 1:
+            return None  # refused beside data parallelism (model.init_parallel): every EP rank, every sample
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
+
     def parallel_layout(self) -> dict[str, int]:
         """How the model is split over the ranks (recorded with per-rank checkpoints: a shard
         only loads into the same layout)."""
-        return {"tp": self.par.tp_size, "ep": self.par.ep_size, "etp": self.par.etp_size, "pp": 1,
+        group = self.data_parallel_group()
+        dp = dist.get_world_size(group) if group is not None else 1
+        return {"tp": self.par.tp_size, "ep": self.par.ep_size, "etp": self.par.etp_size,
+                "pp": self.settings.pipeline_parallel_size, "vpp": self.settings.virtual_pipeline_stages, "dp": dp,
                 "rank": dist.get_rank(), "world": dist.get_world_size()}
+
+    def pipeline_group(self) -> tuple[Any, int] | None:
+        """This rank's pipeline (its process group) and the global rank of its last stage, whose
+        log-probs and metrics are the pass's; ``None`` unless pipelined."""
+        if self.pipe is None:
+            return None
+        return self.pipe.group, self.pipe.rank_of(self.pipe.pp - 1)
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model.state_dict(),
+            "model": self.model.state_dict() if self.pipe is None else [c.state_dict() for c in self.chunks],
             "mtp": self.mtp.state_dict() if self.mtp is not None else None,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.pipe is None:
+            self.model.load_state_dict(state["model"])
+        else:
+            for chunk, chunk_state in zip(self.chunks, state["model"], strict=True):
+                chunk.load_state_dict(chunk_state)
         if self.mtp is not None and state.get("mtp") is not None:
             self.mtp.load_state_dict(state["mtp"])
         if state.get("optimizer") is not None and self.optimizer is not None:

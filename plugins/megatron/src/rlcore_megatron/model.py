@@ -73,12 +73,29 @@ def init_parallel(settings: MegatronSettings, device: torch.device) -> None:
             )
         return
     tp, ep = want
+    pp = settings.pipeline_parallel_size
     world = dist.get_world_size()
     if world % tp:
         raise ConfigError(f"megatron.tensor_parallel_size={tp} does not divide the world size {world}",
                           key="megatron.tensor_parallel_size")
+    if world % (tp * pp):
+        raise ConfigError(f"megatron.tensor_parallel_size={tp} x pipeline_parallel_size={pp} does not divide the "
+                          f"world size {world}", key="megatron.pipeline_parallel_size")
+    replicas = world // (tp * ep) if world % (tp * ep) == 0 else 0
+    if ep > 1 and replicas != 1:
+        # the EP ranks of a replica run the same samples (their expert gradients are divided by
+        # ep); megatron's data-parallel group would mix them with the replicas that split them
+        raise ConfigError(f"megatron.expert_parallel_size={ep} on {world} ranks (tensor parallel {tp}): expert "
+                          f"parallelism beside data parallelism (cluster.trainer.dp > 1) is not supported; run "
+                          f"tp * ep ranks", key="cluster.trainer.dp")
+    # pipeline size 1 even when pipelined: the stages are run by rlcore_megatron.pipeline, which
+    # builds its own pipeline and data-parallel groups over megatron's tensor-parallel ones
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                                  expert_model_parallel_size=ep)
+    if pp > 1:
+        from rlcore_megatron.pipeline import pipeline_groups
+
+        pipeline_groups(tp, pp)
     if device.type == "cuda":
         from megatron.core import tensor_parallel
 
@@ -165,10 +182,13 @@ class BuiltModel:
 
 
 def build_model(spec: ModelSpec, settings: MegatronSettings, par: Parallel, padded_vocab: int,
-                attention_path: str, device: torch.device, dtype: torch.dtype) -> BuiltModel:
+                attention_path: str, device: torch.device, dtype: torch.dtype, *, pre_process: bool = True,
+                post_process: bool = True) -> BuiltModel:
     """The ``GPTModel`` (layer specs: TE's on the THD path, else local) and, when the HF config
     has MTP layers, a ``MultiTokenPredictionBlock`` held beside it, on ``device`` in ``dtype``;
-    weights uninitialised (the engine loads them)."""
+    weights uninitialised (the engine loads them). A pipeline chunk (:mod:`.pipeline`): ``spec``
+    with the chunk's layer count, ``pre_process`` (the embedding) only in the first chunk,
+    ``post_process`` (final norm, output layer) only in the last."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -181,8 +201,8 @@ def build_model(spec: ModelSpec, settings: MegatronSettings, par: Parallel, padd
         transformer_layer_spec=block_spec,
         vocab_size=padded_vocab,
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=pre_process,
+        post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",

@@ -24,7 +24,8 @@ from rlcore_megatron.hf_config import ModelSpec, model_spec_from_hf
 
 #: what the ``megatron`` engine declares (its EngineSpec) and what the engine object reports
 ENGINE_CAPABILITIES = frozenset(
-    {Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.TENSOR_PARALLEL, Cap.EXPERT_PARALLEL, Cap.VALUE_MODEL, Cap.ENGINE_MODEL, Cap.MOE_MTP}
+    {Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.DATA_PARALLEL, Cap.TENSOR_PARALLEL,
+     Cap.EXPERT_PARALLEL, Cap.PIPELINE_PARALLEL, Cap.VALUE_MODEL, Cap.ENGINE_MODEL, Cap.MOE_MTP}
 )
 
 
@@ -35,8 +36,11 @@ class MegatronSettings:
     * ``tensor_parallel_size`` / ``expert_parallel_size``: model split over ranks; every rank
       runs the same step. ``rlcore train`` runs the ranks with ``cluster.backend=ray``, where
       ``cluster.trainer.tp`` / ``ep`` decide these (:func:`resolve_parallel`); a bare engine
-      (tests) may run under torchrun with them set here. ``pipeline_parallel_size`` must be 1
-      (pipelining needs the loss inside megatron's schedule).
+      (tests) may run under torchrun with them set here.
+    * ``pipeline_parallel_size`` (``cluster.trainer.pp`` under Ray): the decoder's layers cut
+      into stages run one after another inside each forward (:mod:`.pipeline`);
+      ``virtual_pipeline_stages``: chunks per pipeline rank (interleaved: rank ``s`` holds chunks
+      ``s, s + pp, ...``). Dense models without MTP layers or tied embeddings, no PPO critic.
     * ``sequence_parallel``: only with Transformer Engine (the THD path).
     * ``attention``: ``auto`` (THD with Transformer Engine on CUDA, else padded rows), ``te``, ``local``.
     * ``token_dispatcher``: ``allgather`` (any device) or ``alltoall`` (CUDA).
@@ -53,6 +57,7 @@ class MegatronSettings:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    virtual_pipeline_stages: int = 1
     sequence_parallel: bool = False
     attention: str = "auto"
     token_dispatcher: str = "allgather"
@@ -65,7 +70,7 @@ class MegatronSettings:
 ATTENTION = ("auto", "te", "local")
 
 #: the megatron setting each ``cluster.trainer`` dimension decides under ``cluster.backend=ray``
-CLUSTER_DIMS = (("tp", "tensor_parallel_size"), ("ep", "expert_parallel_size"))
+CLUSTER_DIMS = (("tp", "tensor_parallel_size"), ("ep", "expert_parallel_size"), ("pp", "pipeline_parallel_size"))
 
 
 def section_settings(section: Any) -> MegatronSettings:
@@ -100,16 +105,14 @@ TOKEN_DISPATCHERS = ("allgather", "alltoall")
 
 def check_values(s: Any) -> None:
     """Settings megatron-core or the engine refuse whatever the model and device."""
-    for key in ("tensor_parallel_size", "expert_parallel_size", "vocab_size_divisible_by"):
+    for key in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size", "virtual_pipeline_stages",
+                "vocab_size_divisible_by"):
         if getattr(s, key) < 1:
             raise ConfigError(f"bad value for config key 'megatron.{key}': {getattr(s, key)!r}; must be >= 1",
                               key=f"megatron.{key}")
-    if s.pipeline_parallel_size != 1:
-        raise ConfigError(
-            "megatron.pipeline_parallel_size > 1 is not supported yet: a pipelined engine must run "
-            "the head and the loss inside megatron's schedule, which rlcore's trainer does not "
-            "hand to engines", key="megatron.pipeline_parallel_size"
-        )
+    if s.pipeline_parallel_size > 1 and s.sequence_parallel:
+        raise ConfigError("megatron.sequence_parallel beside pipeline parallelism is not supported (not run)",
+                          key="megatron.sequence_parallel")
     if s.attention not in ATTENTION:
         raise ConfigError(f"megatron.attention must be auto, te or local, got {s.attention!r}",
                           key="megatron.attention")
@@ -151,6 +154,7 @@ def check_device(s: Any, device_type: str) -> None:
 
 def check_model(s: Any, sp: ModelSpec) -> None:
     """Parallel sizes the model can be split by."""
+    check_pipeline(s, sp)
     tp = s.tensor_parallel_size
     if sp.num_kv_heads % tp or sp.num_heads % tp:
         raise ConfigError(
@@ -167,6 +171,27 @@ def check_model(s: Any, sp: ModelSpec) -> None:
             f"megatron.expert_parallel_size={ep} must divide the number of experts "
             f"({sp.num_experts})", key="megatron.expert_parallel_size"
         )
+
+
+def check_pipeline(s: Any, sp: ModelSpec) -> None:
+    """What pipeline stages (:mod:`.pipeline`) can run: at least one decoder layer per chunk;
+    not built for MoE (routes are recorded and replayed per micro-batch over the whole model), MTP
+    layers or tied embeddings (they join the first and the last stage)."""
+    pp, vpp = s.pipeline_parallel_size, s.virtual_pipeline_stages
+    if pp == 1:
+        if vpp > 1:  # checked on the resolved sizes: under Ray cluster.trainer.pp decides pp
+            raise ConfigError(f"megatron.virtual_pipeline_stages={vpp} needs megatron.pipeline_parallel_size > 1 "
+                              f"(cluster.trainer.pp under Ray)", key="megatron.virtual_pipeline_stages")
+        return
+    key = "megatron.pipeline_parallel_size"
+    if sp.num_layers < pp * vpp:
+        raise ConfigError(f"{key}={pp} x megatron.virtual_pipeline_stages={vpp} = {pp * vpp} chunks need at least "
+                          f"as many decoder layers; the model has {sp.num_layers}", key=key)
+    for what, present in (("an MoE model", sp.is_moe), ("MTP layers", sp.mtp_layers > 0),
+                          ("tied embeddings (tie_word_embeddings)", sp.tie_word_embeddings)):
+        if present:
+            raise ConfigError(f"{key}={pp}: pipeline stages are not supported with {what} ({sp.model_type!r})",
+                              key=key)
 
 
 def model_spec_for(config: Any) -> ModelSpec:
@@ -211,6 +236,11 @@ def validate_settings(section: Any, config: Any = None) -> None:
         return
     resolved = resolve_parallel(section_settings(section), config)
     check_values(resolved)
+    dp = int(config.cluster.trainer.dp)
+    if dp > 1 and resolved.expert_parallel_size > 1:
+        raise ConfigError(f"cluster.trainer.dp={dp} beside expert parallelism (megatron.expert_parallel_size="
+                          f"{resolved.expert_parallel_size}) is not supported: the EP ranks of a model run the same "
+                          f"samples; use dp with tp (and pp) only", key="cluster.trainer.dp")
     check_device(resolved, str(config.engine.device).split(":")[0])
     spec = model_spec_for(config)
     try:
@@ -219,7 +249,7 @@ def validate_settings(section: Any, config: Any = None) -> None:
         if resolved is section or str(config.cluster.backend) != "ray":
             raise
         raise ConfigError(f"{exc} (under cluster.backend=ray the sizes are cluster.trainer.tp / "
-                          f"cluster.trainer.ep)", key=exc.key) from exc
+                          f"cluster.trainer.ep / cluster.trainer.pp)", key=exc.key) from exc
     check_mtp_export(resolved, spec, str(config.rollout.backend))
 
 
