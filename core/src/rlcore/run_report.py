@@ -10,6 +10,7 @@ from typing import Any
 from rich.markup import escape
 
 from rlcore import __version__
+from rlcore.loop_settings import ahead_steps, max_staleness
 from rlcore.run_output import METRICS_FILE, plot_rewards, read_metrics
 from rlcore.sync import sync_level
 
@@ -32,6 +33,10 @@ class RunReport:
             f"engine {s.engine.name} | forward {s.forward_fn.name} | rollout {s.rollout_backend.name} | "
             f"sync {s.weight_sync.name} | algorithm {self.algorithm} | output {self.out}"
         )
+        loop = s.config.loop
+        if loop.mode != "sync":  # generation overlaps training (docs/async.md)
+            self.console.print(f"loop {loop.mode} | max_staleness {max_staleness(loop)} | ahead {ahead_steps(loop)} "
+                               f"step(s) | stale {loop.stale} | in flight at a push: {loop.in_flight}")
         for text in [*s.notes, *(n for n in extra_notes if n)]:
             self.note(text)
 
@@ -48,6 +53,8 @@ class RunReport:
             f"kl {m.get('kl', 0.0):.4f}  entropy {m.get('entropy', 0.0):.3f}  "
             f"tok/s {m['tokens_per_second']:7.0f}  sync {report.seconds * 1e3:6.1f} ms {ok} v{report.version}  "
             f"wall {m['wall_seconds']:.1f}s"
+            + (f"  stale {m['loop/staleness_mean']:.1f}/{m['loop/staleness_max']:.0f}"
+               f" waited {m['loop/trainer_wait_s']:.2f}s" if "loop/staleness_max" in m else "")
         )
 
     def summary(self, completed: bool) -> dict[str, Any]:
