@@ -4,10 +4,6 @@ config time naming the key; torchrun is refused with a pointer to the Ray path."
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,41 +19,11 @@ STEP = ["training.steps=1", "rollout.n=4", "data.prompts_per_step=15", "training
         "algorithm.kl_coef=0.05", "output.progress=false", "output.tensorboard=false", "output.plot=false"]
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, errors: object, extra: list[str], resume: bool) -> None:
-    try:
-        from rlcore.parallel.worker import config_yaml, run_rank
+def _rank_main(rank: int, port: int, out: str, extra: list[str], resume: bool) -> None:
+    from rlcore.parallel.worker import config_yaml, run_rank
 
-        stack = load_stack(str(EXAMPLE), STEP + extra + [f"output.dir={out}"])
-        run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}", resume=resume)
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")  # type: ignore[attr-defined]
-        raise
-    # the rank finished and left the group: exit without the interpreter's teardown, where torch's
-    # C++ threads once aborted a finished rank ("terminate called without an active exception",
-    # exit -6, no Python error; 1 run in about 10 in CI, not reproduced in 4 reruns)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_ranks(out: Path, extra: list[str] = (), resume: bool = False) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(out), errors, list(extra), resume))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert all(p.exitcode == 0 for p in procs), msgs
+    stack = load_stack(str(EXAMPLE), STEP + extra + [f"output.dir={out}"])
+    run_rank(config_yaml(stack.config), rank, 2, f"127.0.0.1:{port}", resume=resume)
 
 
 def _final_params(out: Path) -> dict[str, torch.Tensor]:
@@ -66,14 +32,14 @@ def _final_params(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_take_the_same_step_as_one(tmp_path):
+def test_two_data_parallel_ranks_take_the_same_step_as_one(tmp_path, gloo_ranks):
     from rlcore.trainer import Trainer
 
     one = tmp_path / "one"
     Trainer(load_stack(str(EXAMPLE), STEP + [f"output.dir={one}"])).run()
 
     two = tmp_path / "two"
-    _two_ranks(two)
+    gloo_ranks(_rank_main, str(two), [], False).check()
 
     a, b = _final_params(one), _final_params(two)
     assert set(a) == set(b)
@@ -92,7 +58,7 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(tmp_path):
 
     # resumed onto both ranks from rank 0's checkpoint (read by rank 0, broadcast): a second step
     Trainer(load_stack(str(EXAMPLE), STEP + ["training.steps=2", f"output.dir={one}"]), resume=True).run()
-    _two_ranks(two, ["training.steps=2"], resume=True)
+    gloo_ranks(_rank_main, str(two), ["training.steps=2"], True).check()
     assert [r["step"] for r in read_metrics(two)] == [0, 1]
     a, b = _final_params(one), _final_params(two)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 2e-5

@@ -342,46 +342,23 @@ def test_dynamic_sampling_learns_the_embedded_default(tmp_path):
     assert sum(gen[-5:]) / 5 > sum(gen[:5]) / 5 + 0.2, gen
 
 
-def _rank_main(rank: int, port: int, out: str, errors: object, overrides: list[str]) -> None:
-    import os
+def _rank_main(rank: int, port: int, out: str, overrides: list[str]) -> None:
+    from rlcore.parallel.worker import config_yaml, run_rank
+    from rlcore.stack import load_stack
 
-    try:
-        from rlcore.parallel.worker import config_yaml, run_rank
-        from rlcore.stack import load_stack
-
-        torch.set_num_threads(1)
-        run_rank(config_yaml(load_stack(TINY, [*overrides, f"output.dir={out}"]).config), rank, 2,
-                 f"127.0.0.1:{port}")
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")  # type: ignore[attr-defined]
-        raise
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as test_cluster_dp: no interpreter teardown in a finished rank
+    torch.set_num_threads(1)
+    run_rank(config_yaml(load_stack(TINY, [*overrides, f"output.dir={out}"]).config), rank, 2,
+             f"127.0.0.1:{port}")
 
 
 @pytest.mark.slow
-def test_data_parallel_ranks_take_the_same_rounds_as_one(tmp_path):
+def test_data_parallel_ranks_take_the_same_rounds_as_one(tmp_path, gloo_ranks):
     """Rewards are scored on the writer and handed to every rank (rlcore.rewards), samples too, so
     every rank drops the same groups and asks for the same rounds (each a collective)."""
-    import multiprocessing as mp
-    import socket
-
     over = [*QUIET, "training.steps=2", "rollout.n=4", "data.prompts_per_step=6", "output.checkpoint_every=0",
             DS + "enable=true"]
     one = _train(tmp_path / "one", *over)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp_path / "two"), errors, over)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert all(p.exitcode == 0 for p in procs), msgs
+    gloo_ranks(_rank_main, str(tmp_path / "two"), over).check()
     from rlcore.run_output import read_metrics
 
     two = read_metrics(tmp_path / "two")

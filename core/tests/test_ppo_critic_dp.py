@@ -2,10 +2,6 @@
 whole step batch, so after a step the critic equals a single rank's (the policy's update is the
 all-reduced one, checked by test_cluster_dp.py)."""
 
-import multiprocessing as mp
-import os
-import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,42 +13,20 @@ STEP = ["algorithm.name=ppo", "training.steps=1", "rollout.n=4", "data.prompts_p
         "training.micro_batch_tokens=64", "output.progress=false", "output.tensorboard=false", "output.plot=false"]
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, errors: object) -> None:
-    try:
-        from rlcore.parallel.worker import config_yaml, run_rank
+def _rank_main(rank: int, port: int, out: str) -> None:
+    from rlcore.parallel.worker import config_yaml, run_rank
 
-        stack = load_stack(str(EXAMPLE), [*STEP, f"output.dir={out}"])
-        run_rank(config_yaml(stack.config), rank, world, f"127.0.0.1:{port}")
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")  # type: ignore[attr-defined]
-        raise
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as test_cluster_dp.py: skip the interpreter's teardown in a finished rank
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    stack = load_stack(str(EXAMPLE), [*STEP, f"output.dir={out}"])
+    run_rank(config_yaml(stack.config), rank, 2, f"127.0.0.1:{port}")
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_train_the_critic_as_one(tmp_path):
+def test_two_data_parallel_ranks_train_the_critic_as_one(tmp_path, gloo_ranks):
     from rlcore.trainer import Trainer
 
     one, two = tmp_path / "one", tmp_path / "two"
     Trainer(load_stack(str(EXAMPLE), [*STEP, f"output.dir={one}"])).run()
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(two), errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert all(p.exitcode == 0 for p in procs), msgs
+    gloo_ranks(_rank_main, str(two)).check()
     a, b = load_checkpoint(one)[0]["critic"], load_checkpoint(two)[0]["critic"]
     for part in ("trunk", "head"):
         # the same batch, the same values, the same update: float32 sums in the same order

@@ -9,10 +9,6 @@ another layout."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import socket
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -157,80 +153,62 @@ class _Engine:
         return {"tp": 2, "ep": 1, "pp": 1, "rank": 99}
 
 
-def _ranks_main(rank: int, port: int, out: str, errors: object) -> None:
+def _ranks_main(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from rlcore.parallel.data_parallel import DataParallel
+    from rlcore.parallel.model_parallel import ModelParallel
+    from rlcore.ranks import TorchRanks
+    from rlcore.run_output import load_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ranks = TorchRanks()
+    batch = _batch()
+    result: dict = {}
+
+    dp = DataParallel(ranks)
+    mbs = dp.micro_batches(batch, 12)
+    result["seqs"] = [int(mb.num_seqs) for mb in mbs]
+    logprobs = torch.zeros(batch.num_tokens)
+    metrics = PassMetrics()
+    for mb in mbs:
+        start = mb.token_offset - batch.token_offset
+        logprobs[start: start + mb.num_tokens] = torch.arange(start, start + mb.num_tokens, dtype=torch.float32)
+        _micro_batch(metrics, float(mb.num_tokens), float(mb.num_loss_tokens) / 2, mb.num_loss_tokens, 1.0 + rank)
+    dp.reduce_logprobs(logprobs)
+    result["logprobs"] = logprobs.tolist()
+    result["metrics"] = dp.reduce_metrics(metrics).result()
+    engine = _Engine(rank)
+    for p in engine.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    dp.reduce_gradients(engine.parameters())
+    result["grads"] = [float(p.grad.flatten()[0]) for p in engine.parameters()]
+
+    mp_ = ModelParallel(ranks)
+    mp_.built(engine, None)
+    critic = {"head": torch.full((2,), float(rank))}
+    mp_.save_checkpoint(Path(out), lambda: {"engine": engine.state_dict(), "critic": critic},
+                        {"step": 0, "version": 1}, {"step": 0, "version": 1, "config": {}}, keep=0)
+    state, record, _ = load_checkpoint(Path(out))
+    mine = mp_.rank_state(Path(out), state, record)
+    result["restored_critic"] = mine["critic"]["head"].tolist()
+    result["restored_equal"] = all(torch.equal(v, engine.state_dict()["model"][k])
+                                   for k, v in mine["engine"]["model"].items())
+    result["record_layout"] = record["shards"]["layout"]
+    other = ModelParallel(ranks)
+    other.layout = dict(mp_.layout, tp=1)
     try:
-        import torch.distributed as dist
-        from rlcore.parallel.data_parallel import DataParallel
-        from rlcore.parallel.model_parallel import ModelParallel
-        from rlcore.ranks import TorchRanks
-        from rlcore.run_output import load_checkpoint
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        ranks = TorchRanks()
-        batch = _batch()
-        result: dict = {}
-
-        dp = DataParallel(ranks)
-        mbs = dp.micro_batches(batch, 12)
-        result["seqs"] = [int(mb.num_seqs) for mb in mbs]
-        logprobs = torch.zeros(batch.num_tokens)
-        metrics = PassMetrics()
-        for mb in mbs:
-            start = mb.token_offset - batch.token_offset
-            logprobs[start: start + mb.num_tokens] = torch.arange(start, start + mb.num_tokens, dtype=torch.float32)
-            _micro_batch(metrics, float(mb.num_tokens), float(mb.num_loss_tokens) / 2, mb.num_loss_tokens, 1.0 + rank)
-        dp.reduce_logprobs(logprobs)
-        result["logprobs"] = logprobs.tolist()
-        result["metrics"] = dp.reduce_metrics(metrics).result()
-        engine = _Engine(rank)
-        for p in engine.parameters():
-            p.grad = torch.full_like(p, float(rank + 1))
-        dp.reduce_gradients(engine.parameters())
-        result["grads"] = [float(p.grad.flatten()[0]) for p in engine.parameters()]
-
-        mp_ = ModelParallel(ranks)
-        mp_.built(engine, None)
-        critic = {"head": torch.full((2,), float(rank))}
-        mp_.save_checkpoint(Path(out), lambda: {"engine": engine.state_dict(), "critic": critic},
-                            {"step": 0, "version": 1}, {"step": 0, "version": 1, "config": {}}, keep=0)
-        state, record, _ = load_checkpoint(Path(out))
-        mine = mp_.rank_state(Path(out), state, record)
-        result["restored_critic"] = mine["critic"]["head"].tolist()
-        result["restored_equal"] = all(torch.equal(v, engine.state_dict()["model"][k])
-                                       for k, v in mine["engine"]["model"].items())
-        result["record_layout"] = record["shards"]["layout"]
-        other = ModelParallel(ranks)
-        other.layout = dict(mp_.layout, tp=1)
-        try:
-            other.rank_state(Path(out), state, record)
-        except CheckpointError as exc:
-            result["refused"] = str(exc)
-        dist.barrier()
-        dist.destroy_process_group()
-        Path(out, f"result_{rank}.json").write_text(json.dumps(result))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")  # type: ignore[attr-defined]
-        raise
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as test_cluster_dp.py: skip the interpreter's teardown in a finished rank
+        other.rank_state(Path(out), state, record)
+    except CheckpointError as exc:
+        result["refused"] = str(exc)
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(out, f"result_{rank}.json").write_text(json.dumps(result))
 
 
-def test_two_gloo_ranks_reduce_and_shard_as_one_process_would(tmp_path):
+def test_two_gloo_ranks_reduce_and_shard_as_one_process_would(tmp_path, gloo_ranks):
     from rlcore.parallel.strategy import RankStrategy
 
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_ranks_main, args=(r, port, str(tmp_path), errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert all(p.exitcode == 0 for p in procs), msgs
+    gloo_ranks(_ranks_main, str(tmp_path), timeout=120).check()
     res = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
 
     batch = _batch()

@@ -8,9 +8,6 @@ The runs are one step of the tiny model (examples/tiny.yaml) through ``rlcore tr
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
-import socket
 import sys
 import threading
 import time
@@ -20,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from rlcore.cli import main
 from rlcore.config import training_fingerprint
 from rlcore.errors import NonFiniteError, RewardError
@@ -234,47 +230,25 @@ def logged(x):
 """
 
 
-def _rank(rank: int, port: int, out: str, results: object, extra: list[str]) -> None:
-    try:
-        from rlcore.parallel.worker import config_yaml, run_rank
-        from rlcore.stack import load_stack
+def _rank(rank: int, port: int, out: str, extra: list[str]) -> None:
+    from rlcore.parallel.worker import config_yaml, run_rank
+    from rlcore.stack import load_stack
 
-        stack = load_stack(TINY, SMALL + extra + [f"output.dir={out}"])
-        run_rank(config_yaml(stack.config), rank, 2, f"127.0.0.1:{port}")
-        results.put((rank, os.getpid(), "ok"))  # type: ignore[attr-defined]
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        results.put((rank, os.getpid(), f"{type(exc).__name__}: {exc}"))  # type: ignore[attr-defined]
-    results.close()  # type: ignore[attr-defined]
-    results.join_thread()  # type: ignore[attr-defined]  # the queue's feeder flushes before _exit
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see test_cluster_dp._rank_main: skip the interpreter's teardown
+    stack = load_stack(TINY, SMALL + extra + [f"output.dir={out}"])
+    run_rank(config_yaml(stack.config), rank, 2, f"127.0.0.1:{port}")
 
 
 @pytest.mark.slow
-def test_data_parallel_ranks_score_on_the_writer_and_all_stop_on_its_error(tmp_path, monkeypatch):
+def test_data_parallel_ranks_score_on_the_writer_and_all_stop_on_its_error(tmp_path, monkeypatch, gloo_ranks):
     (tmp_path / "dp_rewards.py").write_text(DP_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
     log = tmp_path / "calls"
     log.mkdir()
     monkeypatch.setenv("RLCORE_TEST_REWARD_LOG", str(log))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path / "run"), results,
-                                             ["training.steps=2", "data.reward=dp_rewards:logged"]))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank was left waiting"
-    got = {rank: (pid, what) for rank, pid, what in (results.get(timeout=5) for _ in procs)}
+    ranks = gloo_ranks(_rank, str(tmp_path / "run"), ["training.steps=2", "data.reward=dp_rewards:logged"])
+    assert None not in ranks.exitcodes, "a rank was left waiting"
+    got = ranks.outcomes
+    assert sorted(got) == [0, 1], got
     calls = {int(f.name): len(f.read_text()) for f in log.iterdir()}
     assert list(calls) == [got[0][0]], f"only the writer (pid {got[0][0]}) calls the reward: {calls}"
     assert calls[got[0][0]] == 17, "16 samples of step 0, then the failing first call of step 1"
