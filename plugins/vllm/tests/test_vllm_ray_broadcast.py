@@ -61,6 +61,61 @@ def test_tensors_extent_ignores_trailing_padding():
     assert tensors_extent([]) == 0
 
 
+def _replica_side(port: int, sizes: list[int], results, release) -> None:
+    """A replica's side of the group in a process of its own: join, receive, wait, close."""
+    import torch
+    from rlcore_vllm.broadcast import BroadcastGroup
+
+    group = BroadcastGroup.join("127.0.0.1", port, 30)
+    got = []
+    for n in sizes:
+        buf = torch.zeros(n, dtype=torch.uint8)
+        group.broadcast(buf)
+        got.append(buf.tolist())
+    results.put((group.rank, group.world, group.backend, got))
+    release.wait(30)  # holds its side open until the writer has closed its own
+    group.close()
+
+
+def test_broadcast_group_rendezvous_ranks_bytes_and_a_close_that_waits_for_nobody():
+    """The writer's store tells each replica the group's size and backend, each takes its own rank,
+    every replica receives the writer's bytes, the writer closes its side while the replicas still
+    hold theirs (no rank waits for another to close), and a replica too many is named."""
+    import multiprocessing as mp
+    import time
+
+    import torch
+    from rlcore.parallel.worker import free_port
+    from rlcore_vllm.broadcast import BroadcastGroup
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    results, release = ctx.Queue(), ctx.Event()
+    sizes = [5, 300]
+    store = BroadcastGroup.open_store("127.0.0.1", port, 2, "gloo", 30)
+    procs = [ctx.Process(target=_replica_side, args=(port, sizes, results, release)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        writer = BroadcastGroup(store, 0, 3, "gloo", 30)  # connects together with the two joining
+        sent = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+        for t in sent:
+            writer.broadcast(t)
+        got = sorted(results.get(timeout=60) for _ in procs)
+        assert [(r, w, b) for r, w, b, _ in got] == [(1, 3, "gloo"), (2, 3, "gloo")]
+        assert all(g == [t.tolist() for t in sent] for *_, g in got)
+        t0 = time.perf_counter()
+        writer.close()
+        assert time.perf_counter() - t0 < 5 and writer.pg is None
+        with pytest.raises(RuntimeError, match=rf"rank 3 of a group of 3 .*vllm.nccl_master_port {port}"):
+            BroadcastGroup.join("127.0.0.1", port, 10)
+    finally:
+        release.set()
+        for proc in procs:
+            proc.join(30)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+
+
 @pytest.mark.engine("vllm")
 @pytest.mark.slow
 def test_grpo_pushes_by_broadcast_into_two_vllm_replicas(tmp_path):
