@@ -103,3 +103,24 @@ def test_one_step_off_with_vllm_rollouts(tmp_path, in_flight):
     assert min(r["mismatch/abs_logprob_diff_max"] for r in rows[1:]) > 1e-3
     print(f"\n[figure] one_step_off with vLLM: reward {[round(r['reward_mean'], 3) for r in rows]}, "
           f"trainer waited {sum(r['loop/trainer_wait_s'] for r in rows[1:]) / (STEPS - 1):.3f} s/step")
+
+
+def test_one_step_off_with_two_vllm_replicas_under_ray(tmp_path):
+    """The fleet of vLLM replicas (rlcore-ray) as the overlapped loop's rollout: each replica's
+    backend is built from the run's config, so it resumes requests across a push (abort)."""
+    ray = pytest.importorskip("ray", reason="scripts/suites/vllm.sh installs rlcore-ray into .venvs/vllm")
+    from rlcore.cli import main
+    from rlcore.run_output import read_metrics
+    from rlcore_ray.testing import simulated_ray_nodes
+
+    with simulated_ray_nodes(1, 4):
+        assert main(["train", str(ROOT / "examples" / "vllm_tiny.yaml"), "--output", str(tmp_path / "run"),
+                     "training.steps=4", "data.prompts_per_step=8", "sync.bucket_mb=0.25", "plugins=[vllm,ray]",
+                     "cluster.backend=ray", "cluster.rollout.replicas=2", "cluster.timeout_s=300",
+                     "output.progress=false", "output.tensorboard=false", "output.plot=false",
+                     "output.checkpoint_every=0", "loop.mode=one_step_off"]) == 0
+    assert not ray.is_initialized()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["loop/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4] and all(r["sync_verified"] for r in rows)
+    assert all("loop/push_wait_s" not in r for r in rows)  # abort: the pushes did not wait for requests
