@@ -95,17 +95,20 @@ def test_data_parallel_beside_tensor_parallel_matches_tensor_parallel(megatron_d
             f"{vs_tp[0]:.2e}, {vs_tp[1]:.2e}, {vs_tp[2]:.2e} / {vs_one[0]:.2e}, {vs_one[1]:.2e}, {vs_one[2]:.2e}")
 
 
-@pytest.mark.parametrize("tp,pp,vpp", [(1, 2, 1), (1, 2, 2), (2, 2, 1)], ids=["pp2", "pp2-vpp2", "tp2-pp2"])
-def test_pipeline_stages_match_a_single_rank(megatron_dirs, run_worker, one_rank, tmp_path, figures, tp, pp, vpp):
-    """Pipeline stages (two, with and without two virtual stages each; beside TP=2 on four ranks)
-    against one rank: log-probs and gradients of every stage, the gradient norm, and the export
-    gathered from every stage at rank 0 (its names and values exactly one rank's)."""
+@pytest.mark.parametrize("tp,pp,vpp,dp", [(1, 2, 1, 1), (1, 2, 2, 1), (2, 2, 1, 1), (1, 2, 1, 2)],
+                         ids=["pp2", "pp2-vpp2", "tp2-pp2", "dp2-pp2"])
+def test_pipeline_stages_match_a_single_rank(megatron_dirs, run_worker, one_rank, tmp_path, figures, tp, pp, vpp, dp):
+    """Pipeline stages (two, with and without two virtual stages each; beside TP=2 or DP=2 on four
+    ranks) against one rank: log-probs and gradients of every stage, the gradient norm, and the
+    export gathered from every stage at rank 0 (its names and values exactly one rank's)."""
     model = megatron_dirs["dense_4l"]
-    par = run_worker(WORKER, model, tmp_path / "pp.pt", tp, 1, tp * pp, pp, vpp)
+    par = run_worker(WORKER, model, tmp_path / "pp.pt", tp, 1, tp * pp * dp, pp, vpp)
     lp, grad, step = _compare(par, one_rank("dense_4l"))
-    assert (par["layout"]["pp"], par["layout"]["vpp"], par["layout"]["tp"], par["layout"]["dp"]) == (pp, vpp, tp, 1)
-    assert all(share == [0, 1, 2, 3, 4] for share in par["shares"]), par["shares"]
-    figures(f"PP={pp} (virtual stages {vpp}) TP={tp} vs 1 rank (dense_4l): max |d logprob|, |d grad|, |d weight| "
+    assert (par["layout"]["pp"], par["layout"]["vpp"], par["layout"]["tp"], par["layout"]["dp"]) == (pp, vpp, tp, dp)
+    # ranks: tensor-parallel fastest, then data-parallel, then the stage
+    want = [[0, 1, 2, 3, 4]] * (tp * pp) if dp == 1 else [[0, 1, 2], [3, 4]] * pp
+    assert par["shares"] == want, par["shares"]
+    figures(f"PP={pp} (virtual stages {vpp}) TP={tp} DP={dp} vs 1 rank (dense_4l): max |d logprob|, |d grad|, |d weight| "
             f"after one step, grad norms", f"{lp:.2e}, {grad:.2e}, {step:.2e}, {par['grad_norm']:.6f} vs "
             f"{one_rank('dense_4l')['grad_norm']:.6f}")
 

@@ -160,7 +160,8 @@ class ModelParallel(DistributedRanks):
             raise CheckpointError(f"checkpoint {path} holds one gathered engine state (written by a single "
                                   f"process), not per-rank shards: resume it without cluster.backend=ray")
         saved = dict(shards["layout"])
-        changed = [k for k in sorted(set(saved) | set(self.layout)) if saved.get(k) != self.layout.get(k)]
+        # a dimension one side does not record is 1 there (checkpoints from before dp/vpp were recorded)
+        changed = [k for k in sorted(set(saved) | set(self.layout)) if saved.get(k, 1) != self.layout.get(k, 1)]
         if changed:
             what = "; ".join(f"{k}: {saved.get(k)} in the checkpoint, {self.layout.get(k)} now "
                              f"({LAYOUT_KEYS.get(k, k)})" for k in changed)
