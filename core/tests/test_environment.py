@@ -226,10 +226,12 @@ def test_hook_environment(rlcore_plugin_manager, register_plugin, rlcore_config)
     ("environment.tool_format=xml", "environment.tool_format"),
     ("environment.tools=[python]", "environment.tools"),
     ("environment.code.memory_mb=0", "environment.code.memory_mb"),
+    ("environment.tools=[python]\0environment.code.enable=true\0environment.tool_timeout_seconds=1",
+     "environment.tool_timeout_seconds"),
 ])
 def test_bad_environment_settings_name_the_key(override, key):
     with pytest.raises(errors.ConfigError) as err:
-        load_stack(str(TINY), ["environment.name=tools", override])
+        load_stack(str(TINY), ["environment.name=tools", *override.split("\0")])
     assert err.value.key == key
 
 

@@ -58,7 +58,7 @@ def test_calc():
 def _env(registry=REGISTRY, **settings):
     from rlcore.engines.tiny import make_tokenizer
 
-    tok = make_tokenizer(["calc", "hang", "boom", "result", "error", "7", "*", "8", "56"])
+    tok = make_tokenizer(["calc", "hang", "boom", "result", "error", "7", "*", "8", "56", "python", "print(7*8)"])
     s = dict(tools=["calc"], tool_timeout_seconds=0.2, tool_output_chars=64, observation_tokens=16,
              tool_call_reward=0.25, tool_format="words", observation_prefix="result", code=SimpleNamespace(enable=False))
     s.update(settings)
@@ -106,6 +106,13 @@ def test_python_is_off_unless_configured():
         builtin_registry(["python"], SimpleNamespace(enable=False))
     assert err.value.key == "environment.tools"
     assert "python" in builtin_registry(["python"], SimpleNamespace(enable=True, **LIMITS))
+
+
+def test_the_tools_environment_runs_python_when_configured():
+    code = SimpleNamespace(enable=True, **LIMITS)
+    tok, env = _env(builtin_registry(["calc", "python"], code), code=code, tool_timeout_seconds=10)
+    step = env.step(env.reset(None, None), _turn(tok, "python print(7*8)"))
+    assert step.tool_calls[0].ok and tok.decode(step.observation_ids) == "result 56"
 
 
 def test_code_runs_in_its_scratch_directory():

@@ -86,6 +86,11 @@ def check_environment(cfg: Any) -> None:
         raise ConfigError("config key 'environment.tools' lists 'python', the code-execution tool, which is off unless "
                           "configured: set environment.code.enable=true (and its limits under environment.code)",
                           key="environment.tools")
+    if "python" in list(env.tools) and env.tool_timeout_seconds < env.code.wall_seconds:
+        raise ConfigError(f"bad value for config key 'environment.tool_timeout_seconds': {env.tool_timeout_seconds:g} is "
+                          f"below environment.code.wall_seconds={env.code.wall_seconds:g}: a python call would be "
+                          f"reported as timed out while its process still runs; raise it to at least the wall limit",
+                          key="environment.tool_timeout_seconds")
     if env.name != "single_turn" and cfg.algorithm.name == "remax":
         raise ConfigError(f"environment.name={env.name!r} runs multi-turn conversations, but algorithm.name=remax's "
                           f"greedy baseline is one greedy completion per prompt: use grpo or rloo (their group "
