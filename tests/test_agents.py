@@ -5,8 +5,10 @@ the behaviour log-probs of those tokens equal to the trainer's recomputation."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import pytest
 from rlcore.stack import load_stack
 from rlcore.trainer import Trainer
 
@@ -30,3 +32,16 @@ def test_tiny_tools_learns_to_call_the_calculator(tmp_path):
         assert r["logprob_mismatch_max"] < 1e-4, "the rollout's log-probs of the model's tokens are the trainer's"
     assert rows[-1]["env/turns_mean"] > 1.8 and rows[-1]["env/tool_failures/calc"] == 0
     assert rows[-1]["env/end/answered"] > 0.9
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "dr_grpo", "reinforce_pp", "gspo"])
+def test_other_estimators_train_on_conversations(tmp_path, algorithm):
+    """Group and token-level estimators work over whole conversations, on the masked tokens (the
+    trainer checks every advantage tensor against the loss tokens of its sample)."""
+    out = tmp_path / "run"
+    stack = load_stack(str(ROOT / "examples" / "tiny_tools.yaml"),
+                       [f"algorithm.name={algorithm}", "training.steps=2", f"output.dir={out}",
+                        "output.checkpoint_every=0", "output.plot=false", "data.prompts_per_step=4"])
+    assert Trainer(stack).run()["completed"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["env/tokens_trained"] > 0 for r in rows)
