@@ -181,6 +181,8 @@ def test_hf_configs_megatron_cannot_express_are_errors_naming_the_field(arch, ov
      "megatron.pipeline_parallel_size", "not supported with an MoE model"),
     (["engine.name=megatron", "engine.model.tiny.tie_word_embeddings=true", "megatron.pipeline_parallel_size=2"],
      "megatron.pipeline_parallel_size", "not supported with tied embeddings"),
+    (["engine.name=megatron", "algorithm.name=ppo", "megatron.pipeline_parallel_size=2"], "algorithm.name",
+     "algorithm.name=ppo trains a critic, which the megatron engine does not build for pipeline stages"),
     (["megatron.attention=flash"], "megatron.attention", "auto, te or local"),
     (["megatron.token_dispatcher=flex"], "megatron.token_dispatcher", "allgather or alltoall"),
     (["megatron.sequence_parallel=true"], "megatron.sequence_parallel", "tensor_parallel_size > 1"),

@@ -241,6 +241,10 @@ def validate_settings(section: Any, config: Any = None) -> None:
         raise ConfigError(f"cluster.trainer.dp={dp} beside expert parallelism (megatron.expert_parallel_size="
                           f"{resolved.expert_parallel_size}) is not supported: the EP ranks of a model run the same "
                           f"samples; use dp with tp (and pp) only", key="cluster.trainer.dp")
+    if resolved.pipeline_parallel_size > 1 and "critic" in config.algorithm:
+        raise ConfigError(f"algorithm.name={config.algorithm.name} trains a critic, which the megatron engine does not "
+                          f"build for pipeline stages (megatron.pipeline_parallel_size={resolved.pipeline_parallel_size});"
+                          f" use a critic-free algorithm (grpo) or pipeline size 1", key="algorithm.name")
     check_device(resolved, str(config.engine.device).split(":")[0])
     spec = model_spec_for(config)
     try:
