@@ -11,7 +11,7 @@ from rlcore.types import Cap
 
 #: a trainer dimension of ``cluster.trainer`` and the engine capability that runs ranks along it
 DIMENSIONS = {
-    "dp": (Cap.DATA_PARALLEL, "data-parallel ranks (each holds the whole model, the step's samples are split)"),
+    "dp": (Cap.DATA_PARALLEL, "data-parallel ranks (model replicas that split the step's samples)"),
     "tp": (Cap.TENSOR_PARALLEL, "tensor-parallel ranks"),
     "ep": (Cap.EXPERT_PARALLEL, "expert-parallel ranks"),
     "pp": (Cap.PIPELINE_PARALLEL, "pipeline-parallel ranks"),
