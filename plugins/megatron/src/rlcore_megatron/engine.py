@@ -33,7 +33,10 @@ the EP size before the optimizer step; the gradient norm sums each shard once. S
 sequences: :meth:`MegatronEngine.data_parallel_group` names megatron's data-parallel group, over
 which rlcore's model-parallel rank strategy (:mod:`rlcore.parallel.model_parallel`) sums
 gradients and log-probs; megatron's own DDP wrapper is not used (it averages into buffers of its
-own, which the optimizer and :meth:`MegatronEngine.grad_norm` here do not read).
+own, which the optimizer and :meth:`MegatronEngine.grad_norm` here do not read). Pipeline
+stages (``pipeline_parallel_size`` > 1) run inside :meth:`MegatronEngine.forward`: see
+:mod:`.pipeline`; the rank strategy takes log-probs and metrics from the last stage
+(:meth:`MegatronEngine.pipeline_group`).
 """
 
 from __future__ import annotations
