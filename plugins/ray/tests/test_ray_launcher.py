@@ -116,8 +116,8 @@ def test_a_third_party_provider_without_the_capability_is_refused_naming_it(with
     assert "declares 'replica'; rollout.backend 'plain' (acme-stack 1.0)" in str(err.value)
 
 
-def test_data_and_model_parallel_ranks_together_are_refused(with_ray, register_plugin, rlcore_config):
-    """An engine may declare both kinds; a rank still runs one of core's two strategies."""
+def test_data_and_model_parallel_ranks_together_need_both_capabilities(with_ray, register_plugin, rlcore_config):
+    """An engine declaring both kinds runs dp beside tp (model-parallel replicas splitting the samples)."""
     backend_caps = {Cap.RECEIVE_BUCKETS, Cap.WEIGHT_CHECKSUMS, Cap.LOGPROBS, Cap.REPLICA}
     register_plugin(_providers("acme", engine_caps={Cap.DATA_PARALLEL, Cap.TENSOR_PARALLEL},
                                backend_caps=backend_caps, sync_caps={Cap.VERIFIED, Cap.FEEDS_REPLICAS}),
@@ -125,9 +125,8 @@ def test_data_and_model_parallel_ranks_together_are_refused(with_ray, register_p
     plain = ["plugins=[ray]", "cluster.backend=ray", "engine.name=plain", "rollout.backend=plain", "sync.name=plain"]
     assert resolve(rlcore_config(*plain, "cluster.trainer.tp=2"), with_ray).launcher.name == "ray"
     assert resolve(rlcore_config(*plain, "cluster.trainer.dp=2"), with_ray).launcher.name == "ray"
-    with pytest.raises(errors.ConfigError, match="2 beside cluster.trainer.tp=2: a trainer rank is either data") as err:
-        rlcore_config(*plain, "cluster.trainer.dp=2", "cluster.trainer.tp=2")
-    assert err.value.key == "cluster.trainer.dp"
+    both = resolve(rlcore_config(*plain, "cluster.trainer.dp=2", "cluster.trainer.tp=2"), with_ray)
+    assert both.launcher.name == "ray"
 
 
 def test_a_sync_must_feed_replicas_and_a_lending_one_needs_the_engines_own_parameters(with_ray, register_plugin,
