@@ -45,3 +45,43 @@ def test_other_estimators_train_on_conversations(tmp_path, algorithm):
     assert Trainer(stack).run()["completed"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["env/tokens_trained"] > 0 for r in rows)
+
+
+def test_turn_rewards_reach_a_token_level_estimator_on_their_turns(tmp_path, rlcore_plugin_manager, register_plugin):
+    """The tools environment's per-turn reward (``tool_call_reward`` for a call that succeeds) is
+    on the calling turn's last trained token in the token rewards an estimator that takes them
+    receives, not folded into the sample's last token; each sample's token rewards still sum to its
+    reward."""
+    import types
+
+    from rlcore.algorithms import advantages as adv
+    from rlcore.algorithms.losses import PPOClip
+    from rlcore.hookspecs import hookimpl
+    from rlcore.stack import load_config, resolve
+    from rlcore.types import Algorithm, AlgorithmSpec
+
+    seen = []
+
+    class Recording(adv.DrGRPOAdvantage):
+        def __call__(self, inp):
+            seen.append(([t.clone() for t in inp.token_rewards], inp.rewards.clone()))
+            return super().__call__(inp)
+
+    mod = types.ModuleType("turnrec")
+    mod.PLUGIN_API = 1
+    mod.algorithm = hookimpl(lambda: [AlgorithmSpec(
+        name="turn-recorder", loss_agg="token-sum",
+        factory=lambda s: Algorithm(advantages=Recording(), loss=PPOClip(), token_level_rewards=True))])
+    register_plugin(mod, "turnrec")
+    cfg, pm = load_config(str(ROOT / "examples" / "tiny_tools.yaml"),
+                          ["algorithm.name=turn-recorder", "training.steps=1", f"output.dir={tmp_path / 'run'}",
+                           "output.checkpoint_every=0", "output.plot=false", "data.prompts_per_step=4"],
+                          plugins=rlcore_plugin_manager)
+    assert Trainer(resolve(cfg, pm)).run()["completed"]
+    (token_rewards, rewards), = seen
+    bonus = float(cfg.environment.tool_call_reward)
+    interior = 0
+    for tr, r in zip(token_rewards, rewards.tolist(), strict=True):
+        assert math.isclose(float(tr.sum()), r, abs_tol=1e-6)
+        interior += int(tr.numel() > 1 and math.isclose(float(tr[:-1].sum()), bonus, abs_tol=1e-6))
+    assert interior > 0, "no sample had its tool-call bonus on the calling turn"

@@ -21,7 +21,7 @@ TINY = str(ROOT / "examples" / "tiny.yaml")
 STEPS = 4
 ARGS = [f"training.steps={STEPS}", "rollout.n=4", "data.prompts_per_step=4", "output.plot=false",
         "output.tensorboard=false", "output.progress=false", "output.checkpoint_every=0"]
-TIMINGS = {"generate_seconds", "train_seconds", "step_seconds", "wall_seconds", "tokens_per_second", "sync_seconds"}
+TIMINGS = {"generate_seconds", "train_seconds", "old_logprob_seconds", "step_seconds", "wall_seconds", "tokens_per_second", "sync_seconds"}
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:

@@ -23,7 +23,7 @@ TINY = str(ROOT / "examples" / "tiny.yaml")
 STEPS = 6
 ARGS = [f"training.steps={STEPS}", "output.checkpoint_every=2", "rollout.n=4", "data.prompts_per_step=4",
         "output.plot=false", "output.tensorboard=false", "output.progress=false"]
-TIMINGS = {"generate_seconds", "train_seconds", "step_seconds", "wall_seconds", "tokens_per_second", "sync_seconds"}
+TIMINGS = {"generate_seconds", "train_seconds", "old_logprob_seconds", "step_seconds", "wall_seconds", "tokens_per_second", "sync_seconds"}
 
 # (RLCORE_FAULT, metrics rows written before the kill, the newest committed checkpoint then);
 # checkpoints are written after steps 1, 3 and 5

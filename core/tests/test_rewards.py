@@ -209,9 +209,16 @@ def test_a_reward_needing_the_main_thread_is_told_how():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         return 1.0
 
-    with pytest.raises(RewardError, match="set it to 0 to call it on the main thread"):
+    with pytest.raises(RewardError, match="needs both data.reward_timeout_seconds=0 and loop.mode=sync"):
         RewardCalls(uses_alarm, "m:alarm", 5).score([0], _where)
     assert RewardCalls(uses_alarm, "m:alarm", 0).score([0], _where) == [1.0]
+    # the overlapped loop scores on the rollout producer's thread: told so with no time limit too
+    failed = []
+    worker = threading.Thread(target=lambda: failed.append(pytest.raises(RewardError, RewardCalls(
+        uses_alarm, "m:alarm", 0).score, [0], _where)))
+    worker.start()
+    worker.join()
+    assert "loop.mode is not sync" in str(failed[0].value)
 
 
 # ------------------------------------------------------------------------- data parallel ----

@@ -73,6 +73,12 @@ class RolloutError(RLCoreError):
     """The rollout backend failed or was used in a state that does not allow the call."""
 
 
+class LoopStallError(RolloutError):
+    """A party of the overlapped loop (the trainer, the rollout producer, a push) did not answer
+    within its ``loop.timeouts`` key; the message names the party, what it was doing and the key
+    (:mod:`rlcore.rollout_producer`)."""
+
+
 class NonFiniteError(RLCoreError):
     """A reward, advantage, loss, gradient norm or weight is NaN or infinite. ``what`` names the
     quantity (``reward``, ``advantages``, ``loss``, ``grad_norm``, ``weights``); ``skippable``

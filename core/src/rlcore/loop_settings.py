@@ -19,7 +19,7 @@ log-prob of the version that produced it, ``Sample.weight_versions`` records the
 ``keep``: they finish on the old weights and the push waits for them.
 
 ``timeouts``: every wait of the overlapped loop, in seconds (each a named error when it runs
-out: :class:`rlcore.rollout_producer.LoopStallError`).
+out: :class:`rlcore.errors.LoopStallError`).
 """
 
 from __future__ import annotations

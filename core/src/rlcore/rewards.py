@@ -45,8 +45,10 @@ def call_reward(fn: Callable[[Any], Any], name: str, x: Any, where: str, in_thre
         frames = traceback.extract_tb(exc.__traceback__)
         at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         # signal.signal and asyncio's get_event_loop work on the main thread only
-        hint = (f"; the reward runs in a worker thread while {TIMEOUT_KEY} > 0: set it to 0 to call it on the "
-                f"main thread" if in_thread and "thread" in str(exc) else "")
+        off_main = in_thread or threading.current_thread() is not threading.main_thread()
+        hint = (f"; the reward runs off the main thread (in a worker thread while {TIMEOUT_KEY} > 0, on the "
+                f"rollout producer's thread while loop.mode is not sync): a reward that needs the main thread "
+                f"needs both {TIMEOUT_KEY}=0 and loop.mode=sync" if off_main and "thread" in str(exc) else "")
         raise RewardError(f"reward function {name} raised {type(exc).__name__}: {shorten(str(exc), 200)}{at} "
                           f"on {where}{hint}") from exc
     return checked_reward(value, f"reward function {name} returned {shorten(repr(value))} for {where}")

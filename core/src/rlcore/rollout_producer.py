@@ -31,18 +31,13 @@ from typing import Any
 
 import torch
 
-from rlcore.errors import RolloutError
+from rlcore.errors import LoopStallError, RolloutError
 from rlcore.faults import fault_point
 from rlcore.loop_settings import ahead_steps, max_staleness
 from rlcore.types import Sample
 
 #: how often a waiting party wakes to look for a stop or an error in the other party
 POLL_S = 0.2
-
-
-class LoopStallError(RolloutError):
-    """A party of the overlapped loop (the trainer, the rollout producer, a push) did not answer
-    within its ``loop.timeouts`` key; the message names the party, what it was doing and the key."""
 
 
 @dataclass

@@ -35,6 +35,7 @@ from rlcore.algorithms.remax import baselines_for, greedy_rewards
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import PackedBatch
 from rlcore.critic import checkpoint_entry, restore_critic
+from rlcore.environments.conversation import place_turn_rewards
 from rlcore.errors import CheckpointError, ConfigError, NonFiniteError
 from rlcore.export import MODEL_DIR, export_policy, write_run_config
 from rlcore.faults import fault_point
@@ -279,7 +280,9 @@ class Trainer:
                                 *self._prompts(self.step, 0), lambda *a: self._rewards(*a, step=self.step),
                                 metrics) if self.algorithm.greedy_baseline else None  # ReMax
         self.engine.train(False)
+        t_old = time.perf_counter()
         old_metrics = self._forward_pass(batch, "old_logprob", self.engine, weights.divisor, grad=False)
+        metrics["old_logprob_seconds"] = time.perf_counter() - t_old  # inside train_seconds too
         metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
         mask = batch.loss_mask
         d = (batch.fields[RECOMPUTED] - batch.fields["old_logprobs"]).abs()[mask]
@@ -354,6 +357,7 @@ class Trainer:
                                                                  a.kl_estimator))
             out["kl_reward_penalty"] = float(sum(float(p.sum()) for p in penalty)) / max(len(penalty), 1)
         token_rewards, seq_rewards = shaped_rewards(rewards, counts, penalty, self.algorithm.token_level_rewards)
+        place_turn_rewards(token_rewards, samples, rewards)  # an environment's per-turn rewards on their turns
         inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
                              token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]),
                              baseline_rewards=baselines_for(greedy, samples))

@@ -54,9 +54,10 @@ class Sample:
 
     ``response_ids`` and ``logprobs`` are 1-D and equally long (``logprobs`` float32, the
     behaviour log-prob of each sampled token). ``weight_version`` is the version the engine
-    held when it produced the sample. ``weight_versions``: when the engine's weights changed
-    while it generated the sample, ``((version, first_response_index), ...)`` in order: response
-    tokens from ``first_response_index`` on came from ``version``. ``routed_experts``:
+    held when it produced the sample (its last token's, when the weights changed mid-sample).
+    ``weight_versions``: when the engine's weights changed while it generated the sample,
+    ``((version, first_response_index), ...)`` in order: response tokens from
+    ``first_response_index`` on came from ``version``. ``routed_experts``:
     ``[P + R - 1, num_hidden_layers, topk]`` ints in the engine's layer order (every token but
     the last), or None. ``response_mask``: in a multi-turn conversation (:mod:`rlcore.environments`),
     ``[R]`` bool, true on the tokens the engine generated (trained) and false on the observations
@@ -114,6 +115,8 @@ class RolloutBackend(Protocol):
     # does not have, each with the reason; the trainer prints them.
     # Optional: ``rollout_metrics()`` / ``memory_metrics()`` / ``draft_weight_version`` /
     # ``stale_draft_diagnostic``: see rlcore.push and docs/hooks.md.
+    # Optional: ``resumes_in_flight() -> bool``: a push may land while ``generate`` runs in another
+    # thread, the requests in flight resuming on the new weights (rlcore.rollout_producer, docs/hooks.md).
 
 
 @runtime_checkable
