@@ -208,6 +208,8 @@ _SIZE_CAPS = {"rollout.n": 64, "data.prompts_per_step": 128, "rollout.max_new_to
               "engine.model.tiny.intermediate_size": 512, "engine.model.tiny.num_experts": 16,
               "engine.model.tiny.moe_intermediate_size": 128, "engine.model.tiny.head_dim": 64,
               "engine.model.tiny.num_heads": 8, "engine.model.tiny.vocab_size": 4096}
+#: key prefixes whose valid values valid_documents sets by cross-key rules
+RULED = ("engine.model.tiny.", "algorithm.", "cluster.", "rollout.", "loop.", "environment.")
 #: keys the generator leaves at their defaults, and why (each is tested elsewhere)
 HELD = {
     "plugins": "changes the schema itself (tests/test_examples.py, core/tests/test_stack.py)",
@@ -216,6 +218,7 @@ HELD = {
     "engine.model.path": "needs a model directory (core/tests/test_preflight.py)",
     "data.task": "a module path (core/tests/test_preflight.py)", "data.reward": "a module path (same)",
     "output.dir": "where a run writes: check never touches it",
+    "environment.code.enable": "runs model code in a sandbox; tested with its limits in core/tests/test_tools.py",
 }
 
 
@@ -261,7 +264,7 @@ def valid_documents(draw) -> dict[str, Any]:
         return doc.get(key, DEFAULTS[key])
 
     for key in KNOWN:
-        if key in HELD or key.startswith(("engine.model.tiny.", "algorithm.", "cluster.", "rollout.")):
+        if key in HELD or key.startswith(RULED):
             continue
         if key == "training.betas":
             put(key, st.lists(st.floats(0.0, 0.999), min_size=2, max_size=2))
@@ -325,13 +328,44 @@ def valid_documents(draw) -> dict[str, Any]:
         put(c + k, _leaf_strategy(c + k))
     seed_per_prompt = st.sampled_from([None, True] if value(c + "rollout.replicas") > 1 else [None, True, False])
     put(r + "seed_per_prompt", seed_per_prompt)
+
+    # loop: the overlapped modes (rlcore.loop_settings): ahead_steps only for async, never below max_staleness
+    lp = "loop."
+    put(lp + "mode", st.sampled_from(["sync", "one_step_off", "async"]))
+    put(lp + "max_staleness", st.integers(0, 4))
+    if value(lp + "mode") == "async":
+        put(lp + "ahead_steps", st.integers(value(lp + "max_staleness"), 6))
+    put(lp + "stale", st.sampled_from(["drop", "rescore"]))
+    put(lp + "in_flight", st.sampled_from(["abort", "keep"]))
+    for k in ("samples_s", "trainer_s", "push_s", "join_s"):
+        put(lp + "timeouts." + k, st.floats(0.001, 1e6))
+
+    # environment (rlcore.environment_settings): multi-turn is refused beside ReMax's greedy baseline;
+    # a tools conversation is bounded by max_total_tokens so that it fits the tiny model's positions
+    e = "environment."
+    put(e + "name", st.sampled_from(["single_turn"] if value(a + "name") == "remax" else ["single_turn", "tools"]))
+    put(e + "max_turns", st.integers(1, 4))
+    put(e + "max_tool_calls", st.integers(0, 4))
+    if value(e + "name") == "tools":
+        doc[e + "max_total_tokens"] = draw(st.integers(64, 384))
+    put(e + "tools", st.sampled_from([["calc"], []]))
+    put(e + "tool_output_chars", st.integers(1, 4096))
+    put(e + "observation_tokens", st.integers(1, 64))
+    put(e + "tool_call_reward", st.floats(-1.0, 1.0))
+    put(e + "tool_format", st.sampled_from(["words", "hermes"]))
+    put(e + "observation_prefix", st.sampled_from(["result", "", "tool says"]))
+    for k, strategy in (("cpu_seconds", st.integers(1, 10)), ("memory_mb", st.integers(64, 1024)),
+                        ("max_processes", st.integers(1, 16)), ("output_bytes", st.integers(1, 1 << 16))):
+        put(e + "code." + k, strategy)
+    put(e + "code.wall_seconds", st.floats(0.1, 30.0))
+    put(e + "tool_timeout_seconds", st.floats(0.1, 60.0))
     return doc
 
 
 def test_every_schema_key_is_generated_or_held():
     """A new setting joins the campaign: its choices (config._CHOICES), its range (config._RANGES)
     or a rule in valid_documents; or a reason to hold it in HELD."""
-    ruled = {k for k in KNOWN if k.startswith(("engine.model.tiny.", "algorithm.", "cluster.", "rollout."))}
+    ruled = {k for k in KNOWN if k.startswith(RULED)}
     loose = [k for k in KNOWN if k not in HELD and k not in ruled and _leaf_strategy(k) is None
              and k not in ("training.betas", "engine.device", "engine.model.dtype", "sync.name")]
     assert not loose, f"no valid values known for {loose}"
