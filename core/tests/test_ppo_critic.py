@@ -103,6 +103,8 @@ def test_checkpoint_without_a_critic_does_not_resume_a_ppo_run(tmp_path, capsys)
     ("algorithm.gamma=-0.1", "algorithm.gamma"),
     ("algorithm.critic.no_such=1", "algorithm.critic.no_such"),
     ("algorithm.critic.lr=fast", "algorithm.critic.lr"),
+    ("algorithm.critic.warmup_steps=-1", "algorithm.critic.warmup_steps"),
+    ("algorithm.critic.warmup_steps=1.5", "algorithm.critic.warmup_steps"),
 ])
 def test_ppo_settings_errors_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
@@ -139,3 +141,52 @@ def test_check_json_lists_the_ppo_stack(capsys):
     assert main(["check", TINY, "algorithm.name=ppo", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "ppo" in json.dumps(out)
+
+
+def _engine_and_critic(out: Path, step: int):
+    state = _critic_state(out, step)
+    return state["engine"], state["critic"]
+
+
+def _tensors(state, prefix=""):
+    """Every tensor of a nested state dict by its dotted path."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list | tuple) else ()
+    return {k: v for key, sub in items for k, v in _tensors(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
+
+
+def test_critic_warmup_freezes_the_policy_and_resumes_exactly_across_its_end(tmp_path):
+    """algorithm.critic.warmup_steps=2: after steps 0 and 1 the policy's weights equal the
+    initial model's while the critic's have moved; step 2 updates both. A run stopped after
+    step 1 and resumed (training.steps is not part of the fingerprint) continues across the
+    warmup's end to the uninterrupted run's metrics and weights, torch.equal (same process)."""
+    common = ["output.checkpoint_every=1", "output.keep_checkpoints=10", "data.prompts_per_step=2", "rollout.n=4",
+              "output.tensorboard=false", "algorithm.critic.warmup_steps=2"]
+    full = tmp_path / "full"
+    assert _train(full, "training.steps=4", *common) == 0
+    rows = read_metrics(full)
+    assert [r["critic/policy_frozen"] for r in rows] == [1.0, 1.0, 0.0, 0.0]
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4]  # still pushed (and logged) while frozen
+    assert all(r["critic/grad_norm"] > 0 for r in rows)
+    assert "loss" not in rows[0] and "loss" in rows[2]
+    # the policy's AdamW never stepped during warmup (no state: the weights are the initial ones)
+    engines = [_engine_and_critic(full, s)[0] for s in range(4)]
+    assert [bool(e["optimizer"]["state"]) for e in engines] == [False, False, True, True]
+    policy = [_tensors(e["model"]) for e in engines]
+    assert all(torch.equal(policy[0][k], policy[1][k]) for k in policy[0]), "policy moved during warmup"
+    assert any(not torch.equal(policy[1][k], policy[2][k]) for k in policy[0]), "the policy learns after warmup"
+    critic0, critic1 = (_tensors(_engine_and_critic(full, s)[1]["trunk"]) for s in (0, 1))
+    assert any(not torch.equal(critic0[k], critic1[k]) for k in critic0), "the critic learns during warmup"
+
+    cut = tmp_path / "cut"
+    assert _train(cut, "training.steps=2", *common) == 0
+    assert _train(cut, "training.steps=4", *common, resume=True) == 0
+    resumed = read_metrics(cut)
+    for a, b in zip(rows[2:], resumed[2:], strict=True):
+        for key in ("reward_mean", "loss", "grad_norm", "critic/policy_frozen", *CRITIC_KEYS):
+            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} != {b[key]}"
+    a, b = _tensors(_critic_state(full, 3)), _tensors(_critic_state(cut, 3))
+    for k in a:
+        if k.startswith(("engine", "critic")):
+            assert torch.equal(a[k], b[k]), k

@@ -11,6 +11,8 @@ The trainer calls four things (rlcore/trainer.py):
 * :meth:`Critic.update` before the policy's update (verl's order): ``algorithm.updates_per_step``
   optimizer steps on ``½·max((V−R)², (clip(V, V_old ± c) − R)²)``, token-mean over the step's
   response tokens (:func:`rlcore.algorithms.gae.clipped_value_loss`);
+* :meth:`Critic.policy_frozen` for each step: during ``algorithm.critic.warmup_steps`` the
+  trainer skips the policy's updates (the weights are still pushed and the step logged);
 * :meth:`Critic.state_dict` / :meth:`Critic.load_state_dict` in the checkpoint (model and
   optimizer), so that a resumed run continues the uninterrupted one; model-parallel ranks keep
   it in each rank's shard beside the engine's (:mod:`rlcore.parallel.model_parallel`).
@@ -48,6 +50,7 @@ class Critic:
         self.settings = algorithm.critic
         self.gamma, self.lam = float(algorithm.gamma), float(algorithm.lam)
         self.updates = int(algorithm.updates_per_step)
+        self.warmup_steps = int(self.settings.warmup_steps)
         self.micro_batch_tokens = int(training.micro_batch_tokens)
         self.on_nonfinite = str(training.on_nonfinite)
         self.grad_clip = float(training.grad_clip if self.settings.grad_clip < 0 else self.settings.grad_clip)
@@ -85,6 +88,10 @@ class Critic:
 
     # ------------------------------------------------------------------------------- update --
 
+    def policy_frozen(self, step: int) -> bool:
+        """Whether step ``step`` (0-based) is one of the warmup steps that train only the critic."""
+        return step < self.warmup_steps
+
     def update(self, batch: PackedBatch, step: int) -> dict[str, float]:
         """``algorithm.updates_per_step`` optimizer steps on the clipped value loss; metrics of
         the last one. A non-finite loss or gradient raises before the critic's optimizer steps
@@ -114,7 +121,7 @@ class Critic:
                                              skippable=update == 0)
             grad_norm = self.model.optimizer_step(self.grad_clip)
             metrics = {**pass_metrics.result(), "critic/grad_norm": grad_norm}
-        return {**self._stats, **metrics}
+        return {**self._stats, **metrics, "critic/policy_frozen": float(self.policy_frozen(step))}
 
     # ---------------------------------------------------------------------------- checkpoint --
 

@@ -300,9 +300,12 @@ class Trainer:
             raise self._nonfinite("advantages", problem)
         metrics.update(self.critic.update(batch, self.step) if self.critic else {})  # before the policy's, as verl
         self.engine.train(True)
+        # algorithm.critic.warmup_steps: the critic alone learns; the policy is pushed unchanged
+        frozen = self.critic is not None and self.critic.policy_frozen(self.step)
+        train_metrics, grad_norm = {}, 0.0
         # algorithm.updates_per_step > 1: PPO-style epochs over the step's batch; from the second
         # update on the ratio moves away from 1 and the losses' clipping rules differ
-        for _update in range(int(cfg.algorithm.updates_per_step)):
+        for _update in range(0 if frozen else int(cfg.algorithm.updates_per_step)):
             self.engine.zero_grad()
             train_metrics = self._forward_pass(batch, "train", self.engine, weights.divisor, grad=True)
             problem = guards.grad_norm_problem(self.engine.parameters())

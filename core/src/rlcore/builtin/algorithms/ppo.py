@@ -21,11 +21,14 @@ from rlcore.types import Cap, RequiresCapability
 class CriticSettings:
     """``lr``: the critic's AdamW learning rate (0: ``training.lr``; betas and weight decay are
     the policy's). ``cliprange_value``: PPO's value clip ``c`` (0: off). ``grad_clip``: its
-    gradient-norm clip (-1: ``training.grad_clip``; 0: off)."""
+    gradient-norm clip (-1: ``training.grad_clip``; 0: off). ``warmup_steps``: the first N steps
+    update only the critic, the policy is not stepped (verl's ``trainer.critic_warmup``, which
+    counts from step 1: its ``critic_warmup: N`` freezes N−1 steps, this setting's N−1)."""
 
     lr: float = 0.0
     cliprange_value: float = 0.5
     grad_clip: float = -1.0
+    warmup_steps: int = 0
 
 
 @dataclass
@@ -53,6 +56,8 @@ def validate(s: Any) -> None:
         raise bad("critic.cliprange_value", "must be >= 0 (0: no value clip)")
     if float(c.grad_clip) < 0 and float(c.grad_clip) != -1:
         raise bad("critic.grad_clip", "must be >= 0 (0: off) or -1 (training.grad_clip)")
+    if int(c.warmup_steps) < 0:
+        raise bad("critic.warmup_steps", "must be >= 0 (the first N steps update only the critic)")
 
 
 def build(s: Any) -> Algorithm:
