@@ -40,6 +40,10 @@ def _logprobs(model, prompt: list[int], response: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, response[:, None]).squeeze(1)
 
 
+def _responses(samples) -> list[list[int]]:
+    return [s.response_ids.tolist() for s in samples]
+
+
 def test_a_push_mid_generate_resumes_the_requests_on_the_new_weights(tiny_model_dirs):
     backend = VLLMBackend(VLLMSettings(multiprocessing=False, max_model_len=256, kv_cache_gib=0.25), dtype="float32")
     backend.resume_partial = True  # what build_backend sets for loop.in_flight=abort in an overlapped loop
@@ -48,7 +52,7 @@ def test_a_push_mid_generate_resumes_the_requests_on_the_new_weights(tiny_model_
     got: dict = {}
     try:
         assert backend.resumes_in_flight()
-        # request by request, seeded seed + copy, draws what one LLM.generate call with n copies draws
+        # request by request, seeded the prompt's seed + copy, draws what one LLM.generate call with n copies draws
         sampled = SamplingSettings(n=3, temperature=1.0, max_new_tokens=8, seed=9)
         some = [Prompt(ids=[5, 6, 7], index=0), Prompt(ids=[3, 4], index=1)]
         partial = backend.generate(some, sampled)
@@ -57,6 +61,22 @@ def test_a_push_mid_generate_resumes_the_requests_on_the_new_weights(tiny_model_
         backend.resume_partial = True
         assert [s.response_ids.tolist() for s in partial] == [s.response_ids.tolist() for s in whole]
         torch.testing.assert_close(torch.cat([s.logprobs for s in partial]), torch.cat([s.logprobs for s in whole]))
+        # each prompt its own seed, on both paths: one text under two indices samples differently (one
+        # seed for the call drew the same stream for both), the same seed samples the same again, and
+        # with seed_per_prompt a prompt's samples do not depend on the prompts beside it
+        twins = [Prompt(ids=[5, 6, 7], index=0), Prompt(ids=[5, 6, 7], index=4)]
+        for per_prompt in (False, True):
+            backend.seed_per_prompt = per_prompt
+            backend.resume_partial = True
+            partial = backend.generate(twins, sampled)
+            backend.resume_partial = False
+            whole, again = backend.generate(twins, sampled), backend.generate(twins, sampled)
+            assert _responses(partial) == _responses(whole) == _responses(again)
+            assert _responses(whole[:3]) != _responses(whole[3:])
+        assert _responses(backend.generate(twins[1:], sampled)) == _responses(whole[3:])
+        assert _responses(backend.generate(twins, SamplingSettings(n=3, temperature=1.0, max_new_tokens=8,
+                                                                   seed=10))) != _responses(whole)
+        backend.resume_partial = True
         # greedy from [8, 9], the tiny model (dense_a) does not stop within 200 tokens
         params = SamplingSettings(n=2, temperature=0.0, max_new_tokens=200, seed=5)
         worker = threading.Thread(target=lambda: got.update(samples=backend.generate([Prompt(ids=[8, 9], index=0)],

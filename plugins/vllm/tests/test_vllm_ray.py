@@ -154,8 +154,9 @@ def test_greedy_equal_across_one_and_two_replicas_and_after_a_push(fleet, tiny_m
     assert [i for i, _ in two] == list(range(len(_prompts())))  # answers in prompt order
     assert _greedy_tokens(one) == two
     assert two == _truncate_at_eos(two, _hf_greedy_tokens(tiny_model_dirs["dense_a"]))
-    # sampled too: vLLM seeds every request (copy i of a prompt with the call's seed + i), so a
-    # prompt's samples do not depend on which replica or batch it lands in
+    # sampled too: with replicas > 1 rollout.seed_per_prompt is on, so vLLM seeds each prompt from the
+    # call's seed and the prompt's index (copy i: that seed + i), and a prompt's samples do not
+    # depend on which replica or batch it lands in
     sampled = SamplingSettings(n=4, temperature=1.0, max_new_tokens=6, seed=11)
     by_two = [(s.prompt_index, s.response_ids.tolist()) for s in fleet2.generate(_prompts(), sampled)]
     by_one = [(s.prompt_index, s.response_ids.tolist()) for s in one.generate(_prompts(), sampled)]

@@ -157,7 +157,7 @@ def test_interrupted_push_never_serves_a_mix_of_versions(tiny_model_dirs):
             backend.rpc("rlcore_load_bucket", bucket_request(bucket, seg.path, seg.capacity, True))
         # ask the engine itself (another client of the server would), not through the backend's guard
         with pytest.raises(Exception, match="refuses to compute with a mix of versions"):
-            backend._require_engine().generate([list(_prompts()[0].ids)], {"max_tokens": 2, "temperature": 0.0})
+            backend._require_engine().generate([list(_prompts()[0].ids)], {"max_tokens": 2, "temperature": 0.0}, [0])
         llm_engine = backend._require_engine().llm.llm_engine  # the refused client gives its request up
         llm_engine.abort_request(list(llm_engine.output_processor.request_states), internal=True)
         # a new trainer pushes: the stale update is ended, the complete push serves version B
@@ -181,7 +181,7 @@ def _engine_refuses(backend, match):
     backend, whose own flag refuses anyway), expecting the worker's refusal; then clear the
     refused request."""
     with pytest.raises(Exception, match=match):
-        backend._require_engine().generate([list(_prompts()[0].ids)], {"max_tokens": 2, "temperature": 0.0})
+        backend._require_engine().generate([list(_prompts()[0].ids)], {"max_tokens": 2, "temperature": 0.0}, [0])
     llm_engine = backend._require_engine().llm.llm_engine
     llm_engine.abort_request(list(llm_engine.output_processor.request_states), internal=True)
 

@@ -8,8 +8,11 @@ the weight version that produced them and, where the engine can return
 them, the routed experts. Capabilities are those of the running platform
 (:func:`~rlcore_vllm.platform.runtime_backend_capabilities`); a call that needs a missing one
 raises and says why, it is never skipped silently. The engine itself (offline or server) is one of
-:mod:`rlcore_vllm.engines`; routed experts are decoded by :mod:`rlcore.routed_experts`, and seeds
-follow :mod:`rlcore.rollout_seeds` like every other backend.
+:mod:`rlcore_vllm.engines`; routed experts are decoded by :mod:`rlcore.routed_experts`, and a
+call's seed follows :mod:`rlcore.rollout_seeds` like every other backend's. Each prompt of a call
+is sampled with a seed of its own (:func:`prompt_seed`), so prompts never share vLLM's random
+stream; with ``rollout.seed_per_prompt`` that seed derives from the prompt's index (its samples do
+not depend on which prompts share the call or the replica), else from its position in the call.
 
 Weight pushes (:mod:`rlcore_vllm.sync`) bracket their work with :meth:`VLLMBackend.begin_push`
 and :meth:`~VLLMBackend.commit_push` / :meth:`~VLLMBackend.fail_push`: after a failed push the
@@ -22,8 +25,8 @@ trainer. Releasing the KV cache measures the device memory it freed.
 
 Partial rollouts (``loop.in_flight: abort`` with ``loop.mode`` one_step_off / async; offline
 engine, no drafting, no routed experts; docs/async.md): ``generate`` then drives the engine
-request by request (one request per sample, seeded ``seed + copy`` as vLLM seeds the copies of
-an ``n > 1`` request, so the samples are those of one ``LLM.generate`` call). A push's
+request by request (one request per sample, seeded its prompt's seed ``+ copy`` as vLLM seeds the
+copies of an ``n > 1`` request, so the samples are those of one ``LLM.generate`` call). A push's
 :meth:`VLLMBackend.pause` asks it to stop: it aborts its unfinished requests between two engine
 steps and parks; :meth:`~VLLMBackend.resume` lets it go on: each unfinished sample is submitted
 again with prompt + tokens so far on the new weights, its log-probs concatenated and the switch
@@ -42,7 +45,7 @@ from typing import Any
 
 from rlcore.errors import RolloutError
 from rlcore.platforms import cuda_free_bytes
-from rlcore.rollout_seeds import CallSeeds, base_seed
+from rlcore.rollout_seeds import SEED_STRIDE, CallSeeds, base_seed
 from rlcore.routed_experts import MoEShape, decode_routed_experts, moe_shape
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
@@ -62,6 +65,16 @@ from rlcore_vllm.speculative import (
     check_acceptance_floor,
     speculative_sampling_problem,
 )
+
+#: keeps prompt seeds, plus the copy and resumed-part offsets added to them, within vLLM's int64 seeds
+PROMPT_SEED_MODULUS = 1 << 62
+
+
+def prompt_seed(call_seed: int, key: int) -> int:
+    """The vLLM seed of the prompt keyed ``key`` (its index, or its position in the call) in a call
+    seeded ``call_seed``: the local backend's row seed of copy 0 (``rlcore.rollout_local.row_seed``),
+    so copy *c*, seeded ``+ c`` by vLLM, gets that row's seed too (below the modulus)."""
+    return ((int(call_seed) * SEED_STRIDE + int(key)) * 1_031) % PROMPT_SEED_MODULUS
 
 
 def sampling_kwargs(params: SamplingSettings, seed: int) -> dict[str, Any]:
@@ -96,6 +109,8 @@ class VLLMBackend:
         check_settings(self.settings)
         self.dtype = dtype if self.settings.dtype == "auto" else self.settings.dtype
         self.seeds = CallSeeds(seed)
+        #: ``rollout.seed_per_prompt``: a prompt's seed from its index, not its position (prompt_seed)
+        self.seed_per_prompt = False
         self.want_routes = bool(return_routed_experts)
         self.output_dir = output_dir
         self.transport = transport
@@ -263,8 +278,10 @@ class VLLMBackend:
             return []
         if any(len(p.ids) == 0 for p in prompts):
             raise RolloutError("vllm backend: every prompt needs at least one token")
-        seed = self.seeds.next(params.seed)
-        sp = sampling_kwargs(params, seed)
+        call_seed = self.seeds.next(params.seed)
+        sp = sampling_kwargs(params, call_seed)
+        seeds = [prompt_seed(call_seed, p.index if self.seed_per_prompt else position)
+                 for position, p in enumerate(prompts)]
         temper = needs_tempering(float(params.temperature), sp["temperature"], self._raw_logprobs)
         if temper:
             if not self.vocab_size:
@@ -273,9 +290,9 @@ class VLLMBackend:
             sp["logprobs"] = min(TOP_LOGPROBS, self.vocab_size)
         before = engine.spec_counters() if self.mtp else None
         if self._resumable(params):
-            completions = self._generate_resumable(engine, [list(p.ids) for p in prompts], sp, temper)
+            completions = self._generate_resumable(engine, [list(p.ids) for p in prompts], sp, seeds, temper)
         else:
-            completions = engine.generate([list(p.ids) for p in prompts], sp)
+            completions = engine.generate([list(p.ids) for p in prompts], sp, seeds)
         if before is not None:
             self._account_acceptance(engine.spec_counters().minus(before))
         samples = []
@@ -316,10 +333,10 @@ class VLLMBackend:
         return self.resumes_in_flight() and not params.return_routed_experts
 
     def _generate_resumable(self, engine: OfflineEngine, prompts: list[list[int]], sp: dict[str, Any],
-                            top_logprobs: bool) -> list[list[dict[str, Any]]]:
+                            seeds: list[int], top_logprobs: bool) -> list[list[dict[str, Any]]]:
         """``engine.generate``'s answer, request by request; a push (``pause``) stops the
         unfinished ones, ``resume`` continues them on the new weights (the module docstring)."""
-        n, seed, limit = int(sp["n"]), int(sp["seed"]), int(sp["max_tokens"])
+        n, limit = int(sp["n"]), int(sp["max_tokens"])
         rows = [{"prompt": i, "copy": j, "token_ids": [], "logprobs": [], "top_logprobs": [], "finish_reason": None,
                  "weight_versions": [(self._version, 0)]} for i in range(len(prompts)) for j in range(n)]
         with self._gen_state:
@@ -334,9 +351,11 @@ class VLLMBackend:
                 pending = [r for r in pending if r["finish_reason"] is None]
                 if not pending:
                     break
-                # seed + copy: how vLLM seeds the copies of an n > 1 request; a resumed part gets its own
+                # the prompt's seed + copy: how vLLM seeds the copies of an n > 1 request; a resumed
+                # part gets its own (segment * (n + 1) past the copies of the parts before it)
                 requests = {id(r): engine.submit(prompts[r["prompt"]] + r["token_ids"], {
-                    **sp, "n": 1, "seed": seed + r["copy"] + segment * (n + 1), "max_tokens": limit - len(r["token_ids"])})
+                    **sp, "n": 1, "seed": seeds[r["prompt"]] + r["copy"] + segment * (n + 1),
+                    "max_tokens": limit - len(r["token_ids"])})
                     for r in pending}
                 stopped = False
                 while not all(engine.finished(q) for q in requests.values()):
@@ -581,4 +600,5 @@ def build_backend(ctx: Any) -> VLLMBackend:
     loop = getattr(cfg, "loop", None)  # partial rollouts: the overlapped loop with in_flight=abort
     backend.resume_partial = loop is not None and loop.mode != "sync" and loop.in_flight == "abort"
     backend.push_verify = bool(cfg.sync.verify)
+    backend.seed_per_prompt = bool(cfg.rollout.seed_per_prompt)
     return backend

@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ WORKER_EXTENSION = "rlcore_vllm.worker_ext.RLCoreWorkerExtension"
 #: expert-parallel group of MoE models) in process globals, so only one engine can live in-process
 _LIVE_INPROC_ENGINES: list[object] = []
 SERVED_MODEL_NAME = "rlcore-policy"
+#: completions requests one HTTP engine has in flight at once (one per prompt: HTTPEngine.generate)
+HTTP_CONCURRENT_REQUESTS = 64
 _REQUEST_IDS = itertools.count()
 #: vLLM's weight-transfer API: op -> (worker method, its keyword argument)
 NATIVE_WORKER_METHODS = {
@@ -171,11 +174,12 @@ class OfflineEngine:
                 raise RolloutError(self.watch.dead) from exc
             raise
 
-    def generate(self, prompts: list[list[int]], sp: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    def generate(self, prompts: list[list[int]], sp: dict[str, Any], seeds: list[int]) -> list[list[dict[str, Any]]]:
+        """Each prompt's ``n`` completions, prompt *i* sampled with ``seeds[i]`` (``sp``'s seed unused)."""
         from vllm import SamplingParams
 
-        outs = self._call(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts],
-                          SamplingParams(detokenize=False, **sp), use_tqdm=False)
+        params = [SamplingParams(detokenize=False, **{**sp, "seed": int(seed)}) for seed in seeds]
+        outs = self._call(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         result = []
         for out in outs:
             comps = []
@@ -338,14 +342,24 @@ class HTTPEngine:
     def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
         return self.client.request(method, path, body, query=query)
 
-    def generate(self, prompts: list[list[int]], sp: dict[str, Any]) -> list[list[dict[str, Any]]]:
-        body = {"model": SERVED_MODEL_NAME, "prompt": prompts, "return_token_ids": True,
+    def generate(self, prompts: list[list[int]], sp: dict[str, Any], seeds: list[int]) -> list[list[dict[str, Any]]]:
+        """Each prompt's ``n`` completions, prompt *i* sampled with ``seeds[i]`` (``sp``'s seed unused).
+
+        The completions route gives every prompt of one request the same seed, so each prompt is a
+        request of its own; they are sent together and the server batches them."""
+        if not prompts:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(prompts), HTTP_CONCURRENT_REQUESTS)) as pool:
+            return list(pool.map(lambda ids, seed: self._completions(ids, {**sp, "seed": int(seed)}), prompts, seeds))
+
+    def _completions(self, prompt: list[int], sp: dict[str, Any]) -> list[dict[str, Any]]:
+        body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "return_token_ids": True,
                 "skip_special_tokens": False, **sp}
         if sp.get("logprobs"):  # top log-probs keyed "token_id:<id>" rather than by text
             body["return_tokens_as_token_ids"] = True
         resp = self.request("POST", "/v1/completions", body)
         n = sp["n"]
-        result: list[list[dict[str, Any]]] = [[None] * n for _ in prompts]  # type: ignore[list-item]
+        result: list[dict[str, Any]] = [None] * n  # type: ignore[list-item]
         for choice in resp["choices"]:
             idx = int(choice["index"])
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
@@ -359,7 +373,7 @@ class HTTPEngine:
                 tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
                 comp["top_logprobs"] = [{int(str(k).rsplit(":", 1)[-1]): float(v) for k, v in (top or {}).items()}
                                         for top in tops]
-            result[idx // n][idx % n] = comp
+            result[idx % n] = comp
         return result
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
