@@ -165,6 +165,11 @@ class RolloutReplica:
     def weight_version(self) -> int:
         return self.backend.weight_version
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """The backend's own metrics of its last ``generate`` (none when it reports none)."""
+        get = getattr(self.backend, "rollout_metrics", None)
+        return {str(k): float(v) for k, v in get().items()} if callable(get) else {}
+
     def shutdown(self) -> None:
         self.backend.shutdown()
 
@@ -310,8 +315,21 @@ class RolloutFleet:
         return self._resumes
 
     def rollout_metrics(self) -> dict[str, float]:
-        """The weight version each replica reported after the last push (``rollout/replica{i}_weight_version``)."""
-        return {f"rollout/replica{i}_weight_version": float(v) for i, v in enumerate(self.replica_weight_versions)}
+        """Per replica *i*: the weight version it reported after the last push
+        (``rollout/replica{i}_weight_version``) and its backend's own metrics of its last
+        ``generate``, ``rollout/<name>`` as ``rollout/replica{i}_<name>`` (vLLM's sleep/wake
+        seconds and freed bytes, draft acceptance, ...).
+
+        Kept per replica, not reduced: no one reduction fits every metric (seconds: the slowest
+        replica is what the step waits for; freed bytes: a sum; acceptance: a mean weighted by
+        draft rounds the fleet does not see), and per-replica values show which replica lags."""
+        out = {f"rollout/replica{i}_weight_version": float(v) for i, v in enumerate(self.replica_weight_versions)}
+        reporting = [i for i, r in enumerate(self.replicas) if hasattr(r, "rollout_metrics")]
+        answers = self._get([self.replicas[i].rollout_metrics.remote() for i in reporting], reporting,
+                            "rollout_metrics") if reporting else []
+        for i, metrics in zip(reporting, answers, strict=True):
+            out.update({f"rollout/replica{i}_{name.removeprefix('rollout/')}": float(v) for name, v in metrics.items()})
+        return out
 
     def pause(self) -> None:
         self._all("pause")
