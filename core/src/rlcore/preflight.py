@@ -82,9 +82,9 @@ class PreflightReport:
             size += f", weights {_bytes(m.weight_bytes)}" if m.weight_bytes else ""
             out.append(f"model {m.source}{size}")
         if self.longest_prompt is not None and m is not None and m.max_positions:
-            out.append(f"longest prompt {self.longest_prompt} tokens + rollout.max_new_tokens "
-                       f"{cfg.rollout.max_new_tokens} <= {m.max_positions} positions ({self.prompts_checked} "
-                       f"prompts measured)")
+            total, how = longest_conversation(cfg, self.longest_prompt)
+            adds_up = f"{how} = {total}" if multi_turn(cfg) else how
+            out.append(f"{adds_up} <= {m.max_positions} positions ({self.prompts_checked} prompts measured)")
         if self.step_tokens is not None and self.memory_bytes is not None:
             out.append(f"a step holds about {_count(self.step_tokens)} tokens; this machine has "
                        f"{_bytes(self.memory_bytes)} (RAM, swap and GPUs)")
@@ -413,12 +413,53 @@ def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
             if len(row) > longest:
                 longest, where = len(row), f"prompt {i} of step {step}"
     limit, new = facts.max_positions, int(cfg.rollout.max_new_tokens)
-    if limit is not None and longest + new > limit:
-        key = "data.task" if longest >= limit else "rollout.max_new_tokens"
-        raise ConfigError(f"{key}: {where} is {longest} tokens, + rollout.max_new_tokens {new} = {longest + new}, "
-                          f"more than the model's {limit} positions ({facts.source} max_position_embeddings); "
-                          f"shorten the prompts or lower rollout.max_new_tokens", key=key)
+    total, how = longest_conversation(cfg, longest)
+    if limit is not None and total > limit:
+        if not multi_turn(cfg):
+            key = "data.task" if longest >= limit else "rollout.max_new_tokens"
+            raise ConfigError(f"{key}: {where} is {longest} tokens, + rollout.max_new_tokens {new} = {longest + new}, "
+                              f"more than the model's {limit} positions ({facts.source} max_position_embeddings); "
+                              f"shorten the prompts or lower rollout.max_new_tokens", key=key)
+        env = cfg.environment
+        if longest >= limit:
+            key, fix = "data.task", "shorten the prompts"
+        elif int(env.max_total_tokens) and total == max(int(env.max_total_tokens), longest + 1):
+            key, fix = "environment.max_total_tokens", f"lower environment.max_total_tokens to at most {limit}"
+        elif longest + new > limit:
+            key, fix = "rollout.max_new_tokens", f"lower rollout.max_new_tokens (one turn already exceeds {limit})"
+        else:
+            key, fix = "environment.max_turns", (f"lower environment.max_turns (or environment.observation_tokens), "
+                                                 f"or set environment.max_total_tokens to at most {limit}")
+        raise ConfigError(f"{key}: a conversation of environment {env.name!r} can reach {how} = {total} tokens "
+                          f"({where} is the longest prompt), more than the model's {limit} positions "
+                          f"({facts.source} max_position_embeddings); {fix}", key=key)
     return longest, measured
+
+
+def multi_turn(cfg: Any) -> bool:
+    """Whether an ``environment:`` other than ``single_turn`` answers the model's turns."""
+    env = getattr(cfg, "environment", None)
+    return env is not None and str(env.name) != "single_turn"
+
+
+def longest_conversation(cfg: Any, longest_prompt: int) -> tuple[int, str]:
+    """The most tokens one sample's context can reach, and how that adds up (for messages): the
+    longest prompt + ``rollout.max_new_tokens``; in a multi-turn environment the prompt, every
+    turn (``environment.max_turns`` x ``rollout.max_new_tokens``) and an observation of at most
+    ``environment.observation_tokens`` between turns, capped by ``environment.max_total_tokens``
+    where set (rlcore.environments.conversation cuts every turn to fit it; the first turn gets at
+    least one token, so a prompt at the cap goes one past it)."""
+    new = int(cfg.rollout.max_new_tokens)
+    if not multi_turn(cfg):
+        return longest_prompt + new, f"longest prompt {longest_prompt} tokens + rollout.max_new_tokens {new}"
+    env = cfg.environment
+    turns, observation, cap = int(env.max_turns), int(env.observation_tokens), int(env.max_total_tokens)
+    uncapped = longest_prompt + turns * new + (turns - 1) * observation
+    how = (f"longest prompt {longest_prompt} + environment.max_turns {turns} x rollout.max_new_tokens {new} + "
+           f"{turns - 1} x environment.observation_tokens {observation}")
+    if cap and max(cap, longest_prompt + 1) < uncapped:
+        return max(cap, longest_prompt + 1), f"{how}, capped by environment.max_total_tokens {cap}"
+    return uncapped, how
 
 
 def _no_tokens(cfg: Any, facts: ModelFacts, text: str, where: str) -> None:
