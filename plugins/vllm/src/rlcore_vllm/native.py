@@ -1,4 +1,4 @@
-"""Requests of vLLM's native weight-transfer API (vLLM 0.32 / 0.33), built from core buckets.
+"""Requests of vLLM's native weight-transfer API (vLLM 0.26 to 0.33), built from core buckets.
 
 The engine side is ``init_weight_transfer_engine({"init_info": ...})``, then per push
 ``start_weight_update()`` (or ``start_draft_weight_update()`` for an MTP draft),
@@ -13,14 +13,20 @@ chunks from the per-tensor sizes in order, contiguously, closing a chunk once it
 size (so contiguous) and at most ``bucket_bytes`` unless a single tensor is larger, so with
 ``packed_buffer_size_bytes = bucket_bytes`` every ``update_weights`` call receives exactly one
 bucket. :func:`check_packable` enforces that.
+
+Where the NCCL packing parameters go depends on the vLLM release: 0.32 / 0.33 read them once from
+``NCCLWeightTransferInitInfo``, 0.26 from every ``NCCLWeightTransferUpdateInfo``. The requests
+follow the fields of the installed classes (:func:`installed_nccl_fields`), not a version string.
 """
 
 from __future__ import annotations
 
 import base64
 import pickle
+from dataclasses import dataclass, fields
 from typing import Any
 
+from rlcore.errors import WeightSyncError
 from rlcore.sync import Bucket
 
 
@@ -44,25 +50,59 @@ def check_packable(bucket: Bucket, bucket_bytes: int) -> None:
                          f"the packed buffer of {bucket_bytes} bytes")
 
 
-def nccl_init_info(master_address: str, master_port: int, engine_world_size: int, bucket_bytes: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class NCCLFields:
+    """The field names of the installed vLLM's NCCL ``init_info`` and ``update_info`` classes."""
+
+    init: frozenset[str]
+    update: frozenset[str]
+
+
+def installed_nccl_fields() -> NCCLFields:
+    """The fields of the installed vLLM's ``NCCLWeightTransferInitInfo`` / ``...UpdateInfo``
+    (``nccl_engine`` defines both in 0.26 and re-exports them in 0.32 / 0.33)."""
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLWeightTransferInitInfo,
+        NCCLWeightTransferUpdateInfo,
+    )
+
+    return NCCLFields(frozenset(f.name for f in fields(NCCLWeightTransferInitInfo)),
+                      frozenset(f.name for f in fields(NCCLWeightTransferUpdateInfo)))
+
+
+def nccl_packing(bucket_bytes: int, layout: NCCLFields) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The packing parameters (one bucket per packed chunk, double-buffered) as the extra fields of
+    the init info and of each update info: on whichever of the two declares them."""
+    packing = {"packed": True, "packed_buffer_size_bytes": int(bucket_bytes), "packed_num_buffers": 2}
+    if set(packing) <= layout.init:
+        return packing, {}
+    if set(packing) <= layout.update:
+        return {}, packing
+    raise WeightSyncError(f"the installed vLLM's NCCL weight transfer declares the packed fields {sorted(packing)} "
+                          f"on neither its init info (fields {sorted(layout.init)}) nor its update info (fields "
+                          f"{sorted(layout.update)}); vllm.transport: nccl needs a vLLM with packed NCCL transfers "
+                          f"(0.26 to 0.33), or choose vllm.transport: shm")
+
+
+def nccl_init_info(master_address: str, master_port: int, engine_world_size: int, bucket_bytes: int,
+                   layout: NCCLFields) -> dict[str, Any]:
     """``init_info`` for the NCCL backend: the trainer is rank 0, engine workers follow."""
     return {
         "master_address": master_address,
         "master_port": int(master_port),
         "rank_offset": 1,
         "world_size": 1 + int(engine_world_size),
-        "packed": True,
-        "packed_buffer_size_bytes": int(bucket_bytes),
-        "packed_num_buffers": 2,
+        **nccl_packing(bucket_bytes, layout)[0],
     }
 
 
-def nccl_update_info(bucket: Bucket) -> dict[str, Any]:
+def nccl_update_info(bucket: Bucket, bucket_bytes: int, layout: NCCLFields) -> dict[str, Any]:
     """``update_info`` for one bucket on the NCCL backend (the bytes follow by broadcast)."""
     return {
         "names": bucket.names,
         "dtype_names": [dtype_name(m.dtype) for m in bucket.metas],
         "shapes": [list(m.shape) for m in bucket.metas],
+        **nccl_packing(bucket_bytes, layout)[1],
     }
 
 

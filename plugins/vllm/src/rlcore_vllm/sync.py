@@ -89,6 +89,7 @@ class VLLMWeightSync:
         self.pool: SharedBucketPool | None = None
         self._native_ready = False
         self._nccl_group: Any = None
+        self._nccl_fields: native.NCCLFields | None = None  # the installed vLLM's (read at the native init)
         self._broadcast_store: Any = None  # vllm.transport 'broadcast': the writer's rendezvous store
         self._broadcast_group: BroadcastGroup | None = None
 
@@ -329,8 +330,9 @@ class VLLMWeightSync:
         else:
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
+            self._nccl_fields = native.installed_nccl_fields()
             info = native.nccl_init_info(s.nccl_master_address, s.nccl_master_port, s.tensor_parallel_size,
-                                         self.bucket_bytes)
+                                         self.bucket_bytes, self._nccl_fields)
             # the workers block in init until the trainer joins as rank 0: run both together
             with concurrent.futures.ThreadPoolExecutor(1) as ex:
                 fut = ex.submit(target.weight_transfer, "init", info)
@@ -353,7 +355,8 @@ class VLLMWeightSync:
         import torch
 
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(target.weight_transfer, "update", native.nccl_update_info(bucket))
+            fut = ex.submit(target.weight_transfer, "update",
+                            native.nccl_update_info(bucket, self.bucket_bytes, self._nccl_fields))
             self._nccl_group.broadcast(bucket.buffer, src=0, stream=torch.cuda.current_stream())
             fut.result()
 
