@@ -89,6 +89,7 @@ class _LLM:
 
     def generate(self, prompts, sampling_params, use_tqdm=False):
         assert [p["prompt_token_ids"] for p in prompts] == PROMPTS
+        assert len({sp.seed for sp in sampling_params}) == len(prompts)  # every prompt a seed of its own
         return self.outputs
 
 
@@ -153,10 +154,18 @@ def test_server_completion_response_decodes_to_replayable_routes(mixed_moe):
                for i, (r, routes) in enumerate(zip(RESPONSES, truth, strict=True))]
     body = CompletionResponse(model="m", choices=choices, usage=UsageInfo()).model_dump(mode="json")
     http = HTTPEngine.__new__(HTTPEngine)
-    http.request = lambda method, path, payload=None, query=None: body  # the JSON the server sends
+    seeds = []
+
+    def answer(method, path, payload=None, query=None):  # the JSON the server sends: one prompt per request
+        i = PROMPTS.index(payload["prompt"])
+        seeds.append(payload["seed"])
+        return {**body, "choices": [{**body["choices"][i], "index": 0}]}
+
+    http.request = answer
     samples = _backend(model_dir, http).generate([Prompt(ids=p, index=i) for i, p in enumerate(PROMPTS)],
                                                  SamplingSettings(return_routed_experts=True, max_new_tokens=3))
     _check_samples(samples, engine, truth)
+    assert len(set(seeds)) == len(PROMPTS)  # every prompt a seed of its own
 
     # routes of a model with one layer fewer: an error naming both counts
     narrow = _vllm_layout(engine, truth[0])[:, :2]
