@@ -5,7 +5,8 @@ vLLM 0.32's real classes are exercised in test_vllm_engine.py (vllm suite). vLLM
 installed beside it, so its layout is given here as the field lists of its source
 (vllm/distributed/weight_transfer/nccl_engine.py of the 0.26 line: ``NCCLWeightTransferInitInfo``
 master_address, master_port, rank_offset, world_size; ``NCCLWeightTransferUpdateInfo`` names,
-dtype_names, shapes, packed, packed_buffer_size_bytes, packed_num_buffers)."""
+dtype_names, shapes, packed, packed_buffer_size_bytes, packed_num_buffers; ``IPCWeightTransferInitInfo``
+no fields)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,9 @@ def test_a_layout_without_packed_fields_is_refused_naming_the_transport():
                                  update=frozenset({"names", "dtype_names", "shapes"}))
     with pytest.raises(WeightSyncError, match="vllm.transport"):
         native.nccl_init_info("10.0.0.1", 29561, 2, 1024, unpacked)
+
+
+def test_ipc_without_a_packed_mode_is_refused_naming_the_transport():
+    assert native.ipc_init_info(frozenset({"packed"})) == {"packed": True}  # vLLM 0.32
+    with pytest.raises(WeightSyncError, match="vllm.transport: nccl or shm"):
+        native.ipc_init_info(frozenset())  # vLLM 0.26's IPCWeightTransferInitInfo declares no fields

@@ -84,6 +84,20 @@ def nccl_packing(bucket_bytes: int, layout: NCCLFields) -> tuple[dict[str, Any],
                           f"(0.26 to 0.33), or choose vllm.transport: shm")
 
 
+def trainer_nccl_group(master_address: str, master_port: int, world_size: int, device: int) -> Any:
+    """The trainer's end (rank 0) of the NCCL group the engine workers join at init:
+    ``nccl_common.stateless_init_process_group`` on vLLM 0.32 / 0.33; 0.26 has no ``nccl_common``
+    and makes it with ``NCCLWeightTransferEngine.trainer_init`` (on the current CUDA device)."""
+    try:
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+    except ImportError:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        return NCCLWeightTransferEngine.trainer_init({"master_address": master_address, "master_port": int(master_port),
+                                                      "world_size": int(world_size)})
+    return stateless_init_process_group(master_address, int(master_port), 0, int(world_size), device)
+
+
 def nccl_init_info(master_address: str, master_port: int, engine_world_size: int, bucket_bytes: int,
                    layout: NCCLFields) -> dict[str, Any]:
     """``init_info`` for the NCCL backend: the trainer is rank 0, engine workers follow."""
@@ -106,7 +120,20 @@ def nccl_update_info(bucket: Bucket, bucket_bytes: int, layout: NCCLFields) -> d
     }
 
 
-def ipc_init_info() -> dict[str, Any]:
+def installed_ipc_init_fields() -> frozenset[str]:
+    """The fields of the installed vLLM's ``IPCWeightTransferInitInfo``."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+
+    return frozenset(f.name for f in fields(IPCWeightTransferInitInfo))
+
+
+def ipc_init_info(init_fields: frozenset[str]) -> dict[str, Any]:
+    """``init_info`` for the IPC backend: packed, one bucket per handle (:func:`ipc_update_info`),
+    which a vLLM whose IPC init info has no ``packed`` field (0.26: per-tensor handles) cannot take."""
+    if "packed" not in init_fields:
+        raise WeightSyncError("the installed vLLM's IPC weight transfer has no packed mode (its init info declares "
+                              f"{sorted(init_fields) or 'no fields'}), and rlcore sends one CUDA IPC handle per "
+                              "bucket: choose vllm.transport: nccl or shm with this vLLM")
     return {"packed": True}
 
 

@@ -326,10 +326,8 @@ class VLLMWeightSync:
     def _native_init(self, target) -> None:
         s = self.settings
         if self.transport == "ipc":
-            target.weight_transfer("init", native.ipc_init_info())
+            target.weight_transfer("init", native.ipc_init_info(native.installed_ipc_init_fields()))
         else:
-            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
             self._nccl_fields = native.installed_nccl_fields()
             info = native.nccl_init_info(s.nccl_master_address, s.nccl_master_port, s.tensor_parallel_size,
                                          self.bucket_bytes, self._nccl_fields)
@@ -338,8 +336,8 @@ class VLLMWeightSync:
                 fut = ex.submit(target.weight_transfer, "init", info)
                 import torch
 
-                self._nccl_group = stateless_init_process_group(s.nccl_master_address, s.nccl_master_port, 0,
-                                                                info["world_size"], torch.cuda.current_device())
+                self._nccl_group = native.trainer_nccl_group(s.nccl_master_address, s.nccl_master_port,
+                                                             info["world_size"], torch.cuda.current_device())
                 fut.result()
         self._native_ready = True
 
