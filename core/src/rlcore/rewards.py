@@ -26,8 +26,10 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from rlcore.errors import RewardError
 from rlcore.guards import checked_reward, shorten
@@ -35,10 +37,30 @@ from rlcore.ranks import Ranks
 
 #: the config key of the per-call limit (named in the timeout error)
 TIMEOUT_KEY = "data.reward_timeout_seconds"
+#: where a sample keeps its reward's named components (``Sample.extras``)
+REWARD_COMPONENTS = "reward_components"
+
+#: a checked reward: one float, or named components
+RewardValue = float | dict[str, float]
 
 
-def call_reward(fn: Callable[[Any], Any], name: str, x: Any, where: str, in_thread: bool = False) -> float:
-    """``fn(x)`` as a checked float; ``where`` names the sample and the step."""
+def checked_reward_value(value: Any, where: str) -> RewardValue:
+    """A real reward as a float, or a non-empty mapping of component names to real rewards as a
+    dict of floats (each checked as a single reward, the error naming the component)."""
+    if not isinstance(value, Mapping):
+        return checked_reward(value, where)
+    if not value:
+        raise RewardError(f"{where}; a dict of reward components needs at least one component")
+    out = {}
+    for key, part in value.items():
+        if not isinstance(key, str) or not key:
+            raise RewardError(f"{where}; reward component names must be non-empty strings, not {key!r}")
+        out[key] = checked_reward(part, f"{where} (component {key!r})")
+    return out
+
+
+def call_reward(fn: Callable[[Any], Any], name: str, x: Any, where: str, in_thread: bool = False) -> RewardValue:
+    """``fn(x)`` checked (a float or a dict of named floats); ``where`` names the sample and the step."""
     try:
         value = fn(x)
     except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as the reward's
@@ -51,7 +73,7 @@ def call_reward(fn: Callable[[Any], Any], name: str, x: Any, where: str, in_thre
                 f"needs both {TIMEOUT_KEY}=0 and loop.mode=sync" if off_main and "thread" in str(exc) else "")
         raise RewardError(f"reward function {name} raised {type(exc).__name__}: {shorten(str(exc), 200)}{at} "
                           f"on {where}{hint}") from exc
-    return checked_reward(value, f"reward function {name} returned {shorten(repr(value))} for {where}")
+    return checked_reward_value(value, f"reward function {name} returned {shorten(repr(value))} for {where}")
 
 
 class _Step:
@@ -60,7 +82,7 @@ class _Step:
 
     def __init__(self, fn: Callable[[Any], Any], name: str, inputs: Sequence[Any], where: Callable[[int], str]):
         self.fn, self.name, self.inputs, self.where = fn, name, inputs, where
-        self.values: list[float] = []
+        self.values: list[RewardValue] = []
         self.error: BaseException | None = None
         self.current = (0, time.monotonic())
         self.done = threading.Event()
@@ -98,7 +120,7 @@ class RewardCalls:
         self.fn, self.name, self.timeout = fn, name, float(timeout_seconds or 0)
         self._jobs: queue.SimpleQueue | None = None
 
-    def score(self, inputs: Sequence[Any], where: Callable[[int], str]) -> list[float]:
+    def score(self, inputs: Sequence[Any], where: Callable[[int], str]) -> list[RewardValue]:
         """The reward of every input, in order; ``where(i)`` names sample ``i`` and the step."""
         if self.timeout <= 0:
             return [call_reward(self.fn, self.name, x, where(i)) for i, x in enumerate(inputs)]
@@ -139,7 +161,8 @@ class RewardCalls:
         return self._jobs
 
 
-def score_on_writer(ranks: Ranks, calls: RewardCalls, inputs: Sequence[Any], where: Callable[[int], str]) -> list[float]:
+def score_on_writer(ranks: Ranks, calls: RewardCalls, inputs: Sequence[Any],
+                    where: Callable[[int], str]) -> list[RewardValue]:
     """``calls.score`` on the writer rank; its rewards, or its error, on every rank. (An error
     crosses as its class, message and attributes: rlcore's errors need not be picklable.)"""
     if not ranks.distributed:
@@ -161,3 +184,43 @@ def score_on_writer(ranks: Ranks, calls: RewardCalls, inputs: Sequence[Any], whe
     Exception.__init__(error, message)
     vars(error).update(attrs)
     raise error
+
+
+def keep_components(values: Sequence[RewardValue], samples: Sequence[Any], name: str) -> list[float]:
+    """The samples' scalar rewards (a dict's plain sum); a dict's components are kept on its
+    sample (``extras[REWARD_COMPONENTS]``). ``name``: the reward function, named when the
+    samples' component names differ."""
+    first = values[0] if values else None
+    names = sorted(first) if isinstance(first, dict) else None
+    totals = []
+    for i, (value, sample) in enumerate(zip(values, samples, strict=True)):
+        got = sorted(value) if isinstance(value, dict) else None
+        if got != names:
+            raise RewardError(f"reward function {name} returned components {got} for sample {i} of the step but "
+                              f"{names} for sample 0: every sample needs the same reward components (or none)")
+        if isinstance(value, dict):
+            sample.extras[REWARD_COMPONENTS] = value
+            totals.append(float(sum(value.values())))
+        else:
+            totals.append(float(value))
+    return totals
+
+
+def reward_components(samples: Sequence[Any]) -> dict[str, torch.Tensor] | None:
+    """The step's reward components, ``{name: [N] float}`` in sample order, or None when the
+    reward function returned single values. Samples of different scoring rounds (DAPO's dynamic
+    sampling) must agree on the names."""
+    parts = [s.extras.get(REWARD_COMPONENTS) for s in samples]
+    if not parts or parts[0] is None:
+        if any(p is not None for p in parts):
+            raise RewardError("some samples of the step have reward components and others not")
+        return None
+    names = sorted(parts[0])
+    if any(p is None or sorted(p) != names for p in parts):
+        raise RewardError(f"the step's samples have different reward components (sample 0: {names})")
+    return {n: torch.tensor([p[n] for p in parts], dtype=torch.float32) for n in names}
+
+
+def component_means(components: dict[str, torch.Tensor] | None) -> dict[str, float]:
+    """``reward/<name>``: each component's mean over the step's samples."""
+    return {f"reward/{n}": float(v.mean()) for n, v in (components or {}).items() if v.numel()}

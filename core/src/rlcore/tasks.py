@@ -73,6 +73,12 @@ def successor_reward(x: RewardInput) -> float:
     return 1.0 if words and words[0] == x.meta.get("answer") else 0.0
 
 
+def successor_reward_parts(x: RewardInput) -> dict[str, float]:
+    """``successor`` scored in two named components (a multi-reward example for ``gdpo``):
+    ``correct`` (``successor_reward``) and ``brief`` (1 when the response is one word)."""
+    return {"correct": successor_reward(x), "brief": 1.0 if len(x.response_text.split()) == 1 else 0.0}
+
+
 #: the factors of ``tool_product`` (2..9: products from 4 to 81, 36 of them)
 FACTORS = [str(i) for i in range(2, 10)]
 TOOL_WORDS = ["*", "=", "calc", "result", "error"]

@@ -27,12 +27,11 @@ import torch
 
 from rlcore import __version__, guards
 from rlcore.algorithms import objective as objmod
-from rlcore.algorithms.advantages import shaped_rewards
+from rlcore.algorithms.advantages import MultiRewardInput, shaped_rewards
 from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import kl_penalty
 from rlcore.algorithms.mismatch import mismatch
 from rlcore.algorithms.remax import baselines_for, greedy_rewards
-from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import PackedBatch
 from rlcore.critic import checkpoint_entry, restore_critic
 from rlcore.environments.conversation import place_turn_rewards
@@ -44,7 +43,7 @@ from rlcore.parallel.strategy import RankStrategy
 from rlcore.pass_metrics import PassMetrics
 from rlcore.push import push_weights, rollout_metrics
 from rlcore.ranks import on_writer
-from rlcore.rewards import RewardCalls, score_on_writer
+from rlcore.rewards import RewardCalls, component_means, keep_components, reward_components, score_on_writer
 from rlcore.rollout_producer import apply_staleness, step_source
 from rlcore.run_build import build_run, check_started_rollout
 from rlcore.run_output import CHECKPOINT_DIR, checkpoint_hf_dir, is_committed
@@ -162,15 +161,16 @@ class Trainer:
 
     def _rewards(self, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any],
                  step: int) -> list[float]:
-        """Scored on the writer, each call time-limited and checked (rlcore/rewards.py)."""
+        """Scored on the writer, each call time-limited and checked; named components kept on the samples
+        (rlcore/rewards.py)."""
         inputs = []
         for s in samples:
             tp, resp = task_prompts[s.prompt_index], s.response_ids.tolist()
             text = self.tokenizer.decode(resp, skip_special_tokens=True)
             inputs.append(RewardInput(tp.text, text, s.prompt_ids, resp, tp.meta, s.finish_reason))
-        return score_on_writer(self.ranks, self.reward_calls, inputs, lambda i: (
+        return keep_components(score_on_writer(self.ranks, self.reward_calls, inputs, lambda i: (
             f"sample {i} of step {step} (prompt {samples[i].prompt_index}: {inputs[i].prompt_text!r}, "
-            f"response {inputs[i].response_text!r})"))
+            f"response {inputs[i].response_text!r})")), samples, self.cfg.data.reward)
 
     def _forward_pass(self, batch: PackedBatch, phase: str, engine: Any, divisor: float,
                       grad: bool) -> dict[str, float]:
@@ -361,9 +361,11 @@ class Trainer:
             out["kl_reward_penalty"] = float(sum(float(p.sum()) for p in penalty)) / max(len(penalty), 1)
         token_rewards, seq_rewards = shaped_rewards(rewards, counts, penalty, self.algorithm.token_level_rewards)
         place_turn_rewards(token_rewards, samples, rewards)  # an environment's per-turn rewards on their turns
-        inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
-                             token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]),
-                             baseline_rewards=baselines_for(greedy, samples))
+        components = reward_components(samples)  # GDPO's; metrics reward/<name>
+        out.update(component_means(components))
+        inp = MultiRewardInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
+                               token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]),
+                               baseline_rewards=baselines_for(greedy, samples), reward_components=components)
         inp = self.critic.advantage_input(batch, inp) if self.critic else inp  # PPO: values, returns
         adv = self.algorithm.advantages(inp)
         if len(adv) != len(samples) or [int(x.shape[0]) for x in adv] != counts:

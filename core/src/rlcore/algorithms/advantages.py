@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rlcore.algorithms.spec import AdvantageInput
+from rlcore.errors import ConfigError
 
 STD_MODES = ("population", "unbiased", "none")
 
@@ -168,3 +169,52 @@ class ReinforcePPBaselineAdvantage:
             baseline[sel] = r[sel].mean()
         centred = [_returns(tr, 1.0) - b for tr, b in zip(inp.token_rewards, baseline.tolist(), strict=False)]
         return _whiten(centred, self.eps)
+
+
+@dataclass(frozen=True)
+class MultiRewardInput(AdvantageInput):
+    """:class:`AdvantageInput` with the reward function's named components.
+
+    :param reward_components: ``{name: [N] float}``, each sample's value of each component
+        (their plain sum is ``rewards`` before any shaping), or None when the reward function
+        returned single values (:mod:`rlcore.rewards`).
+    """
+
+    reward_components: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class GDPOAdvantage:
+    """GDPO: each reward component normalised within its group separately, the weighted sum,
+    then (``batch_norm``) normalised over every response token of the step::
+
+        A_i = whiten_step( Σ_k w_k · (r_ik − mean_g r_k) / (std_g r_k + ε) )
+
+    ``weights``: ``(name, w_k)`` pairs (a component not named: 1); a name the reward function
+    does not return is a :class:`ConfigError` naming ``algorithm.reward_weights.<name>``. A
+    reward of single values is one component (with ``batch_norm`` off: GRPO's advantages).
+
+    Source: Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
+    Multi-reward RL Optimization" (arXiv:2601.05242, NVIDIA); reference implementation
+    NVlabs/GDPO (``verl-GDPO``: verl's GRPO estimator per component, summed, ``masked_whiten``).
+    """
+
+    weights: tuple[tuple[str, float], ...] = ()
+    std: str = "population"
+    eps: float = 1e-6
+    batch_norm: bool = True
+    batch_eps: float = 1e-8
+
+    def __call__(self, inp: AdvantageInput) -> list[torch.Tensor]:
+        components = getattr(inp, "reward_components", None) or {"reward": inp.rewards}
+        weights = dict(self.weights)
+        for name in weights:
+            if name not in components:
+                raise ConfigError(f"algorithm.reward_weights.{name}: the reward function returns no component "
+                                  f"{name!r} (its components: {', '.join(sorted(components))})",
+                                  key=f"algorithm.reward_weights.{name}")
+        total = torch.zeros(inp.rewards.shape[0], dtype=torch.float32)
+        for name in sorted(components):
+            total += weights.get(name, 1.0) * group_normalised(components[name], inp.groups, self.std, self.eps)
+        per_token = _broadcast(total, inp)
+        return _whiten(per_token, self.batch_eps) if self.batch_norm else per_token

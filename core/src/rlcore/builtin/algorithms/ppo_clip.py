@@ -5,7 +5,8 @@ spec carries its settings dataclass and their check; the estimators are the publ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.algorithms.spec import Algorithm, AlgorithmSpec
@@ -31,6 +32,43 @@ class ReinforcePPSettings(PPOClipSettings):
 @dataclass
 class PassKSettings(GRPOSettings):
     """PPO-clip settings and the group std the gap is divided by (``none``: not divided)."""
+
+
+@dataclass
+class GDPOSettings(GRPOSettings):
+    """GRPO's settings (``std``, ``eps``: each component's group normalisation) and
+    ``reward_weights``: ``{component: weight}`` of the sum (a component not named: 1);
+    ``batch_norm``: normalise the sum over the step's response tokens (the paper's last step)."""
+
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    batch_norm: bool = True
+
+
+def _check_gdpo(s: Any) -> None:
+    check_grpo(s)
+    for name, weight in s.reward_weights.items():
+        if not math.isfinite(float(weight)):
+            raise ConfigError(f"bad value for config key 'algorithm.reward_weights.{name}': {weight!r}; must be finite",
+                              key=f"algorithm.reward_weights.{name}")
+    # the components are the reward function's values: a shaping that changes only the summed
+    # reward would be lost to the per-component normalisation, so it is refused, not dropped
+    if s.get("kl_in") == "reward" and float(s.get("kl_coef", 0.0)) > 0:
+        raise ConfigError("algorithm.name=gdpo normalises the reward function's components; a KL penalty in the "
+                          "reward is not one of them: use algorithm.kl_in=loss", key="algorithm.kl_in")
+    dapo = s.get("dapo")
+    if dapo is not None and int(dapo.overlong.buffer_tokens) > 0:
+        raise ConfigError("algorithm.name=gdpo normalises the reward function's components; the soft overlong "
+                          "penalty is not one of them: set algorithm.dapo.overlong.buffer_tokens=0 (or return the "
+                          "penalty as a component)", key="algorithm.dapo.overlong.buffer_tokens")
+
+
+def _build_gdpo(s: Any) -> Algorithm:
+    from rlcore.algorithms.advantages import GDPOAdvantage
+
+    std = s.std if s.normalize_std else "none"
+    weights = tuple(sorted((str(k), float(v)) for k, v in s.reward_weights.items()))
+    return Algorithm(advantages=GDPOAdvantage(weights=weights, std=std, eps=float(s.eps),
+                                              batch_norm=bool(s.batch_norm)), loss=ppo_clip(s))
 
 
 def _check_reinforce(s: Any) -> None:
@@ -111,5 +149,10 @@ SPECS = (
         name="grpo_passk", factory=_build_passk, settings=PassKSettings, validate=check_grpo,
         loss_agg="token-mean", description="only each group's best sample learns (gap to the second) + PPO-clip",
         source=f"verl compute_grpo_passk_outcome_advantage (arXiv:2503.19595); {PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="gdpo", factory=_build_gdpo, settings=GDPOSettings, validate=_check_gdpo, loss_agg="token-mean",
+        description="each reward component group-normalised separately, summed, step-normalised + PPO-clip",
+        source=f"Liu et al. 2026, GDPO (arXiv:2601.05242), NVlabs/GDPO verl-GDPO; {PPO_SOURCE}",
     ),
 )
