@@ -122,9 +122,10 @@ def run_conversations(environment: Any, backend: Any, prompts: Sequence[Prompt],
 def _calls(active: list[_Conversation], max_new_tokens: int,
            limits: Limits) -> list[tuple[tuple[int, int], list[list[_Conversation]]]]:
     """A turn's ``generate`` calls: conversations whose ids are equal so far (the samples of one
-    prompt often are, after a deterministic observation) go in as one prompt with ``n`` samples, so
-    that they are sampled apart: an engine that seeds each request with the call's seed (vLLM)
-    would otherwise draw the same token for each of them. One call per (token budget, ``n``)."""
+    prompt often are, after a deterministic observation) go in as one prompt with ``n`` samples:
+    one prefill, and the engine's own ``n``-sampling keeps them apart whatever its seeding (a
+    backend that seeded each prompt of a call alike would otherwise draw the same token for each;
+    rlcore-vllm and the local backend now seed prompts apart). One call per (token budget, ``n``)."""
     contexts: dict[tuple[int, ...], list[_Conversation]] = {}
     for c in active:
         contexts.setdefault(tuple(c.ids), []).append(c)
