@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlcore.algorithms.advantages import GDPOAdvantage, GRPOAdvantage, MultiRewardInput
+from rlcore.algorithms.advantages import GDPOAdvantage, GRPOAdvantage
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.cli import main
 from rlcore.errors import ConfigError, NonFiniteError, RewardError
@@ -26,7 +26,7 @@ def _input(components: dict[str, list[float]] | None, groups: list[int], lens: l
            rewards: list[float] | None = None) -> AdvantageInput:
     comps = None if components is None else {k: torch.tensor(v) for k, v in components.items()}
     total = rewards if rewards is not None else [sum(vs) for vs in zip(*components.values(), strict=True)]
-    return MultiRewardInput(rewards=torch.tensor(total), groups=torch.tensor(groups),
+    return AdvantageInput(rewards=torch.tensor(total), groups=torch.tensor(groups),
                             token_rewards=[torch.zeros(n) for n in lens], logprobs=[torch.zeros(n) for n in lens],
                             reward_components=comps)
 

@@ -27,11 +27,12 @@ import torch
 
 from rlcore import __version__, guards
 from rlcore.algorithms import objective as objmod
-from rlcore.algorithms.advantages import MultiRewardInput, shaped_rewards
+from rlcore.algorithms.advantages import shaped_rewards
 from rlcore.algorithms.aggregation import step_weights
 from rlcore.algorithms.losses import kl_penalty
 from rlcore.algorithms.mismatch import mismatch
 from rlcore.algorithms.remax import baselines_for, greedy_rewards
+from rlcore.algorithms.spec import AdvantageInput
 from rlcore.batch import PackedBatch
 from rlcore.critic import checkpoint_entry, restore_critic
 from rlcore.environments.conversation import place_turn_rewards
@@ -363,9 +364,9 @@ class Trainer:
         place_turn_rewards(token_rewards, samples, rewards)  # an environment's per-turn rewards on their turns
         components = reward_components(samples)  # GDPO's; metrics reward/<name>
         out.update(component_means(components))
-        inp = MultiRewardInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
-                               token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]),
-                               baseline_rewards=baselines_for(greedy, samples), reward_components=components)
+        inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
+                             token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]),
+                             baseline_rewards=baselines_for(greedy, samples), reward_components=components)
         inp = self.critic.advantage_input(batch, inp) if self.critic else inp  # PPO: values, returns
         adv = self.algorithm.advantages(inp)
         if len(adv) != len(samples) or [int(x.shape[0]) for x in adv] != counts:

@@ -172,18 +172,6 @@ class ReinforcePPBaselineAdvantage:
 
 
 @dataclass(frozen=True)
-class MultiRewardInput(AdvantageInput):
-    """:class:`AdvantageInput` with the reward function's named components.
-
-    :param reward_components: ``{name: [N] float}``, each sample's value of each component
-        (their plain sum is ``rewards`` before any shaping), or None when the reward function
-        returned single values (:mod:`rlcore.rewards`).
-    """
-
-    reward_components: dict[str, torch.Tensor] | None = None
-
-
-@dataclass(frozen=True)
 class GDPOAdvantage:
     """GDPO: each reward component normalised within its group separately, the weighted sum,
     then (``batch_norm``) normalised over every response token of the step::
@@ -206,7 +194,7 @@ class GDPOAdvantage:
     batch_eps: float = 1e-8
 
     def __call__(self, inp: AdvantageInput) -> list[torch.Tensor]:
-        components = getattr(inp, "reward_components", None) or {"reward": inp.rewards}
+        components = inp.reward_components or {"reward": inp.rewards}
         weights = dict(self.weights)
         for name in weights:
             if name not in components:

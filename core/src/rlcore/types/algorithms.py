@@ -73,6 +73,9 @@ class AdvantageInput:
         algorithm trains one (PPO: settings with a ``critic`` group); ``None`` otherwise.
     :param baseline_rewards: ``[N]`` float, per sample the reward of one greedy response to its
         prompt (ReMax's baseline); set only for an algorithm with ``Algorithm.greedy_baseline``.
+    :param reward_components: ``{name: [N] float}``, each sample's value of each named component
+        when the reward function returns a dict (their plain sum is ``rewards`` before any
+        shaping; GDPO normalises each apart, :mod:`rlcore.rewards`); ``None`` for single values.
     """
 
     rewards: torch.Tensor
@@ -81,6 +84,7 @@ class AdvantageInput:
     logprobs: Sequence[torch.Tensor]
     values: Sequence[torch.Tensor] | None = None
     baseline_rewards: torch.Tensor | None = None
+    reward_components: dict[str, torch.Tensor] | None = None
 
     @property
     def response_lengths(self) -> list[int]:
