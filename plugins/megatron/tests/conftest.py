@@ -62,6 +62,29 @@ def engine_for(megatron_dirs):
     return get
 
 
+#: the megatron-core release whose suite runs every parallel combination (the newest we test)
+COMBINATIONS_FROM = (0, 16)
+
+
+@pytest.fixture(scope="session")
+def combinations_only_on_newest():
+    """``skip(what)``: skip a parallel combination below :data:`COMBINATIONS_FROM`. The oldest suite
+    (0.12.1) runs one case of each kind (TP, EP, DP, PP with virtual stages), which reaches every
+    version-dependent megatron-core call; combining them (DP×TP, TP×PP, DP×PP, the same under Ray,
+    resume across a layout) adds ranks and rlcore code, not megatron-core calls, and costs minutes
+    of CI per suite."""
+    from importlib.metadata import version
+
+    release = tuple(int(x) for x in version("megatron-core").split(".")[:2])
+
+    def skip(what: str) -> None:
+        if release < COMBINATIONS_FROM:
+            pytest.skip(f"{what}: run on megatron-core >= {'.'.join(map(str, COMBINATIONS_FROM))} only "
+                        f"(this is {'.'.join(map(str, release))}; each kind alone runs here)")
+
+    return skip
+
+
 @pytest.fixture(scope="session")
 def figures():
     """``figures(name, value)``: a measured figure, appended to $RLCORE_MEGATRON_FIGURES (the

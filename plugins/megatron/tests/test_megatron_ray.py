@@ -57,10 +57,13 @@ def two_nodes():
 @pytest.mark.parametrize("model,dim,ray_only", [("dense", "tp", []), ("moe", "ep", []), ("dense", "dp", []),
                                                ("dense4", "pp", ["megatron.virtual_pipeline_stages=2"])],
                          ids=["dense-tp", "moe-ep", "dense-dp", "dense4-pp-vpp2"])
-def test_two_model_parallel_ranks_on_two_nodes_match_one_process(two_nodes, tmp_path, figures, model, dim, ray_only):
+def test_two_model_parallel_ranks_on_two_nodes_match_one_process(two_nodes, tmp_path, figures, model, dim, ray_only,
+                                                                 combinations_only_on_newest):
     from rlcore.cli import main
     from rlcore.trainer import Trainer
 
+    if dim in ("dp", "pp"):  # the rank strategies under Ray: the same code as the torchrun tests of each kind
+        combinations_only_on_newest(f"{dim.upper()}=2 under Ray")
     run = RUN + MODELS[model]
     t0 = time.perf_counter()  # the command a user types (Ray is already up: the run joins it)
     assert main(["train", str(EXAMPLE), *run, *RAY, *ray_only, f"cluster.trainer.{dim}=2",
