@@ -49,7 +49,7 @@ from rlcore.engines.hf_routers import RouterSeam
 from rlcore.engines.kv_cache import cache_arg
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.platforms import run_device
-from rlcore.rollout_seeds import CallSeeds, base_seed
+from rlcore.rollout_seeds import CallSeeds, base_seed, copy_seed
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES
 from rlcore.rollout_speculative import DraftStats, generate_one
 from rlcore.sync import Bucket, WeightManifest
@@ -100,7 +100,7 @@ def row_uniforms(call_seed: int, rows: Sequence[Prompt], n: int, steps: int, dev
 
 def row_seed(call_seed: int, prompt: Prompt, row: int, n: int) -> int:
     """The seed of row ``row`` (copy ``row % n`` of ``prompt``) in a call seeded ``call_seed``."""
-    return ((int(call_seed) * 1_000_003 + int(prompt.index)) * 1_031 + row % n) % (1 << 63)
+    return copy_seed(call_seed, prompt.index, row % n)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

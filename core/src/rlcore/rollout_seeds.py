@@ -21,6 +21,13 @@ from typing import Any
 SEED_STRIDE = 1_000_003
 
 
+def copy_seed(call_seed: int, prompt_key: int, copy: int = 0, modulus: int = 1 << 63) -> int:
+    """The seed of copy ``copy`` of the prompt keyed ``prompt_key`` (its index) in a call seeded
+    ``call_seed``, below ``modulus``: one formula for every backend, so the local rollout and
+    rlcore-vllm draw each prompt's copies from seeds of their own."""
+    return ((int(call_seed) * SEED_STRIDE + int(prompt_key)) * 1_031 + int(copy)) % modulus
+
+
 def base_seed(config: Any) -> int:
     """A rollout backend's base seed: ``rollout.seed``, else ``training.seed``."""
     seed = config.rollout.seed

@@ -45,7 +45,7 @@ from typing import Any
 
 from rlcore.errors import RolloutError
 from rlcore.platforms import cuda_free_bytes
-from rlcore.rollout_seeds import SEED_STRIDE, CallSeeds, base_seed
+from rlcore.rollout_seeds import CallSeeds, base_seed, copy_seed
 from rlcore.routed_experts import MoEShape, decode_routed_experts, moe_shape
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
@@ -74,7 +74,7 @@ def prompt_seed(call_seed: int, key: int) -> int:
     """The vLLM seed of the prompt keyed ``key`` (its index, or its position in the call) in a call
     seeded ``call_seed``: the local backend's row seed of copy 0 (``rlcore.rollout_local.row_seed``),
     so copy *c*, seeded ``+ c`` by vLLM, gets that row's seed too (below the modulus)."""
-    return ((int(call_seed) * SEED_STRIDE + int(key)) * 1_031) % PROMPT_SEED_MODULUS
+    return copy_seed(call_seed, key, modulus=PROMPT_SEED_MODULUS)
 
 
 def sampling_kwargs(params: SamplingSettings, seed: int) -> dict[str, Any]:
