@@ -1,7 +1,8 @@
 """The speculative draft's side of a push, inside vLLM's worker (used by :mod:`rlcore_vllm.worker_ext`).
 
-With ``speculative_config={"method": "mtp"}`` the draft is ``model_runner.drafter.model`` (for the
-MiMo layout vLLM's ``MiMoMTP``), a second model that shares the target's embedding and LM head
+With ``speculative_config={"method": "mtp"}`` the draft is ``model_runner.drafter.model``, or
+``model_runner.speculator.model`` in vLLM's Model Runner V2 (:data:`DRAFT_HOLDERS`; for the MiMo
+layout vLLM's ``MiMoMTP``), a second model that shares the target's embedding and LM head
 modules. The target's weight mapper drops ``model.mtp_layers.*``, so a push that only reloads
 the target leaves the draft at its start weights, silently. Here the MTP tensors of every bucket
 go to the draft instead, through the same layerwise reload as the target
@@ -25,12 +26,19 @@ import torch
 
 from rlcore_vllm.speculative import is_draft_tensor
 
+#: where a vLLM model runner keeps its speculative draft: ``drafter`` in the V1 runner (the CPU
+#: build's, and any GPU model vLLM does not run on V2), ``speculator`` in Model Runner V2 (vLLM
+#: 0.26's default on GPUs for dense models, e.g. the MiMo draft's target)
+DRAFT_HOLDERS = ("drafter", "speculator")
+
 
 def draft_model(model_runner: Any) -> torch.nn.Module | None:
     """The speculative draft model of a vLLM model runner, or None without one."""
-    drafter = getattr(model_runner, "drafter", None)
-    model = getattr(drafter, "model", None)
-    return model if isinstance(model, torch.nn.Module) else None
+    for holder in DRAFT_HOLDERS:
+        model = getattr(getattr(model_runner, holder, None), "model", None)
+        if isinstance(model, torch.nn.Module):
+            return model
+    return None
 
 
 def own_parameters(draft: torch.nn.Module, target: torch.nn.Module) -> set[str]:
