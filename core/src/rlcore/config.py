@@ -26,7 +26,7 @@ from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_p
 from rlcore.environment_settings import EnvironmentConfig, check_environment
 from rlcore.errors import ConfigError
 from rlcore.loop_settings import LoopConfig, check_loop
-from rlcore.model_settings import check_model
+from rlcore.model_settings import ATTENTION_CHOICES, check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
 
 
@@ -64,8 +64,13 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
+    """``attention`` (``hf`` engine): ``padded`` rows, ``packed`` sequences without padding
+    (per-sequence attention over ``cu_seqlens``), or ``auto`` (packed where torch's varlen kernel
+    runs: CUDA, bf16/fp16; :mod:`rlcore.engines.hf`)."""
+
     name: str = "hf"
     device: str = "cpu"
+    attention: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
@@ -402,6 +407,7 @@ _CHOICES = {
     "algorithm.mismatch.level": ("token", "sequence", "geometric"),
     "training.on_nonfinite": ("stop", "skip"),
     "output.export_hf": ("checkpoints", "final", "never"),
+    "engine.attention": ATTENTION_CHOICES,
 }
 
 

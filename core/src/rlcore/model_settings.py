@@ -11,6 +11,9 @@ from typing import Any
 from rlcore.errors import ConfigError
 from rlcore.types import Cap, RequiresCapability
 
+#: the values of ``engine.attention`` (the ``hf`` engine's attention path: :mod:`rlcore.engines.hf`)
+ATTENTION_CHOICES = ("auto", "padded", "packed")
+
 #: bytes per parameter of the dtypes ``engine.model.dtype`` may name (the engines do getattr(torch, dtype))
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
 

@@ -69,6 +69,10 @@ PUBLIC_MODULES: dict[str, str] = {
         "for an engine: the tiny models created locally (the embedded default): `tiny_config`, "
         "`make_tiny_model`, `make_tokenizer`"
     ),
+    "rlcore.engines.varlen": (
+        "for an engine's attention over packed sequences: `varlen_attention` (causal, per `cu_seqlens`, no "
+        "padding), `varlen_backend` (which kernel a device and dtype get)"
+    ),
     "rlcore.parallel.worker": (
         "for a launcher: a trainer rank's process entry (`run_rank`), the resolved config shipped to it "
         "(`config_yaml`, `stack_from_yaml`), `free_port`"

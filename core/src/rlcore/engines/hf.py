@@ -1,9 +1,16 @@
 """The ``hf`` training engine: any transformers causal LM, CPU or GPU.
 
 The body forward returns final hidden states for a :class:`~rlcore.batch.PackedBatch`; the head
-is the selected forward_fn's job. Packed sequences run through a right-padded ``[B, L_max]``
-view with an attention mask (transformers' eager/SDPA attention cannot take cu_seqlens on CPU)
-and the hidden states are scattered back onto the packed axis, so callers only ever see THD.
+is the selected forward_fn's job. Two attention paths (``engine.attention``;
+:attr:`HFEngine.attention_path` says which ran), both returning hidden states on the packed axis,
+so callers only ever see THD:
+
+* ``padded``: the sequences run as a right-padded ``[B, L_max]`` batch with an attention mask.
+* ``packed``: the real tokens run as one ``[1, T]`` row, positions restarting per sequence, and
+  each attention layer attends within its own sequence only (``cu_seqlens``) through an attention
+  function registered with transformers' ``AttentionInterface`` (:mod:`rlcore.engines.varlen`:
+  torch's ``varlen_attn`` on CUDA in bf16/fp16, SDPA per sequence elsewhere). No padding is
+  computed. ``auto`` picks it where torch's varlen kernel runs. MTP models (below) use ``padded``.
 
 MoE routers (transformers' ``*TopKRouter`` modules) get a forward hook — PyTorch's public
 API, no monkeypatching — that consults the ``router_hook`` chain and records the chosen experts
@@ -28,7 +35,9 @@ from rlcore.batch import PackedBatch
 from rlcore.engines.hf_names import checkpoint_tensors
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.engines.mimo import has_mtp_layers, load_causal_lm
-from rlcore.errors import MissingCapabilityError
+from rlcore.engines.varlen import TORCH_VARLEN, varlen_attention, varlen_backend
+from rlcore.errors import ConfigError, MissingCapabilityError, RLCoreError
+from rlcore.model_settings import ATTENTION_CHOICES
 from rlcore.platforms import run_device
 from rlcore.types import (
     Cap,
@@ -43,16 +52,65 @@ from rlcore.types import (
 
 HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL})
 
+#: the name the packed attention function (and its no-mask function) is registered under in transformers
+PACKED_ATTENTION = "rlcore_packed"
+
+
+def _packed_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function contract (``query`` ``[1, Hq, T, D]``, returns
+    ``([1, T, Hq, D], None)``) over the packed row; ``cu_seq_lens_q``/``max_length_q`` come
+    from the model's forward kwargs."""
+    if dropout:
+        raise RLCoreError(f"engine.attention=packed: the model asks attention dropout {dropout}, which the packed "
+                          f"path does not apply; use engine.attention=padded")
+    if kwargs.get("sliding_window") is not None:
+        raise RLCoreError("engine.attention=packed: sliding-window attention is not supported; use "
+                          "engine.attention=padded")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = varlen_attention(q, k, v, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], scale=scaling)
+    return out[None], None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None  # the sequences' boundaries travel as cu_seqlens, not as a mask
+
+
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, _packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
+def choose_attention_path(attention: str, model: Any, device: torch.device) -> str:
+    """``padded`` or ``packed`` for ``engine.attention`` (``auto``: packed where torch's varlen
+    kernel runs, i.e. CUDA in bf16/fp16, and the model has no MTP layers)."""
+    if attention not in ATTENTION_CHOICES:
+        raise ConfigError(f"engine.attention={attention!r}: choose one of: {', '.join(ATTENTION_CHOICES)}",
+                          key="engine.attention")
+    mtp = has_mtp_layers(model)
+    if attention == "packed" and mtp:
+        raise ConfigError("engine.attention=packed: the model's MTP layers run over padded rows; use "
+                          "engine.attention=padded or auto", key="engine.attention")
+    if attention == "auto":
+        dtype = next(model.parameters()).dtype
+        return "packed" if not mtp and varlen_backend(device, dtype) == TORCH_VARLEN else "padded"
+    return attention
+
 
 class HFEngine:
     """The built-in ``hf`` engine."""
 
     capabilities = HF_ENGINE_CAPABILITIES
 
-    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu"):
+    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu", attention: str = "padded"):
         self.model = model.to(device)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
+        self.attention_path = choose_attention_path(attention, self.model, self.device)
+        if self.attention_path == "packed":
+            _register_packed_attention()
         self.seam = RouterSeam(self.model)
         cfg = model.config
         self.info = ModelInfo(
@@ -70,12 +128,13 @@ class HFEngine:
     # ----------------------------------------------------------------- construction ------
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "float32") -> HFEngine:
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
+                        attention: str = "padded") -> HFEngine:
         from transformers import AutoTokenizer
 
         model = load_causal_lm(str(path), getattr(torch, dtype))
         tok = AutoTokenizer.from_pretrained(str(path))
-        return cls(model, tok, device)
+        return cls(model, tok, device, attention)
 
     # ----------------------------------------------------------------- forward -----------
 
@@ -107,16 +166,20 @@ class HFEngine:
         off = lay.offsets()
         valid = off < lens[seq]
         packed_idx = valid.nonzero().squeeze(1).to(dev)
-        flat_idx = (seq * Lmax + off)[valid].to(dev)
+        use_packed = self.attention_path == "packed"  # never with MTP hidden states (choose_attention_path)
+        # the model's rows: [B, Lmax] right-padded, or the real tokens in one [1, T_real] row
+        rows_shape = (1, packed_idx.numel()) if use_packed else (B, Lmax)
+        num_rows = rows_shape[0] * rows_shape[1]
+        flat_idx = torch.arange(num_rows, device=dev) if use_packed else (seq * Lmax + off)[valid].to(dev)
 
-        ids = torch.full((B * Lmax,), batch.pad_id, dtype=torch.long, device=dev)
+        ids = torch.full((num_rows,), batch.pad_id, dtype=torch.long, device=dev)
         ids[flat_idx] = batch.input_ids.to(dev)[packed_idx]
-        attn = torch.zeros(B * Lmax, dtype=torch.long, device=dev)
+        attn = torch.zeros(num_rows, dtype=torch.long, device=dev)
         attn[flat_idx] = 1
-        pos = torch.arange(Lmax, device=dev).expand(B, Lmax)
+        pos = off[valid].to(dev)[None] if use_packed else torch.arange(Lmax, device=dev).expand(B, Lmax)
 
         def to_rows(x: torch.Tensor) -> torch.Tensor:
-            rows = torch.full((B * Lmax, *x.shape[1:]), -1, dtype=x.dtype, device=x.device)
+            rows = torch.full((num_rows, *x.shape[1:]), -1, dtype=x.dtype, device=x.device)
             rows[flat_idx.to(x.device)] = x[packed_idx.to(x.device)]
             return rows
 
@@ -127,7 +190,7 @@ class HFEngine:
             return out
 
         def packed(x: torch.Tensor) -> torch.Tensor:
-            x = x.reshape(B * Lmax, -1)
+            x = x.reshape(num_rows, -1)
             return x.new_zeros(T, x.shape[1]).index_copy(0, packed_idx, x.index_select(0, flat_idx))
 
         mtp_out = None
@@ -139,6 +202,8 @@ class HFEngine:
                                                 position_ids=pos, use_cache=False)
                 mtp_out = [packed(h) for h in self.model.mtp_forward(
                     ids.view(B, Lmax), attn.view(B, Lmax), trunk.value, detach_trunk=mtp_detach_trunk)]
+            elif use_packed:
+                out = self._packed_forward(ids.view(rows_shape), pos, lay.seq_lens, Lmax)
             else:
                 out = self.model.base_model(input_ids=ids.view(B, Lmax), attention_mask=attn.view(B, Lmax),
                                             position_ids=pos, use_cache=False)
@@ -147,6 +212,20 @@ class HFEngine:
         if routes is not None:
             routes = from_rows(routes)
         return EngineOutput(hidden=hidden, mtp_hidden=mtp_out, routes=routes)
+
+    def _packed_forward(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, max_len: int) -> Any:
+        """The trunk over one packed row, the packed attention function in place of the model's
+        own for this call only (the model's config names its attention implementation)."""
+        cu = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=self.device)
+        cu[1:] = lens.cumsum(0).to(device=self.device, dtype=torch.int32)
+        config = self.model.config
+        own = config._attn_implementation
+        config._attn_implementation = PACKED_ATTENTION
+        try:
+            return self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu,
+                                         cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+        finally:
+            config._attn_implementation = own
 
     def head(self) -> HeadWeight:
         w = self.model.get_output_embeddings().weight
@@ -182,7 +261,7 @@ class HFEngine:
 
     def make_reference(self) -> HFEngine:
         """A frozen copy of the current policy (for the KL penalty)."""
-        ref = HFEngine(copy.deepcopy(self.model), self.tokenizer, self.device)
+        ref = HFEngine(copy.deepcopy(self.model), self.tokenizer, self.device, self.attention_path)
         ref.model.eval()
         for p in ref.model.parameters():
             p.requires_grad_(False)
@@ -228,7 +307,7 @@ class HFValueModel:
     state)."""
 
     def __init__(self, policy: HFEngine, seed: int = 0):
-        self.body = HFEngine(copy.deepcopy(policy.model), policy.tokenizer, policy.device)
+        self.body = HFEngine(copy.deepcopy(policy.model), policy.tokenizer, policy.device, policy.attention_path)
         self.head = value_head(self.body.info.hidden_size, seed, policy.device)
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -278,10 +357,11 @@ def build_hf_engine(ctx: Any) -> HFEngine:
     ecfg = ctx.config.engine
     device = run_device(ctx)
     if ecfg.model.path:
-        return HFEngine.from_pretrained(ecfg.model.path, device=device, dtype=ecfg.model.dtype)
+        return HFEngine.from_pretrained(ecfg.model.path, device=device, dtype=ecfg.model.dtype,
+                                        attention=ecfg.attention)
     task = ctx.extras.get("task")
     words = task.vocab if task is not None else [str(i) for i in range(10)]
     tok = make_tokenizer(words)
     check_hf_mtp(ecfg.model.tiny)
     model = make_tiny_model(ecfg.model.tiny, tok, ecfg.model.dtype)
-    return HFEngine(model, tok, device)
+    return HFEngine(model, tok, device, ecfg.attention)
