@@ -5,8 +5,10 @@ its prefix cache, resume; then the checks that make a push trustworthy: the back
 pushed weight version, and a backend that drafts speculatively (``draft_weight_version`` not
 None) reports the same version for its draft — a draft left on older weights makes acceptance
 collapse silently (SGLang #27718, vLLM level-2 sleep, vllm-ascend #13209), so a lag fails the
-run here. Metrics: ``rollout/draft_weight_version`` and the backend's ``memory_metrics()`` (KV
-cache bytes freed by the release).
+run here. Metrics: ``rollout/draft_weight_version``, the backend's ``memory_metrics()`` (KV
+cache bytes freed by the release) and, from a sync that reports where its push's time went
+(``SyncReport.details["phases"]``, named as :data:`rlcore.sync.PUSH_PHASES`), one
+``sync/<phase>_s`` each.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from rlcore.errors import WeightSyncError
+from rlcore.sync import PUSH_PHASES
 from rlcore.types import Cap
 
 
@@ -46,7 +49,15 @@ def push_weights(backend: Any, sync: Any, weights: Iterable[Any], version: int,
             receiver_version=backend.weight_version,
         )
     metrics.update(check_draft_version(backend, version))
+    metrics.update(phase_metrics(report))
     return report, metrics
+
+
+def phase_metrics(report: Any) -> dict[str, float]:
+    """``{sync/<phase>_s: seconds}`` for each of :data:`~rlcore.sync.PUSH_PHASES` the
+    report's ``details["phases"]`` names (a sync that reports no phases adds none)."""
+    phases = (getattr(report, "details", None) or {}).get("phases") or {}
+    return {f"sync/{p}_s": float(phases[p]) for p in PUSH_PHASES if p in phases}
 
 
 def check_draft_version(backend: Any, version: int) -> dict[str, float]:

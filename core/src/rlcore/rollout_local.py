@@ -8,7 +8,11 @@ MoE models also return the experts every router chose (R3), through the same rou
 the ``hf`` engine.
 
 It is a weight-sync receiver of both kinds: :class:`~rlcore.types.BucketReceiver` (stage
-buckets, swap on commit; ``inproc``) and :class:`~rlcore.types.DiskReceiver` (``disk``).
+buckets, swap on commit; ``inproc``) and :class:`~rlcore.types.DiskReceiver` (``disk``). Where
+the checksum kernel runs (a GPU with Triton; ``fused_checksums``), a push lands with copies that
+checksum what they write (:meth:`~rlcore.checksums.ChecksumSlots.copy`: the staged commit, or
+each in-place bucket), so ``weight_checksums()`` after it reads those sums instead of the weights
+again; elsewhere it checksums the weights when asked.
 
 KV cache: a transformers ``DynamicCache`` built by each ``generate`` call and dropped when it
 returns, so between calls — and therefore around a push — none is resident.
@@ -43,7 +47,7 @@ from typing import Any
 
 import torch
 
-from rlcore.checksums import ChecksumPlan
+from rlcore.checksums import ChecksumPlan, ChecksumSlots, checksum_kernel_runs_on, warm_checksum_kernels
 from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.engines.kv_cache import cache_arg
@@ -115,7 +119,7 @@ class LocalRollout:
     """See module docstring."""
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0, draft_depths: int = 0,
-                 seed_per_prompt: bool = False, update: str = "staged"):
+                 seed_per_prompt: bool = False, update: str = "staged", fused_checksums: bool | None = None):
         if update not in LOCAL_UPDATE_MODES:
             raise RolloutError(f"rollout.local_update must be one of {LOCAL_UPDATE_MODES}, got {update!r}")
         self.device = torch.device(device)
@@ -140,6 +144,12 @@ class LocalRollout:
         self._staging_version: int | None = None
         self._unknown_weights: str | None = None
         self._checksum_plan: tuple[tuple[str, ...], ChecksumPlan] | None = None
+        #: land pushes with copy-and-checksum (None: where the kernel runs, i.e. free)
+        self.fused_checksums = fused_checksums
+        self._landing = ChecksumSlots()
+        #: name -> slot in ``_landing`` of every weight the last committed push wrote (None: unknown)
+        self._landed: dict[str, int] | None = None
+        self._landing_now: dict[str, int] = {}
         self.eos_token_id: int | None = None
         self.draft_depths = int(draft_depths)
         self._draft_version: int | None = None
@@ -168,6 +178,9 @@ class LocalRollout:
         self._views = checkpoint_views(self.model)
         self._manifest = None
         self._checksum_plan = None
+        self._landed = None
+        if self._fuses():
+            warm_checksum_kernels(self.device)  # at setup, not in the first push
         self._version = version
         self.eos_token_id = self.model.config.eos_token_id
         if self.draft_depths:
@@ -187,6 +200,7 @@ class LocalRollout:
         self._views = {}
         self._manifest = None
         self._checksum_plan = None
+        self._landed = None
 
     @property
     def weight_version(self) -> int:
@@ -427,6 +441,14 @@ class LocalRollout:
             raise WeightSyncError("a weight update is already in progress", receiver_version=self._version)
         self._staging = {}
         self._staging_version = version
+        self._landed = None
+        self._landing.reset()
+        self._landing_now = {}
+
+    def _fuses(self) -> bool:
+        if self.fused_checksums is not None:
+            return self.fused_checksums
+        return checksum_kernel_runs_on(self.device)
 
     def receive_bucket(self, bucket: Bucket) -> None:
         if self._staging is None:
@@ -438,8 +460,13 @@ class LocalRollout:
             if tensors:  # from here on the live weights mix versions until the push commits
                 self._unknown_weights = f"the push of version {self._staging_version} did not complete"
             with torch.no_grad():
-                for name, view in tensors:
-                    self._views[name].copy_(view)
+                if self._fuses():  # one launch for the bucket; the sums stay on the device
+                    slots = self._landing.copy([(self._views[name], view) for name, view in tensors])
+                    self._landing_now.update(zip((n for n, _ in tensors), slots, strict=True))
+                else:
+                    for name, view in tensors:
+                        self._views[name].copy_(view)
+                for name, _ in tensors:
                     self._staging[name] = self._views[name]  # landed: the live weight holds it
         else:
             for name, view in tensors:
@@ -457,16 +484,22 @@ class LocalRollout:
                                       f"rollout now holds unknown weights", receiver_version=None) from exc
             raise
         with self._weights_lock, torch.no_grad():  # between two forwards of a generate() in flight
-            if self.update != "in_place":
+            if self.update != "in_place" and self._fuses():
+                names = list(self._staging)
+                slots = self._landing.copy([(self._views[n], self._staging[n]) for n in names])
+                self._landing_now = dict(zip(names, slots, strict=True))
+            elif self.update != "in_place":
                 for name, t in self._staging.items():
                     self._views[name].copy_(t)
             self._version = version
+        self._landed = self._landing_now if self._fuses() else None
         self._unknown_weights = None
         self._mark_draft(self._staging, version)
         self._staging = None
         self._staging_version = None
 
     def abort_update(self) -> None:
+        self._landed = None
         self._staging = None
         self._staging_version = None
 
@@ -487,6 +520,7 @@ class LocalRollout:
                 self._check_tensor(name, t)
                 staged[name] = t
         self._check_complete(staged, version)
+        self._landed = None
         with self._weights_lock, torch.no_grad():  # between two forwards of a generate() in flight
             for name, t in staged.items():
                 self._views[name].copy_(t.to(self.device))
@@ -505,6 +539,10 @@ class LocalRollout:
 
     def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, int]:
         names = [n for n in (self._views if names is None else names) if n in self._views]
+        landed = self._landed
+        if landed is not None and all(n in landed for n in names):
+            # summed by the copies that wrote them: no second read of the weights
+            return dict(zip(names, self._landing.values([landed[n] for n in names]), strict=True))
         key = tuple(names)
         if self._checksum_plan is None or self._checksum_plan[0] != key:
             # the views stay at their addresses between pushes: the plan is built once (on a GPU one

@@ -8,8 +8,12 @@ and tensors sharing a ``keep_together`` key never split across buckets. Only one
 is open at a time, so memory stays at about ``bucket_bytes`` × dtypes whatever the model size.
 
 :func:`tensor_checksum` (:mod:`rlcore.checksums`, imported here for the callers that have always
-found it here) is a 62-bit checksum of a tensor's raw bytes; a bucket's checksums are computed
-together (:class:`~rlcore.checksums.ChecksumPlan`: on a GPU one kernel and one wait per bucket).
+found it here) is a 62-bit checksum of a tensor's raw bytes. A sender that verifies passes
+``checksums=`` (a :class:`~rlcore.checksums.ChecksumSlots`) to :func:`iter_buckets`: each bucket is
+then filled by one fused copy-and-checksum launch (the bytes are read once), the checksums stay on
+the device (``Bucket.slots``) and are read back once at the end of the push, so no bucket waits
+for the GPU and no pending checksum keeps a bucket alive. ``Bucket.checksums()`` computes a
+bucket's checksums on their own (one kernel and one wait).
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ import json
 import math
 import shutil
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlcore.checksums import ChecksumPlan, tensor_checksum  # noqa: F401 - tensor_checksum: re-exported
+from rlcore.checksums import ChecksumPlan, ChecksumSlots, tensor_checksum  # noqa: F401 - tensor_checksum: re-exported
 from rlcore.errors import BucketError, WeightSyncError
 
 
@@ -55,6 +61,8 @@ class Bucket:
     dtype: torch.dtype
     buffer: torch.Tensor
     metas: list[TensorMeta] = field(default_factory=list)
+    #: the slot of each tensor's checksum in the ``checksums`` given to :func:`iter_buckets` (None without)
+    slots: list[int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -92,13 +100,15 @@ def _round_up(x: int, a: int) -> int:
 
 class _OpenBucket:
     def __init__(self, dtype: torch.dtype, capacity: int, device: torch.device, alloc: Allocator,
-                 defer: bool = False):
+                 defer: bool = False, checksums: ChecksumSlots | None = None):
         self.dtype = dtype
         self.buffer = alloc(capacity, device)
         self.metas: list[TensorMeta] = []
         self.used = 0
-        self.defer = defer
+        self.checksums = checksums
+        self.defer = defer or checksums is not None
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.slots: list[int] | None = None
 
     def fits(self, nbytes: int, align: int) -> bool:
         return _round_up(self.used, align) + nbytes <= self.buffer.numel()
@@ -115,10 +125,13 @@ class _OpenBucket:
         self.used = off + nbytes
 
     def flush(self) -> None:
-        """The deferred copies, fused (one ``_foreach_copy_`` launch per bucket on a GPU)."""
-        if self.pending:
+        """The deferred copies, fused (one ``_foreach_copy_`` launch per bucket on a GPU; with
+        ``checksums``, one copy-and-checksum launch whose sums stay on the device)."""
+        if self.checksums is not None:
+            self.slots = self.checksums.copy(self.pending)
+        elif self.pending:
             torch._foreach_copy_([d for d, _ in self.pending], [s for _, s in self.pending])
-            self.pending = []
+        self.pending = []
 
 
 def iter_buckets(
@@ -131,6 +144,7 @@ def iter_buckets(
     allocator: Allocator | None = None,
     group_by_dtype: bool = True,
     defer_copies: bool = False,
+    checksums: ChecksumSlots | None = None,
 ) -> Iterator[Bucket]:
     """Stream named tensors into flattened, dtype-grouped, aligned buckets.
 
@@ -154,6 +168,11 @@ def iter_buckets(
         (``torch._foreach_copy_``: on a GPU one launch per bucket instead of one per tensor); the
         source tensors stay referenced until then, i.e. up to one more bucket of memory when
         the stream yields fresh tensors (gathers) rather than views of parameters.
+    :param checksums: where to put each tensor's checksum (the sender's side of ``exact``): the
+        copies are deferred as with ``defer_copies`` and made by
+        :meth:`~rlcore.checksums.ChecksumSlots.copy` (copy and checksum in one pass, nothing
+        waits for the device); ``Bucket.slots`` says where each tensor's value is, read with
+        ``checksums.values()`` once the stream is done.
 
     Buckets are yielded as soon as they are full; the rest are flushed at the end in the order
     their dtypes first appeared. ``Bucket.index`` counts yielded buckets.
@@ -169,7 +188,7 @@ def iter_buckets(
     def emit(ob: _OpenBucket) -> Bucket:
         nonlocal counter
         ob.flush()
-        b = Bucket(counter, ob.dtype, ob.buffer[: ob.used], ob.metas)
+        b = Bucket(counter, ob.dtype, ob.buffer[: ob.used], ob.metas, ob.slots)
         counter += 1
         return b
 
@@ -182,7 +201,7 @@ def iter_buckets(
             need = _round_up(need, align) + t.numel() * t.element_size()
         dev = torch.device(device) if device is not None else group[0][1].device
         if need > bucket_bytes:  # oversize: a bucket of its own, the open one stays open
-            ob = _OpenBucket(dtype, need, dev, alloc, defer_copies)
+            ob = _OpenBucket(dtype, need, dev, alloc, defer_copies, checksums)
             for name, t in group:
                 ob.add(name, t, align)
             yield emit(ob)
@@ -197,7 +216,7 @@ def iter_buckets(
                 yield emit(ob)
                 ob = None
         if ob is None:
-            ob = _OpenBucket(dtype, bucket_bytes, dev, alloc, defer_copies)
+            ob = _OpenBucket(dtype, bucket_bytes, dev, alloc, defer_copies, checksums)
             open_buckets[slot_key] = ob
         for name, t in group:
             ob.add(name, t, align)
@@ -223,6 +242,29 @@ def iter_buckets(
         if ob.metas:
             yield emit(ob)
     open_buckets.clear()
+
+
+#: the phases of a push a sync reports in ``SyncReport.details["phases"]`` (host seconds each), written
+#: to the run's metrics as ``sync/<phase>_s`` (rlcore.push): control messages and round trips, the
+#: sender's checksums (what is not fused into its copies), the copies (bucket fill and landing, or
+#: the receiver's copy), waiting for the device or the receiver, the receiver's checksums and the
+#: comparison, and the commit
+PUSH_PHASES = ("control", "sender_checksum", "copy", "wait", "receiver_checksum", "commit")
+
+
+class Phases:
+    """Host wall time per phase of one push (``with phases("copy"):`` accumulates)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PUSH_PHASES, 0.0)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
 
 
 def verify_checksums(sent: Mapping[str, int], received: Mapping[str, int]) -> list[str]:
