@@ -88,7 +88,7 @@ def _triton_kernel():
     except ImportError:
         return None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["nchunks"])  # one compile whatever the chunk count (warmed at setup)
     def copy_word_sums(table_ptr, nchunks, out_ptr, BLOCK: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
                        P: tl.constexpr, COPY: tl.constexpr):
         # one chunk of ROWS x W words, seen as ROWS rows of W: word r*W + c has position c + 1, so a

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from rlcore.checksums import ChecksumPlan, ChecksumSlots, tensor_checksum  # noqa: F401 - tensor_checksum: re-exported
+# re-exported for syncs in plugins (rlcore.checksums is not public): tensor_checksum, warm_checksum_kernels
+from rlcore.checksums import ChecksumPlan, ChecksumSlots, tensor_checksum, warm_checksum_kernels  # noqa: F401
 from rlcore.errors import BucketError, WeightSyncError
 
 
