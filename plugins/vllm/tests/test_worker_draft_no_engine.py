@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from rlcore_vllm.worker_draft import DraftUpdate, draft_model
 
@@ -27,3 +28,18 @@ def test_a_v2_runner_draft_is_expected_to_receive_its_own_parameters():
     update = DraftUpdate(SimpleNamespace(speculator=SimpleNamespace(model=draft)), target, skip=False)
     assert update.model is draft
     assert update.expected == {"0.weight", "0.bias"}
+
+
+def test_a_push_with_mtp_speculation_and_no_draft_found_fails_naming_the_vllm_build():
+    from rlcore_vllm.platform import installed_vllm
+    from rlcore_vllm.sync import draft_details
+
+    finish = [{"has_draft": False, "draft_tensors_unserved": 3}]  # what workers report when draft_model finds none
+    with pytest.raises(RuntimeError, match="no worker of .* holds a speculative draft") as err:
+        draft_details(finish, SimpleNamespace(mtp=True, start_version=0), version=1, skip=False)
+    found = installed_vllm()
+    if found is not None:
+        assert f"{found[0]} {found[1]}" in str(err.value)
+    # without speculation the MTP tensors loaded nowhere are only counted
+    assert draft_details(finish, SimpleNamespace(mtp=False, start_version=0), version=1, skip=False) == {
+        "draft_tensors_unserved": 3}

@@ -54,6 +54,7 @@ from rlcore_vllm.bucket_requests import (
     check_read_back,
     cuda_bucket_request,
 )
+from rlcore_vllm.platform import installed_vllm
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport
 from rlcore_vllm.shm import SharedBucketPool
 from rlcore_vllm.speculative import check_draft_current, skips_draft
@@ -456,6 +457,11 @@ def draft_details(finish: list[dict[str, Any]], target: VLLMBackend, version: in
     unserved = sum(int(f.get("draft_tensors_unserved", 0)) for f in finish)
     out: dict[str, Any] = {"draft_tensors_unserved": unserved} if unserved else {}
     if not any(f.get("has_draft") for f in finish):
+        if target.mtp:  # speculation asked for, yet no worker found the draft: never let it keep old weights
+            dist, release = installed_vllm() or ("vllm", "(version unknown)")
+            raise RuntimeError(f"vllm.speculative is mtp but no worker of {dist} {release} holds a speculative draft "
+                               f"where rlcore-vllm looks (model_runner.drafter.model, model_runner.speculator.model): "
+                               f"this vLLM keeps its draft elsewhere, so pushes cannot reach it")
         return out  # no speculative draft in this engine (MTP tensors, if any, are counted above)
     short = [f for f in finish if f.get("draft_num_missing")]
     if short and not skip:
