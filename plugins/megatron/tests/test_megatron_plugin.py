@@ -181,8 +181,6 @@ def test_hf_configs_megatron_cannot_express_are_errors_naming_the_field(arch, ov
      "megatron.pipeline_parallel_size", "not supported with an MoE model"),
     (["engine.name=megatron", "engine.model.tiny.tie_word_embeddings=true", "megatron.pipeline_parallel_size=2"],
      "megatron.pipeline_parallel_size", "not supported with tied embeddings"),
-    (["engine.name=megatron", "algorithm.name=ppo", "megatron.pipeline_parallel_size=2"], "algorithm.name",
-     "algorithm.name=ppo trains a critic, which the megatron engine does not build for pipeline stages"),
     (["megatron.attention=flash"], "megatron.attention", "auto, te or local"),
     (["megatron.token_dispatcher=flex"], "megatron.token_dispatcher", "allgather or alltoall"),
     (["megatron.sequence_parallel=true"], "megatron.sequence_parallel", "tensor_parallel_size > 1"),
@@ -286,6 +284,7 @@ def test_megatron_section_passes_when_the_engine_can_build_it(register_plugin, r
     rlcore_config("engine.name=megatron", "megatron.pipeline_parallel_size=2")  # before: refused
     rlcore_config("engine.name=megatron", "engine.model.tiny.num_layers=4", "megatron.pipeline_parallel_size=2",
                   "megatron.virtual_pipeline_stages=2")
+    rlcore_config("engine.name=megatron", "algorithm.name=ppo", "megatron.pipeline_parallel_size=2")  # before: refused
     rlcore_config("engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "megatron.expert_parallel_size=2")
     rlcore_config("engine.name=megatron", "engine.device=auto", "megatron.token_dispatcher=alltoall")
     rlcore_config("engine.name=megatron", "engine.model.tiny.mtp_layers=1")  # Qwen2: MiMo's layout

@@ -36,7 +36,8 @@ gradients and log-probs; megatron's own DDP wrapper is not used (it averages int
 own, which the optimizer and :meth:`MegatronEngine.grad_norm` here do not read). Pipeline
 stages (``pipeline_parallel_size`` > 1) run inside :meth:`MegatronEngine.forward`: see
 :mod:`.pipeline`; the rank strategy takes log-probs and metrics from the last stage
-(:meth:`MegatronEngine.pipeline_group`).
+(:meth:`MegatronEngine.pipeline_group`); PPO's critic hands its values back from the last stage
+itself (:mod:`.value`).
 """
 
 from __future__ import annotations
@@ -438,13 +439,9 @@ class MegatronEngine:
         return ref
 
     def make_value_model(self, seed: int = 0) -> Any:
-        """PPO's critic (``Cap.VALUE_MODEL``): the policy's weights under the same layout, with
-        a scalar head (:mod:`rlcore_megatron.value`)."""
+        """PPO's critic (``Cap.VALUE_MODEL``): the policy's weights under the same layout (pipeline
+        stages included), with a scalar head on the last stage (:mod:`rlcore_megatron.value`)."""
         from rlcore_megatron.value import MegatronValueModel
-
-        if self.pipe is not None:
-            raise ConfigError("PPO's critic is not built for pipeline stages (megatron.pipeline_parallel_size > 1): "
-                              "use a critic-free algorithm (grpo) or pipeline size 1", key="algorithm.name")
 
         return MegatronValueModel(self, seed)
 

@@ -26,6 +26,11 @@ with the gradients exchanged by the same send/receive pairs (a token tensor chai
 chunks in autograd, so that its backward visits them all). The stages run one after another
 (no overlap: a correct pipeline, not a fast one).
 
+**PPO's critic.** Its trunk is a second engine of the same layout and runs the same way; its
+value head is on the last stage, whose values every rank receives (:func:`from_last_stage`), the
+other stages passing a stand-in built from their zero hidden states, so each rank's value-loss
+backward still runs its chunks (:mod:`.value`).
+
 **Export.** Each stage exports its own tensors (tensor-parallel gathers inside the stage);
 the first data-parallel replica's tensor-parallel rank 0 of every later stage sends them, name
 and shape first, to global rank 0 (the writer), which yields them after its own: no rank but the
@@ -177,6 +182,32 @@ def run_chunks(chunks: list[Any], groups: PipelineGroups, run_chunk: Any, activa
         out_shape = packed_shape if v == len(chunks) - 1 else (1,)
         token = _Send.apply(y, groups.rank_of(groups.stage + 1), out_shape)
     return token
+
+
+class _FromLastStage(torch.autograd.Function):
+    """Forward: the last stage's ``x``, broadcast over the pipeline (every rank returns it).
+    Backward: the last stage keeps its gradient (its ``x`` is the real one); the other stages'
+    ``x`` is a stand-in, whose gradient is zero (their chunks get theirs through :class:`_Send`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, groups: PipelineGroups) -> torch.Tensor:
+        out = x.detach().clone().contiguous()
+        dist.broadcast(out, src=groups.rank_of(groups.pp - 1), group=groups.group)
+        ctx.last = groups.last
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad if ctx.last else torch.zeros_like(grad)), None
+
+
+def from_last_stage(x: torch.Tensor, groups: PipelineGroups) -> torch.Tensor:
+    """The last stage's ``x`` on every rank of the pipeline (every rank passes a tensor of the
+    same shape and dtype; before the last stage, one computed from the zero hidden states
+    :func:`run_chunks` returned, so that the rank's loss backward still reaches its chunks).
+    PPO's critic hands its values back this way: the value head runs on the last stage only,
+    and every rank's value loss, metrics and GAE returns are the last stage's."""
+    return _FromLastStage.apply(x, groups)
 
 
 def gather_stages(stream: Iterator[tuple[str, torch.Tensor]], groups: PipelineGroups,

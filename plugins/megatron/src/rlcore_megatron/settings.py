@@ -40,7 +40,8 @@ class MegatronSettings:
     * ``pipeline_parallel_size`` (``cluster.trainer.pp`` under Ray): the decoder's layers cut
       into stages run one after another inside each forward (:mod:`.pipeline`);
       ``virtual_pipeline_stages``: chunks per pipeline rank (interleaved: rank ``s`` holds chunks
-      ``s, s + pp, ...``). Dense models without MTP layers or tied embeddings, no PPO critic.
+      ``s, s + pp, ...``). Dense models without MTP layers or tied embeddings; PPO's critic
+      runs beside them (its value head on the last stage, :mod:`.value`).
     * ``sequence_parallel``: only with Transformer Engine (the THD path).
     * ``attention``: ``auto`` (THD with Transformer Engine on CUDA, else padded rows), ``te``, ``local``.
     * ``token_dispatcher``: ``allgather`` (any device) or ``alltoall`` (CUDA).
@@ -241,10 +242,6 @@ def validate_settings(section: Any, config: Any = None) -> None:
         raise ConfigError(f"cluster.trainer.dp={dp} beside expert parallelism (megatron.expert_parallel_size="
                           f"{resolved.expert_parallel_size}) is not supported: the EP ranks of a model run the same "
                           f"samples; use dp with tp (and pp) only", key="cluster.trainer.dp")
-    if resolved.pipeline_parallel_size > 1 and "critic" in config.algorithm:
-        raise ConfigError(f"algorithm.name={config.algorithm.name} trains a critic, which the megatron engine does not "
-                          f"build for pipeline stages (megatron.pipeline_parallel_size={resolved.pipeline_parallel_size});"
-                          f" use a critic-free algorithm (grpo) or pipeline size 1", key="algorithm.name")
     check_device(resolved, str(config.engine.device).split(":")[0])
     spec = model_spec_for(config)
     try:
