@@ -1,8 +1,9 @@
 """How a :class:`~rlcore.batch.PackedBatch` is laid out for megatron-core, and the maps back.
 
 Two layouts (the engine's ``attention_path`` picks one; the engine module's docstring says why):
-:class:`PaddedLayout`, one row per sequence without Transformer Engine, and :class:`ThdLayout`,
-``[1, T]`` with ``PackedSeqParams`` for Transformer Engine's THD attention. Both give megatron's
+:class:`PaddedLayout`, one row per sequence, and :class:`ThdLayout`, ``[1, T]`` with
+``PackedSeqParams`` for THD attention (Transformer Engine's, or :mod:`.varlen_attention`'s
+without it). Both give megatron's
 inputs, map its ``[s, b, h]`` output back onto the packed token axis, shift the token stream for
 MTP within each sequence, and map per-token tensors to and from the rows MoE routers see.
 """
@@ -99,7 +100,7 @@ class PaddedLayout(PackedLayout):
 
 
 class ThdLayout(PackedLayout):
-    """``[1, T]`` with ``PackedSeqParams(qkv_format="thd")`` (Transformer Engine attention).
+    """``[1, T]`` with ``PackedSeqParams(qkv_format="thd")`` (TE or :mod:`.varlen_attention`).
     Under sequence parallelism this rank's routers see tokens ``[rank * T/tp, (rank+1) * T/tp)``."""
 
     def __init__(self, batch: PackedBatch, device: torch.device, par: Parallel, sequence_parallel: bool):

@@ -30,15 +30,23 @@ def check_settings(s: MegatronSettings, sp: ModelSpec, device: torch.device) -> 
     check_model(s, sp)
 
 
+def uses_transformer_engine(device: torch.device) -> bool:
+    """Transformer Engine runs here (importable, CUDA device)."""
+    return device.type == "cuda" and compat.te_available()
+
+
 def choose_attention_path(s: MegatronSettings, device: torch.device) -> str:
-    """``thd`` (Transformer Engine on CUDA) or ``padded`` (rows; see the engine's docstring)."""
-    te = device.type == "cuda" and compat.te_available()
+    """``thd`` or ``padded`` (rows; see the engine's docstring). ``auto`` is ``thd`` on CUDA: with
+    Transformer Engine's layer spec where it is installed, else with the local spec and
+    :mod:`.varlen_attention` (torch's variable-length attention); ``padded`` on CPU. ``local``
+    is ``padded``."""
+    te = uses_transformer_engine(device)
     if s.attention == "te" and not te:
         raise ConfigError("megatron.attention=te needs Transformer Engine on a CUDA device", key="megatron.attention")
-    path = "thd" if (s.attention == "te" or (s.attention == "auto" and te)) else "padded"
-    if s.sequence_parallel and path != "thd":
+    path = "thd" if (s.attention == "te" or (s.attention == "auto" and device.type == "cuda")) else "padded"
+    if s.sequence_parallel and not (path == "thd" and te):
         raise ConfigError(
-            "megatron.sequence_parallel needs the THD path (Transformer Engine): megatron's local norm "
+            "megatron.sequence_parallel needs the THD path with Transformer Engine: megatron's local norm "
             "does not support sequence parallelism", key="megatron.sequence_parallel"
         )
     return path
@@ -174,17 +182,21 @@ def transformer_config(sp: ModelSpec, s: MegatronSettings, par: Parallel, device
 
 @dataclass
 class BuiltModel:
-    """The decoder's config, the ``GPTModel`` and the MTP block beside it (None without MTP)."""
+    """The decoder's config, the ``GPTModel`` and the MTP block beside it (None without MTP), and
+    the kernel of its attention on the THD path (:func:`.varlen_attention.thd_backend`; None on
+    the padded path)."""
 
     config: Any
     model: Any
     mtp: Any
+    thd_backend: str | None = None
 
 
 def build_model(spec: ModelSpec, settings: MegatronSettings, par: Parallel, padded_vocab: int,
                 attention_path: str, device: torch.device, dtype: torch.dtype, *, pre_process: bool = True,
                 post_process: bool = True) -> BuiltModel:
-    """The ``GPTModel`` (layer specs: TE's on the THD path, else local) and, when the HF config
+    """The ``GPTModel`` (layer specs: TE's on the THD path where Transformer Engine runs; else
+    local, with :class:`.varlen_attention.VarlenDotProductAttention` on the THD path) and, when the HF config
     has MTP layers, a ``MultiTokenPredictionBlock`` held beside it, on ``device`` in ``dtype``;
     weights uninitialised (the engine loads them). A pipeline chunk (:mod:`.pipeline`): ``spec``
     with the chunk's layer count, ``pre_process`` (the embedding) only in the first chunk,
@@ -193,8 +205,16 @@ def build_model(spec: ModelSpec, settings: MegatronSettings, par: Parallel, padd
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     config = transformer_config(spec, settings, par, device, dtype, mtp_layers=0)
-    use_te = attention_path == "thd"
+    use_te = attention_path == "thd" and uses_transformer_engine(device)
     block_spec = compat.call_with_supported(specs.get_gpt_decoder_block_spec, config, use_transformer_engine=use_te)
+    thd_backend = None
+    if attention_path == "thd":
+        from rlcore_megatron.varlen_attention import thd_backend as backend_of
+        from rlcore_megatron.varlen_attention import with_varlen_core_attention
+
+        if not use_te:
+            block_spec = with_varlen_core_attention(block_spec)
+        thd_backend = backend_of(use_te, device, dtype)
     model = compat.call_with_supported(
         GPTModel,
         config=config,
@@ -224,7 +244,7 @@ def build_model(spec: ModelSpec, settings: MegatronSettings, par: Parallel, padd
     model.to(device=device, dtype=dtype)
     if mtp is not None:
         mtp.to(device=device, dtype=dtype)
-    return BuiltModel(config, model, mtp)
+    return BuiltModel(config, model, mtp, thd_backend)
 
 
 def router_sites(model: Any, mtp: Any, spec: ModelSpec) -> list[RouterSite]:
