@@ -170,6 +170,12 @@ class RolloutReplica:
         get = getattr(self.backend, "rollout_metrics", None)
         return {str(k): float(v) for k, v in get().items()} if callable(get) else {}
 
+    def memory_metrics(self) -> dict[str, float]:
+        """The backend's own metrics of its last memory release (KV-cache bytes freed; none when it
+        reports none)."""
+        get = getattr(self.backend, "memory_metrics", None)
+        return {str(k): float(v) for k, v in get().items()} if callable(get) else {}
+
     def shutdown(self) -> None:
         self.backend.shutdown()
 
@@ -330,6 +336,16 @@ class RolloutFleet:
         for i, metrics in zip(reporting, answers, strict=True):
             out.update({f"rollout/replica{i}_{name.removeprefix('rollout/')}": float(v) for name, v in metrics.items()})
         return out
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Each replica backend's metrics of its last memory release (core reads them after the
+        release before a push: vLLM's KV-cache bytes freed), ``rollout/<name>`` as
+        ``rollout/replica{i}_<name>``, kept per replica like :meth:`rollout_metrics`."""
+        reporting = [i for i, r in enumerate(self.replicas) if hasattr(r, "memory_metrics")]
+        answers = self._get([self.replicas[i].memory_metrics.remote() for i in reporting], reporting,
+                            "memory_metrics") if reporting else []
+        return {f"rollout/replica{i}_{name.removeprefix('rollout/')}": float(v)
+                for i, metrics in zip(reporting, answers, strict=True) for name, v in metrics.items()}
 
     def pause(self) -> None:
         self._all("pause")
