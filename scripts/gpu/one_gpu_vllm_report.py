@@ -32,7 +32,7 @@ ALSO = ["reward_mean", "tokens", "tokens_per_second", "logprob_mismatch_max", "l
         "mismatch/kl_k3", "mismatch/weight_mean", "mismatch/truncated_frac", "sync_bytes", "sync_buckets",
         "sync_level", "sync_verified", "rollout/sleep_freed_bytes", "rollout/kv_cache_freed_bytes", "weight_version",
         "replay/coverage", "replay/agreement", "replay/missing_samples", "rollout/spec/acceptance_rate",
-        "rollout/spec/draft_lag", "rollout/draft_weight_version"]
+        "rollout/spec/draft_lag", "rollout/spec/drafts", "rollout/draft_weight_version", "mtp/acceptance_d1"]
 PREFIXES = ("rollout/spec/acceptance_pos", "rollout/replica")
 
 
