@@ -272,7 +272,7 @@ class ChecksumSlots:
         return self._run(pairs)
 
     def _run(self, pairs: list[tuple[torch.Tensor | None, torch.Tensor]]) -> list[int]:
-        slots = self._take([s for _, s in pairs])
+        slots = self._take([s if d is None else d for d, s in pairs])  # the slots live where the copies land
         self.run_prepared(self.prepare(pairs, slots))
         return slots
 
