@@ -57,7 +57,12 @@ from rlcore_vllm.engines import (
     in_process_engine_alive,
 )
 from rlcore_vllm.logprobs import TEMPERED_ERROR_BOUND, TOP_LOGPROBS, needs_tempering, tempered_logprob
-from rlcore_vllm.platform import installed_vllm, missing_reasons, runtime_backend_capabilities
+from rlcore_vllm.platform import (
+    installed_feature_gaps,
+    installed_vllm,
+    missing_reasons,
+    runtime_backend_capabilities,
+)
 from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport, runs_as_ray_replicas
 from rlcore_vllm.speculative import (
     GREEDY_BELOW,
@@ -179,6 +184,11 @@ class VLLMBackend:
             self.is_cpu = bool(current_platform.is_cpu())
             kw = engine_kwargs(self.settings, model_dir, self.dtype, is_cpu=self.is_cpu,
                                routed_experts=self.want_routes, transport=self.transport, ray_replica=self.ray_replica)
+            # refused by name before vLLM would fail on an unknown argument (or run without the feature)
+            gaps = installed_feature_gaps(routed_experts=bool(kw.get("enable_return_routed_experts")),
+                                          speculative_mtp=self.mtp)
+            if gaps:
+                raise RolloutError("the config asks vLLM for what it cannot do: " + "; ".join(gaps.values()))
             self.engine = OfflineEngine(kw, in_process)
         else:
             # the server's platform: the installed build's (a remote server on a GPU host reports

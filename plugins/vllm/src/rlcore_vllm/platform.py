@@ -119,3 +119,41 @@ def predicted_sync_gaps(config: Any) -> dict[str, str]:
         return {}
     return {cap: CPU_LIMITS[cap] for cap in (Cap.NCCL, Cap.CUDA_IPC)}
 
+
+
+#: the draft architecture rlcore-vllm's MTP checkpoints load as (MiMo layout, ``model.mtp_layers.*``)
+MTP_DRAFT_TYPE = "mimo_mtp"
+
+
+def feature_gaps(build: str, engine_arg_names: set[str], mtp_types: tuple[str, ...] | None, *,
+                 routed_experts: bool, speculative_mtp: bool) -> dict[str, str]:
+    """What the config asks of vLLM that ``build`` (e.g. ``vllm 0.26.0``) lacks, read from its own
+    classes (``engine_arg_names``: the fields of its ``EngineArgs``; ``mtp_types``: the MTP model
+    types its ``SpeculativeConfig`` accepts, None when it has no such list): each missing feature
+    with the reason, naming the build, so a run is refused, never degraded silently."""
+    gaps = {}
+    if routed_experts and "enable_return_routed_experts" not in engine_arg_names:
+        gaps[Cap.ROUTED_EXPERTS] = (f"{build} cannot return routed experts (its EngineArgs has no "
+                                    f"enable_return_routed_experts)")
+    if speculative_mtp and (mtp_types is None or "mtp" not in mtp_types or MTP_DRAFT_TYPE not in mtp_types):
+        gaps[Cap.SPECULATIVE] = (f"{build} has no MTP speculative decoding for the MiMo layout (its speculative "
+                                 f"config accepts neither method 'mtp' with model type {MTP_DRAFT_TYPE!r})")
+    return gaps
+
+
+def installed_feature_gaps(*, routed_experts: bool, speculative_mtp: bool) -> dict[str, str]:
+    """:func:`feature_gaps` of the installed vLLM (imports it: call from factories only)."""
+    from dataclasses import fields
+    from typing import get_args
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        from vllm.config.speculative import MTPModelTypes
+
+        mtp_types: tuple[str, ...] | None = tuple(get_args(MTPModelTypes))
+    except ImportError:
+        mtp_types = None
+    dist, version = installed_vllm() or ("vllm", "(version unknown)")
+    return feature_gaps(f"{dist} {version}", {f.name for f in fields(EngineArgs)}, mtp_types,
+                        routed_experts=routed_experts, speculative_mtp=speculative_mtp)
