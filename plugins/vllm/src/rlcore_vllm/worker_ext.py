@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 from rlcore.errors import WeightSyncError
-from rlcore.sync import WeightManifest, tensor_checksum
+from rlcore.sync import ChecksumSlots, WeightManifest
 
 from rlcore_vllm.readback import ReadBack
 from rlcore_vllm.shm import map_segment
@@ -286,7 +286,10 @@ class RLCoreWorkerExtension:
         for name, dtype, shape, offset, nbytes in req["tensors"]:
             views.append((name, buf[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)))
         t1 = time.perf_counter()
-        checksums = {name: tensor_checksum(t) for name, t in views} if req.get("verify", True) else {}
+        checksums = {}
+        if req.get("verify", True):  # one kernel and one wait for the bucket, not a few and a wait per tensor
+            sums = ChecksumSlots(buf.device, capacity=len(views))
+            checksums = dict(zip((n for n, _ in views), sums.values(sums.checksum([t for _, t in views])), strict=True))
         t2 = time.perf_counter()
         model = self._rlcore_model()
         read_back: ReadBack | None = state.get("read_back")
