@@ -135,6 +135,31 @@ def compare(a_lp, a_g, b_lp, b_g) -> dict:
             "grad_rel": num / max(den, 1e-30)}
 
 
+def kernel_check(lengths: list[int], device: str, heads: int, kv_heads: int, head_dim: int = 64) -> dict:
+    """rlcore.engines.varlen.varlen_attention in bf16 (the backend it picks) against SDPA per
+    sequence in fp32, forward and the query gradient, on ``lengths``."""
+    from rlcore.engines import varlen
+
+    g = torch.Generator(device=device).manual_seed(0)
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q32 = torch.randn(T, heads, head_dim, generator=g, device=device)
+    k32 = torch.randn(T, kv_heads, head_dim, generator=g, device=device)
+    v32 = torch.randn(T, kv_heads, head_dim, generator=g, device=device)
+    grads = []
+    outs = []
+    for dtype, fn in ((torch.bfloat16, varlen.varlen_attention), (torch.float32, None)):
+        q = q32.to(dtype).requires_grad_(True)
+        k, v = k32.to(dtype), v32.to(dtype)
+        out = fn(q, k, v, cu, max(lengths)) if fn else varlen._sdpa_per_sequence(q, k, v, cu, None)
+        out.float().square().sum().backward()
+        outs.append(out.detach().float())
+        grads.append(q.grad.float())
+    return {"backend_bf16": varlen.varlen_backend(device, torch.bfloat16),
+            "max_abs_out_vs_fp32": float((outs[0] - outs[1]).abs().max()),
+            "grad_rel_vs_fp32": float((grads[0] - grads[1]).norm() / grads[1].norm())}
+
+
 # ------------------------------------------------------------------ engines -----------------
 
 
@@ -295,7 +320,10 @@ def bench_family(family, args, lens, check_lens) -> dict:
 
 def markdown(results: dict) -> str:
     m = results["meta"]
+    kc = results["kernel_check"]
     lines = [f"# Packed vs padded attention ({m['device_name']}, {m['date']})", "",
+             f"Kernel check (varlen_attention in bf16, backend `{kc['backend_bf16']}`, vs SDPA per sequence in fp32): "
+             f"max |d out| {kc['max_abs_out_vs_fp32']:.2e}, query-gradient rel {kc['grad_rel_vs_fp32']:.2e}.", "",
              f"Model: {m['size']} (random weights), bf16; {m['seqs']} sequences, lengths {m['min_len']}-{m['max_len']} "
              f"(evenly spread, {m['real_tokens']} real tokens), micro-batches of consecutive sequences with padded "
              f"rows (count x longest) <= {m['mb_tokens']} tokens, the same for both paths; "
@@ -366,6 +394,10 @@ def main() -> int:
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     results = {"meta": meta, "engines": {}}
+    sz = SIZES[args.size]
+    results["kernel_check"] = kernel_check(check_lens, args.device, sz["num_attention_heads"],
+                                           sz["num_key_value_heads"])
+    print("kernel check:", results["kernel_check"], flush=True)
     families = {"hf": HFFamily, "megatron": MegatronFamily}
     rc = 0
     for name in args.engines.split(","):
