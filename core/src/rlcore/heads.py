@@ -15,6 +15,8 @@ memory rather than speed:
   sequence parallelism).
 
 Entropy uses ``H = log S - W / S`` with ``W = Σ e^{z-m} (z - m)``, which has no cancellation.
+``Σπ²`` (when asked) is ``Q / S²`` with ``Q = Σ e^{2(z-m)}`` summed in the same all-reduce: with
+``m`` the global max every term is at most 1, and a rank's shard cannot overflow the sum.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def check_head_input(inp: HeadInput) -> tuple[torch.Tensor, torch.Tensor | None]
 
 def _chunk_stats(
     h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor,
-    start: int, group, compute_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    start: int, group, compute_entropy: bool, compute_sum_sq: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     z = (h.float() @ w.float().t()) * inv_temp[:, None]  # [c, V_valid] fp32
     if z.shape[1] > 0:
         m_local = z.max(dim=1).values
@@ -84,12 +86,16 @@ def _chunk_stats(
     idx = (labels - start).clamp(0, max(z.shape[1] - 1, 0))
     tgt = zs.gather(1, idx[:, None]).squeeze(1) if z.shape[1] > 0 else torch.zeros_like(s)
     tgt = torch.where(local, tgt, torch.zeros_like(tgt))
-    stats = reduce_from_group(torch.stack([s, wsum, tgt]), group)
+    rows = [s, wsum, tgt]
+    if compute_sum_sq:  # Σπ² = Σ e^{2(z-m)} / S², no gradient (an estimator's input, not a loss term)
+        rows.append((e.detach() ** 2).sum(dim=1))
+    stats = reduce_from_group(torch.stack(rows), group)
     S, W, Z = stats[0], stats[1], stats[2]
     log_s = torch.log(S)
     logprob = Z - log_s
     entropy = (log_s - W / S).clamp_min(0.0) if compute_entropy else torch.zeros_like(logprob)
-    return logprob, entropy
+    sum_sq = (stats[3] / S.detach() ** 2).detach() if compute_sum_sq else torch.zeros_like(logprob).detach()
+    return logprob, entropy, sum_sq
 
 
 def reference_logprobs(inp: HeadInput, chunk_tokens: int = 2048) -> HeadOutput:
@@ -120,24 +126,30 @@ def reference_logprobs(inp: HeadInput, chunk_tokens: int = 2048) -> HeadOutput:
         inv_temp = torch.full((idx.numel(),), 1.0 / t, device=h.device)
     w_valid = inp.weight[: vocab.valid_rows]
     hs = h.index_select(0, idx)
-    lps, ents = [], []
+    lps, ents, sqs = [], [], []
     for lo in range(0, idx.numel(), max(1, chunk_tokens)):
         hi = min(lo + chunk_tokens, idx.numel())
-        args = (hs[lo:hi], w_valid, labels[lo:hi], inv_temp[lo:hi], vocab.start, group, inp.compute_entropy)
+        args = (hs[lo:hi], w_valid, labels[lo:hi], inv_temp[lo:hi], vocab.start, group, inp.compute_entropy,
+                inp.compute_sum_pi_squared)
         if torch.is_grad_enabled() and (hs.requires_grad or w_valid.requires_grad):
-            lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
+            lp, ent, sq = checkpoint(_chunk_stats, *args, use_reentrant=False)
         else:
-            lp, ent = _chunk_stats(*args)
+            lp, ent, sq = _chunk_stats(*args)
         lps.append(lp)
         ents.append(ent)
+        sqs.append(sq)
     zeros = torch.zeros(T, dtype=torch.float32, device=h.device)
+    sum_sq = None
     if idx.numel():
         logprobs = zeros.index_put((idx,), torch.cat(lps))
         entropy = zeros.index_put((idx,), torch.cat(ents)) if inp.compute_entropy else None
+        if inp.compute_sum_pi_squared:
+            sum_sq = zeros.index_put((idx,), torch.cat(sqs)).detach()
     else:
         logprobs = zeros + h.sum() * 0.0  # keeps the graph connected
         entropy = zeros.clone() if inp.compute_entropy else None
-    return HeadOutput(logprobs=logprobs, entropy=entropy)
+        sum_sq = zeros.clone() if inp.compute_sum_pi_squared else None
+    return HeadOutput(logprobs=logprobs, entropy=entropy, sum_pi_squared=sum_sq)
 
 
 @dataclass

@@ -173,6 +173,8 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
     if float(cfg.algorithm.entropy_coef) != 0:
         _require(stack, "forward_fn", Cap.ENTROPY,
                  f"algorithm.entropy_coef={float(cfg.algorithm.entropy_coef):g} adds an entropy term to the loss", "core")
+    for cap in sorted(stack.algorithm.head_needs):  # e.g. Σπ² for the optimal-token baseline
+        _require(stack, "forward_fn", cap, f"algorithm.name={cfg.algorithm.name} needs it", "core")
     if stack.chains.get("router_hook"):
         _require(stack, "engine", Cap.ROUTER_HOOK,
                  f"plugin(s) {', '.join(stack.chains['router_hook'])} implement router_hook", "core")

@@ -59,6 +59,7 @@ from rlcore.types import Cap, HeadInput, MicroBatchContext, ModelOutput, Prompt,
 #: where the no-grad passes leave their log-probs in the step batch ("old_logprobs" holds the
 #: rollout engine's behaviour log-probs, which the importance ratio uses)
 RECOMPUTED = "recomputed_logprobs"
+SUM_PI_SQUARED = "sum_pi_squared"  #: Σπ² per token from the old-log-prob pass (AlgorithmSpec.head_needs)
 PHASE_OUTPUT = {"old_logprob": RECOMPUTED, "ref_logprob": "ref_logprobs"}
 
 
@@ -83,6 +84,7 @@ class Trainer:
         a = self.cfg.algorithm
         #: the field the ratio's denominator comes from
         self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
+        self.sum_pi_squared = Cap.SUM_PI_SQUARED in built.algorithm_spec.head_needs
         self.router = self.pm.router_hook if self.pm.has_router_hooks() else None
         self.reward_calls = RewardCalls(built.reward_fn, self.cfg.data.reward, self.cfg.data.reward_timeout_seconds)
         self.step = 0
@@ -185,6 +187,8 @@ class Trainer:
         mbs = self.strategy.micro_batches(batch, int(cfg.training.micro_batch_tokens))
         step_loss_tokens = batch.num_loss_tokens
         logprob_out = None if train else torch.zeros(batch.num_tokens, device=batch.device)
+        sum_sq_out = torch.zeros(batch.num_tokens, device=batch.device) \
+            if phase == "old_logprob" and self.sum_pi_squared else None
         for i, mb in enumerate(mbs):
             ctx = MicroBatchContext(step=self.step, phase=phase, index=i, count=len(mbs), batch=mb, config=cfg,
                                     num_tokens_in_step=step_loss_tokens)
@@ -196,7 +200,8 @@ class Trainer:
                 request = None  # Cap.FUSED_LOSS: the head forms the loss and its gradients itself
                 if train and Cap.FUSED_LOSS in self.stack.forward_fn.capabilities:
                     request = objmod.loss_request(mb, self.objective, divisor, self.proximal)
-                head = self.forward_fn(self._head_input(mb, out, hw, compute_entropy=train, loss=request))
+                head = self.forward_fn(self._head_input(mb, out, hw, compute_entropy=train, loss=request,
+                                                        sum_sq=sum_sq_out is not None))
                 native = self._native_logprobs(mb, ctx, engine, hw) if req.native_logprobs else None
                 results = self.pm.postprocess(ctx, ModelOutput(out, head, hw, self.forward_fn, native))
                 for _plugin, res in results:
@@ -212,11 +217,16 @@ class Trainer:
                 else:
                     start = mb.token_offset - batch.token_offset
                     logprob_out[start: start + mb.num_tokens] = head.logprobs.detach().float()
+                    if sum_sq_out is not None:
+                        sum_sq_out[start: start + mb.num_tokens] = head.sum_pi_squared.detach().float()
         if train:
             self.strategy.reduce_gradients(engine.parameters())
         else:
             self.strategy.reduce_logprobs(logprob_out)
             batch.fields[PHASE_OUTPUT[phase]] = logprob_out
+            if sum_sq_out is not None:
+                self.strategy.reduce_logprobs(sum_sq_out)
+                batch.fields[SUM_PI_SQUARED] = sum_sq_out
         return self.strategy.reduce_metrics(metrics).result()
 
     def _backward(self, mb: PackedBatch, head: Any, terms: list[tuple[str, torch.Tensor]], divisor: float,
@@ -234,10 +244,12 @@ class Trainer:
         tokens = token_sums.pop("_tokens")  # the statistics are sums over them: averaged over the pass's tokens
         metrics.add_token_sums(token_sums, tokens)
 
-    def _head_input(self, mb: PackedBatch, out: Any, hw: Any, compute_entropy: bool, loss: Any = None) -> HeadInput:
+    def _head_input(self, mb: PackedBatch, out: Any, hw: Any, compute_entropy: bool, loss: Any = None,
+                    sum_sq: bool = False) -> HeadInput:
         return HeadInput(hidden=out.hidden, weight=hw.weight, labels=mb.labels(), vocab=hw.vocab,
                          loss_mask=mb.loss_mask, temperature=float(self.cfg.rollout.temperature),
-                         sequence_parallel=out.sequence_parallel, compute_entropy=compute_entropy, loss=loss)
+                         sequence_parallel=out.sequence_parallel, compute_entropy=compute_entropy, loss=loss,
+                         compute_sum_pi_squared=sum_sq)
 
     def _native_logprobs(self, mb: PackedBatch, ctx: MicroBatchContext, engine: Any, hw: Any) -> torch.Tensor:
         """The micro-batch's log-probs with every router routing natively (``forward_request``
@@ -366,7 +378,10 @@ class Trainer:
         out.update(component_means(components))
         inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
                              token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]),
-                             baseline_rewards=baselines_for(greedy, samples), reward_components=components)
+                             baseline_rewards=baselines_for(greedy, samples), reward_components=components,
+                             recomputed_logprobs=per_sample(batch.fields[RECOMPUTED]),
+                             sum_pi_squared=per_sample(batch.fields[SUM_PI_SQUARED]) if self.sum_pi_squared else None,
+                             correction=None if mm.correction is None else per_sample(mm.correction))
         inp = self.critic.advantage_input(batch, inp) if self.critic else inp  # PPO: values, returns
         adv = self.algorithm.advantages(inp)
         if len(adv) != len(samples) or [int(x.shape[0]) for x in adv] != counts:

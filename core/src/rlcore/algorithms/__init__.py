@@ -52,6 +52,7 @@ _IMPLEMENTATIONS = {
     "PassKAdvantage": "baselines",
     "GPGAdvantage": "baselines",
     "ReMaxAdvantage": "remax",
+    "OptimalTokenBaselineAdvantage": "token_baseline",
 }
 
 __all__ = [

@@ -18,6 +18,6 @@ def forward_fn():
         name="reference",
         factory=_build,
         capabilities={Cap.ENTROPY, Cap.PER_TOKEN_TEMPERATURE, Cap.VOCAB_PARALLEL, Cap.SEQUENCE_PARALLEL,
-                      Cap.MASK_SKIPS_COMPUTE},
+                      Cap.MASK_SKIPS_COMPUTE, Cap.SUM_PI_SQUARED},
         description="chunked fp32 log-prob/entropy head in plain torch (the reference semantics)",
     )

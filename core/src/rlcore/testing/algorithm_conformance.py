@@ -116,11 +116,16 @@ def _advantage_input(seed: int, num_samples: int = 9, group: int = 3) -> Advanta
         tr = -0.01 * torch.rand(n, generator=g)
         tr[-1] += r
         token_rewards.append(tr)
+    logprobs = [-torch.rand(n, generator=g) for n in lens]
+    # Σπ² between π² (all mass on the sampled token's rivals in one) and π² + (1−π)²
+    sum_sq = [lp.exp() ** 2 + (1 - lp.exp()) ** 2 * torch.rand(lp.shape[0], generator=g) for lp in logprobs]
     return AdvantageInput(
         rewards=torch.tensor([float(t.sum()) for t in token_rewards]),
         groups=torch.arange(num_samples) // group,
         token_rewards=token_rewards,
-        logprobs=[-torch.rand(n, generator=g) for n in lens],
+        logprobs=logprobs,
+        recomputed_logprobs=logprobs,
+        sum_pi_squared=sum_sq,
     )
 
 
@@ -183,7 +188,9 @@ class AlgorithmConformance:
         inp = _advantage_input(2)
         perm = torch.randperm(len(inp.token_rewards), generator=torch.Generator().manual_seed(0)).tolist()
         shuffled = AdvantageInput(inp.rewards[perm], inp.groups[perm], [inp.token_rewards[i] for i in perm],
-                                  [inp.logprobs[i] for i in perm])
+                                  [inp.logprobs[i] for i in perm],
+                                  recomputed_logprobs=[inp.recomputed_logprobs[i] for i in perm],
+                                  sum_pi_squared=[inp.sum_pi_squared[i] for i in perm])
         a, b = built.advantages(inp), built.advantages(shuffled)
         for j, i in enumerate(perm):
             assert_close(b[j], a[i], f"{_who(spec)} advantages: a sample's advantages must not depend on the order "

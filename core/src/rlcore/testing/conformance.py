@@ -51,6 +51,16 @@ def float64_head(hidden, weight, labels, vocab_size, temperature, mask):
     return logp, ent
 
 
+def float64_sum_pi_squared(hidden, weight, vocab_size, temperature, mask):
+    """``Σ_v π(v)²`` per token in float64 over the real vocabulary (0 where masked)."""
+    z = hidden.double() @ weight[:vocab_size].double().t()
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        z = z / temperature.double()[:, None]
+    else:
+        z = z / float(temperature)
+    return (torch.softmax(z, -1) ** 2).sum(-1) * mask
+
+
 def _head_inputs(seed: int, T: int = 37, H: int = 32, V: int = 50, rows: int = 64, dtype=torch.float32,
                  mask_frac: float = 0.3):
     g = torch.Generator().manual_seed(seed)
@@ -169,6 +179,40 @@ class ForwardFnConformance:
         assert rel < self.bf16_rel_error, (f"forward_fn: bf16 inputs: relative error of the log-probs against "
                                            f"float64 {float(rel):.2e} >= {self.bf16_rel_error}")
 
+    @pytest.mark.parametrize("peaked", [False, True])
+    def test_sum_pi_squared_matches_float64(self, forward_fn, peaked):
+        """``Σπ²`` of a head declaring ``sum_pi_squared``; ``peaked``: logits scaled ×30 (a
+        distribution near one-hot, Σπ² near 1: a head that shifts by anything but the max
+        overflows or loses it). Tolerance: Σπ² = Σ e^{2(z_v − lse)}, so a logit error δ moves it
+        by at most a factor e^{±4δ}, and ``atol`` bounds δ for the log-probs: ``rtol = 4·atol``."""
+        if Cap.SUM_PI_SQUARED not in self.capabilities:
+            pytest.skip("provider does not declare sum_pi_squared")
+        hidden, weight, labels, mask, _, _, V = _head_inputs(8)
+        if peaked:
+            hidden = hidden * 30
+        temps = [0.7]
+        if Cap.PER_TOKEN_TEMPERATURE in self.capabilities:
+            temps.append(torch.rand(hidden.shape[0], generator=torch.Generator().manual_seed(8)) + 0.5)
+        for temp in temps:
+            h = hidden.clone().requires_grad_()
+            out = forward_fn(HeadInput(hidden=h, weight=weight, labels=labels,
+                                       vocab=VocabShard.full(V, rows=weight.shape[0]), loss_mask=mask,
+                                       temperature=temp, compute_sum_pi_squared=True))
+            sq = out.sum_pi_squared
+            assert sq is not None and sq.dtype == torch.float32 and sq.shape == (hidden.shape[0],), (
+                "forward_fn declares 'sum_pi_squared' but HeadOutput.sum_pi_squared is not a float32 [T] tensor "
+                "when HeadInput.compute_sum_pi_squared is set")
+            assert not sq.requires_grad, "forward_fn: HeadOutput.sum_pi_squared must carry no gradient"
+            ref = float64_sum_pi_squared(hidden, weight, V, temp, mask)
+            kind = "per-token temperature" if isinstance(temp, torch.Tensor) else f"temperature {temp}"
+            assert_close(sq.double(), ref, f"forward_fn (capability 'sum_pi_squared'): Σπ² at {kind}"
+                         f"{', peaked logits' if peaked else ''} must match the float64 softmax over the real "
+                         f"vocabulary (padding rows excluded), 0 where masked", atol=1e-7, rtol=4 * self.atol)
+            assert torch.all(sq[~mask] == 0), "forward_fn: Σπ² of masked tokens must be 0"
+        plain = forward_fn(HeadInput(hidden=hidden, weight=weight, labels=labels,
+                                     vocab=VocabShard.full(V, rows=weight.shape[0]), loss_mask=mask))
+        assert plain.sum_pi_squared is None, "forward_fn: Σπ² must be None unless compute_sum_pi_squared is set"
+
     @pytest.mark.parametrize("sequence_parallel", [False, True])
     def test_vocab_parallel_matches_unsharded(self, sequence_parallel):
         # builds its head in two fresh processes from factory_path (not from the fixture)
@@ -177,7 +221,8 @@ class ForwardFnConformance:
         if sequence_parallel and Cap.SEQUENCE_PARALLEL not in self.capabilities:
             pytest.skip("provider does not declare sequence_parallel")
         assert self.factory_path, "a vocab_parallel provider must set factory_path for the 2-process check"
-        run_tensor_parallel_check(self.factory_path, world=2, sequence_parallel=sequence_parallel, atol=self.atol)
+        run_tensor_parallel_check(self.factory_path, world=2, sequence_parallel=sequence_parallel, atol=self.atol,
+                                  sum_pi_squared=Cap.SUM_PI_SQUARED in self.capabilities)
 
 
 def _load_factory(path: str) -> Callable[[], Any]:
@@ -185,7 +230,8 @@ def _load_factory(path: str) -> Callable[[], Any]:
     return getattr(importlib.import_module(mod), name)
 
 
-def _tp_worker(rank: int, world: int, init_file: str, factory_path: str, sequence_parallel: bool, atol: float) -> None:
+def _tp_worker(rank: int, world: int, init_file: str, factory_path: str, sequence_parallel: bool, atol: float,
+               sum_sq: bool = False) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -199,7 +245,7 @@ def _tp_worker(rank: int, world: int, init_file: str, factory_path: str, sequenc
         h_in = h_full.chunk(world, dim=0)[rank] if sequence_parallel else h_full
         vocab = VocabShard(rank * per, (rank + 1) * per, V, group=dist.group.WORLD)
         out = fn(HeadInput(hidden=h_in, weight=w_local, labels=labels, vocab=vocab, loss_mask=mask,
-                           temperature=0.9, sequence_parallel=sequence_parallel))
+                           temperature=0.9, sequence_parallel=sequence_parallel, compute_sum_pi_squared=sum_sq))
         loss = (out.logprobs * g1).sum() + ((out.entropy * g2).sum() if out.entropy is not None else 0.0)
         loss.backward()
         h64 = hidden.double().requires_grad_()
@@ -213,6 +259,11 @@ def _tp_worker(rank: int, world: int, init_file: str, factory_path: str, sequenc
         if out.entropy is not None:
             assert_close(out.entropy.double(), ref_ent.detach(), f"{where}: entropy over a sharded vocabulary must "
                          f"equal the unsharded float64 one", atol=atol, rtol=0)
+        if sum_sq:  # the sum over the whole vocabulary, shifted by the global max (module docstring of heads)
+            assert out.sum_pi_squared is not None, f"{where}: Σπ² asked for and not returned"
+            assert_close(out.sum_pi_squared.double(), float64_sum_pi_squared(hidden, weight, V, 0.9, mask),
+                         f"{where}: Σπ² over a sharded vocabulary must equal the unsharded float64 one", atol=1e-7,
+                         rtol=4 * atol)
         assert_close(w_local.grad.double(), w64.grad[rank * per:(rank + 1) * per], f"{where}: the gradient of this "
                      f"rank's weight shard must equal its rows of the float64 gradient", atol=atol * 10, rtol=1e-4)
         ref_h = h64.grad
@@ -228,14 +279,17 @@ def _tp_worker(rank: int, world: int, init_file: str, factory_path: str, sequenc
         dist.destroy_process_group()
 
 
-def run_tensor_parallel_check(factory_path: str, world: int = 2, sequence_parallel: bool = False, atol: float = 2e-5) -> None:
+def run_tensor_parallel_check(factory_path: str, world: int = 2, sequence_parallel: bool = False, atol: float = 2e-5,
+                              sum_pi_squared: bool = False) -> None:
     """Shard the vocab over ``world`` gloo processes and compare every output and gradient with
-    the unsharded float64 result (raises in the parent if any rank disagrees)."""
+    the unsharded float64 result (raises in the parent if any rank disagrees); ``sum_pi_squared``:
+    also ask for Σπ² and compare it."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "store")
-        mp.spawn(_tp_worker, args=(world, init_file, factory_path, sequence_parallel, atol), nprocs=world, join=True)
+        mp.spawn(_tp_worker, args=(world, init_file, factory_path, sequence_parallel, atol, sum_pi_squared),
+                 nprocs=world, join=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,6 +76,15 @@ class AdvantageInput:
     :param reward_components: ``{name: [N] float}``, each sample's value of each named component
         when the reward function returns a dict (their plain sum is ``rewards`` before any
         shaping; GDPO normalises each apart, :mod:`rlcore.rewards`); ``None`` for single values.
+    :param recomputed_logprobs: per sample, ``[n_i]`` the trainer's own log-probs of the response
+        from the old-log-prob pass (the policy that sampled, before this step's update, at the
+        rollout temperature); ``None`` where a caller has not run that pass.
+    :param sum_pi_squared: per sample, ``[n_i]`` ``Σ_v π(v)²`` over the whole vocabulary at each
+        response token, from that same pass; set only for an algorithm whose spec lists
+        ``Cap.SUM_PI_SQUARED`` in ``AlgorithmSpec.head_needs`` (the optimal-token baseline).
+    :param correction: per sample, ``[n_i]`` the mismatch-correction weights ``c_t`` (truncated
+        importance weights between the trainer and the rollout engine, 0 on rejected tokens)
+        when ``algorithm.mismatch`` is on; ``None`` otherwise.
     """
 
     rewards: torch.Tensor
@@ -85,6 +94,9 @@ class AdvantageInput:
     values: Sequence[torch.Tensor] | None = None
     baseline_rewards: torch.Tensor | None = None
     reward_components: dict[str, torch.Tensor] | None = None
+    recomputed_logprobs: Sequence[torch.Tensor] | None = None
+    sum_pi_squared: Sequence[torch.Tensor] | None = None
+    correction: Sequence[torch.Tensor] | None = None
 
     @property
     def response_lengths(self) -> list[int]:
@@ -201,12 +213,16 @@ class AlgorithmSpec(ProviderSpec):
     :param loss_agg: the aggregation the algorithm's publication uses, taken when the config
         says ``loss_agg: auto`` (``None``: ``token-mean``).
     :param source: the paper or reference formula it implements (shown by ``rlcore plugins``).
+    :param head_needs: ``forward_fn`` capabilities the algorithm needs: with ``Cap.SUM_PI_SQUARED``
+        core asks the head for ``Σπ²`` in the old-log-prob pass and fills
+        ``AdvantageInput.sum_pi_squared``; a selected head that lacks one is refused at config time.
     """
 
     settings: type | None = None
     validate: Callable[[Any], None] | None = None
     loss_agg: str | None = None
     source: str = ""
+    head_needs: frozenset[str] = frozenset()
     kind: str = field(default="algorithm", init=False, repr=False)
 
     def __post_init__(self) -> None:

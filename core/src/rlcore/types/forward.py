@@ -72,6 +72,9 @@ class HeadInput:
     * ``sequence_parallel``: hidden states are split over the TP group along T; the head
       gathers them (and reduce-scatters their gradient).
     * ``compute_entropy``: whether the entropy output is needed.
+    * ``compute_sum_pi_squared``: whether :attr:`HeadOutput.sum_pi_squared` is needed (only a
+      head that declares ``Cap.SUM_PI_SQUARED`` is asked: core asks in the ``old_logprob``
+      pass of an algorithm that needs it, e.g. ``optimal_token_baseline``).
     * ``loss``: train phase only, and only for a head that declares ``Cap.FUSED_LOSS``: the
       micro-batch's per-token objective (:class:`LossRequest`). The head may compute the loss
       itself (:attr:`HeadOutput.loss`) or decline (leave it ``None`` and return differentiable
@@ -87,6 +90,7 @@ class HeadInput:
     sequence_parallel: bool = False
     compute_entropy: bool = True
     loss: LossRequest | None = None
+    compute_sum_pi_squared: bool = False
 
 
 @dataclass
@@ -134,11 +138,18 @@ class HeadOutput:
     the hidden-state and weight gradients (already formed in the forward, scaled by the
     incoming gradient). ``logprobs`` and ``entropy`` are then detached (metrics, postprocess
     chains); a postprocess loss term that needs differentiable log-probs recomputes them
-    through ``ModelOutput.forward_fn`` without ``loss``."""
+    through ``ModelOutput.forward_fn`` without ``loss``.
+
+    ``sum_pi_squared``, when :attr:`HeadInput.compute_sum_pi_squared` asks for it: ``[T]``
+    float32, per token ``Σ_v π(v)²`` of the whole temperature-scaled softmax (padding rows
+    excluded, every tensor-parallel rank's rows included), 0 at masked positions, without
+    gradient. Heads form it as ``Σ e^{2(z−m)} / (Σ e^{z−m})²`` with ``m`` the global max
+    logit: nothing overflows and no ``[T, V]`` probabilities are kept."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
     loss: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -59,6 +59,8 @@ class Cap:
     #: in the train phase takes :attr:`HeadInput.loss` (the per-token objective) and returns
     #: :attr:`HeadOutput.loss` with the hidden-state and weight gradients formed inside the head
     FUSED_LOSS = "fused_loss"
+    #: returns :attr:`HeadOutput.sum_pi_squared` (``Σ_v π(v)²`` per token) when asked
+    SUM_PI_SQUARED = "sum_pi_squared"
 
     # rollout_backend
     LOGPROBS = "logprobs"  #: behaviour log-probs of sampled tokens (processed)

@@ -1,5 +1,6 @@
 """The built-in algorithms that put an outcome advantage estimator under the PPO-clip loss:
-GRPO, Dr.GRPO, RLOO, REINFORCE++ (and its baseline variant), OPO, ReMax and GRPO pass@k. Each
+GRPO, Dr.GRPO, RLOO, REINFORCE++ (and its baseline variant), OPO, ReMax, GRPO pass@k, GDPO and the
+optimal-token baseline. Each
 spec carries its settings dataclass and their check; the estimators are the public ones of
 :mod:`rlcore.algorithms` (``GRPOAdvantage`` ...), imported when a factory runs."""
 
@@ -16,10 +17,12 @@ from rlcore.builtin.algorithms.common import (
     PPOClipSettings,
     check_clip,
     check_grpo,
+    check_positive,
     ppo_clip,
     with_estimator,
 )
 from rlcore.errors import ConfigError
+from rlcore.types.providers import Cap
 
 
 @dataclass
@@ -69,6 +72,28 @@ def _build_gdpo(s: Any) -> Algorithm:
     weights = tuple(sorted((str(k), float(v)) for k, v in s.reward_weights.items()))
     return Algorithm(advantages=GDPOAdvantage(weights=weights, std=std, eps=float(s.eps),
                                               batch_norm=bool(s.batch_norm)), loss=ppo_clip(s))
+
+
+@dataclass
+class OptimalTokenBaselineSettings(PPOClipSettings):
+    """``handle_zero_tail``: a group's strictly longest response gets baseline 0 past the
+    second-longest (verl's option); ``eps``: added to the baseline's denominator."""
+
+    handle_zero_tail: bool = False
+    eps: float = 1e-8
+
+
+def _check_otb(s: Any) -> None:
+    check_clip(s)
+    check_positive(s, "eps")
+
+
+def _build_otb(s: Any) -> Algorithm:
+    from rlcore.algorithms.token_baseline import OptimalTokenBaselineAdvantage
+
+    return Algorithm(advantages=OptimalTokenBaselineAdvantage(handle_zero_tail=bool(s.handle_zero_tail),
+                                                              eps=float(s.eps)),
+                     loss=ppo_clip(s), token_level_rewards=True)
 
 
 def _check_reinforce(s: Any) -> None:
@@ -154,5 +179,12 @@ SPECS = (
         name="gdpo", factory=_build_gdpo, settings=GDPOSettings, validate=_check_gdpo, loss_agg="token-mean",
         description="each reward component group-normalised separately, summed, step-normalised + PPO-clip",
         source=f"Liu et al. 2026, GDPO (arXiv:2601.05242), NVlabs/GDPO verl-GDPO; {PPO_SOURCE}",
+    ),
+    AlgorithmSpec(
+        name="optimal_token_baseline", factory=_build_otb, settings=OptimalTokenBaselineSettings,
+        validate=_check_otb, loss_agg="token-mean", head_needs=frozenset({Cap.SUM_PI_SQUARED}),
+        description="per-token baseline: the group's returns weighted by each path's accumulated "
+        "‖onehot − π‖² (needs Σπ² from the head) + PPO-clip",
+        source=f"verl compute_optimal_token_baseline_advantage (docs/algo/otb.md); {PPO_SOURCE}",
     ),
 )
