@@ -22,6 +22,7 @@ from rlcore.engines.tiny import make_tiny_model, make_tokenizer
 from rlcore.engines.varlen import SDPA_PER_SEQUENCE, varlen_attention, varlen_backend
 from rlcore.errors import ConfigError
 from rlcore.stack import load_config, resolve
+from rlcore.testing.conformance import EngineConformance
 
 WORDS = [str(i) for i in range(10)]
 TINY = dict(hidden_size=32, head_dim=16, num_heads=4, num_kv_heads=2, intermediate_size=48, num_layers=2)
@@ -138,3 +139,12 @@ def test_a_run_trains_on_the_packed_path(rlcore_config, rlcore_plugin_manager, t
     trainer = Trainer(resolve(cfg, rlcore_plugin_manager))
     assert trainer.engine.attention_path == "packed"
     trainer.run()
+
+
+class TestPackedHFEngineConformance(EngineConformance):
+    """The engine conformance suite (log-probs against float64, routes, MoE replay, ...) on the packed path."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_factory(cls):
+        return lambda d: HFEngine.from_pretrained(d, attention="packed")
