@@ -8,8 +8,9 @@ machine can be sent, so the ranks are started WITHOUT Ray: two processes from
 the Ray actors call, ``rlcore.parallel.worker.run_rank`` (NCCL on CUDA, gloo on CPU), which runs
 ``rlcore.trainer.Trainer`` with the model-parallel rank strategy
 (``rlcore.parallel.model_parallel.ModelParallel``, picked from the engine's capabilities). The writer (rank 0) holds the local
-rollout; every push gathers the TP/EP shards tensor by tensor over the trainer group (NCCL) and
-streams them bucket by bucket into it (inproc sync, verified coverage+exact).
+rollout; every push gathers the TP/EP shards over the trainer group (NCCL; one all-gather per
+~bucket of tensors since issue 32, tensor by tensor before) and streams them bucket by bucket into
+it (inproc sync, verified coverage+exact).
 
 The only thing added to the worker path is measurement: ``rlcore.trainer.Trainer`` is replaced in
 its module (``run_rank`` imports it from there when called) by a subclass whose ``_push`` reads the
@@ -30,7 +31,18 @@ Parts (``--part``), each independent, each writing one JSON file (``--results``)
   gather-only export time; ``sync_big_in_place`` the same with ``rollout.local_update=in_place``
   (no staged copy of the model on the writer), ``sync_big_unverified`` in place without checksums,
   ``sync_big_breakdown`` in place with every phase of the push timed (a GPU sync after each),
-  ``sync_large_in_place`` in place on 3x the layers (2.2 GB).
+  ``sync_large_in_place`` in place on 3x the layers (2.2 GB);
+* ``sync_large`` (issue 32, scripts/gpu/two_gpu_019.sh): the 2.2 GB model in place, ``--big-steps``
+  verified pushes then ``--unverified-pushes`` more of the same run with ``sync.verify`` off; the
+  push GB/s (median of the verified pushes after the first, and of the unverified ones), every
+  rank's peak extra memory, the sync's own phases (``SyncReport.details["phases"]``); no HF export
+  and no final checkpoint (the bench skips it: ~40 s of shards for a 2 GB model);
+* ``dp2_equal``: megatron DP=2 (TP=1, two ranks) against one rank with the whole batch, fp32:
+  log-probs, loss, gradient norm and every gradient after the data-parallel reduction;
+* ``dp2_train``: GRPO with megatron DP=2, the per-phase step table.
+
+Every training part's ranks also write ``<out>/<part>_ranks/rank<i>.json`` after each push, so a
+part stopped at its limit keeps every rank's readings so far.
 
 Usage: ``python plugins/megatron/bench/two_gpu.py --part tp_train --out DIR --results FILE
 [--device cuda|cpu] [--steps N]`` (``--device cpu`` runs the same code with gloo on tiny sizes).
@@ -269,6 +281,126 @@ def part_logprobs(args: argparse.Namespace) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------- DP = 2 ----------
+
+#: five sequences of uneven lengths and a token budget of 12 a micro-batch: two data-parallel
+#: replicas split them 3 + 2, each over several micro-batches (plugins/megatron/tests/parallel_worker.py)
+DP_SEQS = [[3, 4, 5, 13, 6], [7, 7, 13], [10, 9, 8, 7, 6, 13, 2], [5, 6, 7, 8], [2, 3, 13, 4, 4, 9]]
+DP_PROMPT_LENS = [1, 1, 2, 2, 1]
+DP_MICRO_BATCH_TOKENS = 12
+#: fp32 with TF32 off: the replicas compute the one-rank step up to summation order (each
+#: replica's gradient sum, then the all-reduce; cuBLAS may pick other kernels for other batch
+#: shapes), ~1e-7 relative on O(1) log-probs and O(0.1) gradients: 1e-5 absolute is the bound
+#: test_parallel.py holds on CPU, 1e-5 relative on the gradient norm
+DP_TOLERANCE = 1e-5
+
+
+def _dp_rank(rank: int, world: int, port: int, device: str, model_dir: str, result: str) -> dict:
+    """One step the way the trainer does it through the model-parallel rank strategy (this
+    replica's micro-batches, log-probs reduced over the replicas, a fixed loss normalised by the
+    whole batch's loss tokens, gradients reduced), then one optimizer step; rank 0 saves the
+    log-probs, the loss, the gradient norm and every gradient (HF names)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from rlcore.batch import PackedBatch
+    from rlcore.heads import reference_logprobs
+    from rlcore.parallel.model_parallel import ModelParallel
+    from rlcore.parallel.worker import init_distributed
+    from rlcore.ranks import TorchRanks
+    from rlcore.types import HeadInput
+    from rlcore_megatron.engine import HFSource, MegatronEngine
+    from rlcore_megatron.weights import export_hf
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    init_distributed(rank, world, f"127.0.0.1:{port}", device, 120)
+    try:
+        engine = MegatronEngine(HFSource.from_dir(model_dir), device=device)
+        strategy = ModelParallel(TorchRanks(), splits_samples=True)
+        strategy.built(engine, None)
+        batch = PackedBatch.pack(DP_SEQS, DP_PROMPT_LENS).to(engine.device)
+        weights = torch.linspace(0.5, 1.5, batch.num_tokens, device=engine.device)
+        engine.setup_optimizer(SimpleNamespace(lr=1e-2, betas=[0.9, 0.99], weight_decay=0.0))
+        engine.train(True)
+        engine.zero_grad()
+        logprobs = torch.zeros(batch.num_tokens, device=engine.device)
+        loss_total = torch.zeros((), device=engine.device)
+        mbs = strategy.micro_batches(batch, DP_MICRO_BATCH_TOKENS)
+        for mb in mbs:
+            out = engine.forward(mb)
+            hw = engine.head()
+            lp = reference_logprobs(HeadInput(hidden=out.hidden, weight=hw.weight, labels=mb.labels(),
+                                              vocab=hw.vocab, loss_mask=mb.loss_mask)).logprobs
+            start = mb.token_offset - batch.token_offset
+            logprobs[start: start + mb.num_tokens] = lp.detach()
+            loss = -(lp * weights[start: start + mb.num_tokens]).sum() / batch.num_loss_tokens
+            loss.backward()
+            loss_total += loss.detach()
+        strategy.reduce_logprobs(logprobs)
+        strategy.reduce_gradients(engine.parameters())
+        if world > 1:
+            dist.all_reduce(loss_total)
+        norm = engine.optimizer_step(grad_clip=0.0)
+        grads = {n: t.detach().float().cpu().clone() for n, t in export_hf(
+            [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in engine.named_parameters()],
+            engine.names)}
+        share = sorted({mb.seq_offset + i for mb in mbs for i in range(mb.num_seqs)})
+        if rank == 0:
+            torch.save({"logprobs": logprobs.cpu(), "grads": grads}, result)
+        return {"loss": float(loss_total), "grad_norm": float(norm), "share": share, "micro_batches": len(mbs),
+                "layout": dict(engine.parallel_layout())}
+    finally:
+        dist.destroy_process_group()
+
+
+def part_dp2_equal(args: argparse.Namespace) -> dict:
+    """Megatron DP=2 (two ranks, TP=1) against one rank with the whole batch, fp32: log-probs,
+    loss, gradient norm and every gradient after the data-parallel reduction."""
+    from rlcore.testing.models import make_model_dir
+
+    work = Path(args.out)
+    model = make_model_dir(work / "dense_hf", "qwen2", **DENSE)
+    out: dict = {"errors": [], "tolerance": DP_TOLERANCE, "dtype": "float32, TF32 off"}
+    runs: dict[int, dict] = {}
+    for world in (1, 2):
+        path = work / f"dp_world{world}.pt"
+        got, err = spawn(_dp_rank, world, args.device, (args.device, str(model), str(path)), timeout_s=150)
+        out["errors"] += [f"world {world}: {e}" for e in err]
+        if len(got) == world and path.is_file():
+            runs[world] = {"ranks": sorted(got, key=lambda g: g["rank"]), **torch.load(path)}
+            out[f"world{world}"] = runs[world]["ranks"]
+        Path(args.results).write_text(json.dumps(dict(out, part="dp2_equal", partial=True), default=str))
+    if 1 in runs and 2 in runs:
+        one, two = runs[1], runs[2]
+        lp = float((one["logprobs"] - two["logprobs"]).abs().max())
+        grad = max(float((one["grads"][k] - two["grads"][k]).abs().max()) for k in one["grads"])
+        n1, n2 = one["ranks"][0]["grad_norm"], two["ranks"][0]["grad_norm"]
+        l1, l2 = one["ranks"][0]["loss"], two["ranks"][0]["loss"]
+        out["compare"] = {
+            "tokens": int(one["logprobs"].numel()), "tensors": len(one["grads"]),
+            "same_gradient_names": set(one["grads"]) == set(two["grads"]),
+            "max_abs_logprob_diff": lp, "max_abs_grad_diff": grad,
+            "loss": [l1, l2], "loss_abs_diff": abs(l1 - l2),
+            "grad_norm": [n1, n2], "grad_norm_rel_diff": abs(n1 - n2) / n1,
+            "shares": [r["share"] for r in two["ranks"]], "layout": two["ranks"][0]["layout"],
+        }
+        out["equal_within_tolerance"] = (lp < DP_TOLERANCE and grad < DP_TOLERANCE
+                                         and abs(l1 - l2) < DP_TOLERANCE and abs(n1 - n2) < DP_TOLERANCE * n1
+                                         and set(one["grads"]) == set(two["grads"]))
+        if not out["equal_within_tolerance"]:
+            out["errors"].append(f"DP=2 differs from one rank beyond {DP_TOLERANCE}: {out['compare']}")
+    return out
+
+
+def part_dp2_train(args: argparse.Namespace) -> dict:
+    """GRPO with megatron DP=2 (TP=1 on two ranks: each replica trains on half the step's samples,
+    gradients all-reduced; the writer's local rollout), fp32, the per-phase step table."""
+    tiny = [f"engine.model.tiny.{k}={v}" for k, v in DENSE.items()]
+    return train_part(args, "dp2_train", tiny + [f"training.steps={args.steps}", "rollout.n=8",
+                                                  "data.prompts_per_step=16", "sync.bucket_mb=1"])
+
+
 # ------------------------------------------------------------------------ training -------
 
 def _measured_trainer(base: type, q_info: dict) -> type:
@@ -319,6 +451,8 @@ def _measured_trainer(base: type, q_info: dict) -> type:
 
         def _push(self, version: int) -> Any:
             cuda = self._device.type == "cuda"
+            if UNVERIFIED_FROM and version >= UNVERIFIED_FROM and getattr(self.sync, "verify", False):
+                self.sync.verify = False  # the same run's later pushes without checksums (coverage only)
             if BREAKDOWN:
                 _timed_receiver(self.backend, self._device.type)
                 _PHASES.update(dict.fromkeys(_PHASES, 0.0))
@@ -331,7 +465,11 @@ def _measured_trainer(base: type, q_info: dict) -> type:
             if cuda:
                 torch.cuda.synchronize()
             row = {"version": version, "seconds": time.perf_counter() - t0, "bytes": int(report.bytes),
-                   "buckets": int(report.num_buckets)}
+                   "buckets": int(report.num_buckets), "verified": bool(getattr(report, "verified", False)),
+                   "level": (getattr(report, "details", None) or {}).get("level")}
+            sync_phases = (getattr(report, "details", None) or {}).get("phases")
+            if sync_phases:  # the sync's own host-time phases, where it reports them
+                row["sync_phases"] = dict(sync_phases)
             if BREAKDOWN:
                 row["phases"] = dict(_PHASES)
                 row["phases"]["rest"] = row["seconds"] - sum(_PHASES.values())
@@ -339,13 +477,17 @@ def _measured_trainer(base: type, q_info: dict) -> type:
                 row.update(allocated_before=base_alloc, peak_extra_bytes=torch.cuda.max_memory_allocated() - base_alloc,
                            allocated_after=torch.cuda.memory_allocated())
             q_info["pushes"].append(row)
+            _dump(q_info)  # a part stopped at its time limit keeps every rank's readings so far
             if version == int(self.cfg.training.steps):  # after the timed last push
                 inner = getattr(self.backend, "inner", None)
                 if inner is not None and hasattr(inner, "_views"):  # the writer's local rollout
                     # the batched checksums (one kernel) the pushes were verified with, against the
                     # per-tensor reference on every tensor the rollout holds
-                    from rlcore.checksums import ChecksumPlan, tensor_checksum
-
+                    try:
+                        from rlcore.checksums import ChecksumPlan, tensor_checksum
+                    except ImportError as exc:  # the core's checksums changed shape: not this bench's check
+                        q_info["checksum_plan_check"] = {"skipped": str(exc)}
+                        return report
                     views = list(inner._views.values())
                     plan = ChecksumPlan(views)
                     batched = plan.compute()
@@ -354,6 +496,12 @@ def _measured_trainer(base: type, q_info: dict) -> type:
                         "tensors": len(views), "backend": plan.backend, "equal": batched == reference,
                         "differ": sum(a != b for a, b in zip(batched, reference, strict=True))}
             return report
+
+        def _checkpoint_final(self, wall: float) -> None:
+            if NO_FINAL_CHECKPOINT:  # the sync parts measure pushes; a 2 GB model's shards cost ~40 s
+                q_info["final_checkpoint"] = "skipped by the bench (TWO_GPU_NO_FINAL_CHECKPOINT=1)"
+                return
+            super()._checkpoint_final(wall)
 
         def run(self) -> Any:
             summary = super().run()
@@ -368,9 +516,22 @@ def _measured_trainer(base: type, q_info: dict) -> type:
             if self._device.type == "cuda":
                 torch.cuda.synchronize()
             q_info["export_only"] = {"bytes": total, "seconds": time.perf_counter() - t0}
+            _dump(q_info)
             return summary
 
     return MeasuredTrainer
+
+
+#: ``TWO_GPU_UNVERIFIED_FROM=v``: pushes from version v on run with ``sync.verify`` off (the sync
+#: object's own flag), so one run measures verified and unverified pushes of the same model
+UNVERIFIED_FROM = int(os.environ.get("TWO_GPU_UNVERIFIED_FROM", "0") or 0)
+NO_FINAL_CHECKPOINT = os.environ.get("TWO_GPU_NO_FINAL_CHECKPOINT") == "1"
+
+
+def _dump(info: dict) -> None:
+    path = info.get("dump_path")
+    if path:
+        Path(path).write_text(json.dumps(info, default=str))
 
 
 #: ``--breakdown``: every phase of a push is timed (with a GPU synchronisation after each, so the
@@ -401,17 +562,17 @@ def _timed_receiver(backend: Any, device: str) -> None:
         inner.receive_bucket = _timed(inner.receive_bucket, "receive_bucket", device)
         inner.commit_update = _timed(inner.commit_update, "commit", device)
         inner.weight_checksums = _timed(inner.weight_checksums, "receiver_checksums", device)
-    if not getattr(Bucket.checksums, "timed", False):
+    if hasattr(Bucket, "checksums") and not getattr(Bucket.checksums, "timed", False):
         Bucket.checksums = _timed(Bucket.checksums, "sender_checksums", device)
 
 
-def _train_rank(rank: int, world: int, port: int, overrides: list[str]) -> dict:
+def _train_rank(rank: int, world: int, port: int, overrides: list[str], dump_dir: str) -> dict:
     import rlcore.trainer
     from rlcore.parallel.worker import config_yaml, run_rank
     from rlcore.stack import load_stack
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    info: dict = {}
+    info: dict = {"rank": rank, "dump_path": str(Path(dump_dir) / f"rank{rank}.json")}
     rlcore.trainer.Trainer = _measured_trainer(rlcore.trainer.Trainer, info)
     stack = load_stack(str(EXAMPLE), overrides)
     t0 = time.perf_counter()
@@ -432,10 +593,18 @@ def _median(xs: list[float]) -> float | None:
 def train_part(args: argparse.Namespace, name: str, overrides: list[str]) -> dict:
     out_dir = Path(args.out) / name
     ov = RUN + [f"engine.device={args.device}", f"output.dir={out_dir}"] + overrides
+    dump_dir = Path(args.out) / f"{name}_ranks"
+    dump_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    got, err = spawn(_train_rank, 2, args.device, (ov,), timeout_s=float(args.rank_timeout))
+    got, err = spawn(_train_rank, 2, args.device, (ov, str(dump_dir)), timeout_s=float(args.rank_timeout))
     res: dict = {"overrides": ov, "wall_seconds": time.perf_counter() - t0, "errors": err,
                  "ranks": sorted(got, key=lambda g: g["rank"])}
+    if len(got) < 2:  # a rank that did not finish: what it wrote after its last push
+        done = {g["rank"] for g in got}
+        for path in sorted(dump_dir.glob("rank*.json")):
+            info = json.loads(path.read_text())
+            if info.get("rank") not in done:
+                res["ranks"].append(dict(info, unfinished=True))
     metrics = out_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
     res["metrics"] = rows
@@ -488,18 +657,54 @@ def part_fused_tp_train(args: argparse.Namespace) -> dict:
         f"training.steps={args.steps}", "rollout.n=8", "data.prompts_per_step=16", "sync.bucket_mb=1"])
 
 
-def _sync_big(args: argparse.Namespace, name: str, variant: list[str], layers_factor: int = 1) -> dict:
+def _sync_big(args: argparse.Namespace, name: str, variant: list[str], layers_factor: int = 1,
+              steps: int = 3) -> dict:
     big = dict(BIG if args.device == "cuda" else BIG_CPU)
     big["num_layers"] *= layers_factor
     bucket = 64 if args.device == "cuda" else 0.25  # two buckets (128 MiB) << the model (690 MiB)
     tiny = [f"engine.model.tiny.{k}={v}" for k, v in big.items()]
     dtype = args.big_dtype
+    # the pushes are measured, not the final save: no HF export, no final checkpoint (the ranks inherit)
+    os.environ["TWO_GPU_NO_FINAL_CHECKPOINT"] = "1"
     res = train_part(args, name, tiny + [
-        f"engine.model.dtype={dtype}", "megatron.tensor_parallel_size=2", "training.steps=3", "rollout.n=4",
-        "data.prompts_per_step=4", f"sync.bucket_mb={bucket}", "engine.model.tiny.init_std=0.02"] + variant)
+        f"engine.model.dtype={dtype}", "megatron.tensor_parallel_size=2", f"training.steps={steps}", "rollout.n=4",
+        "data.prompts_per_step=4", f"sync.bucket_mb={bucket}", "engine.model.tiny.init_std=0.02",
+        "output.export_hf=never"] + variant)
     res["bucket_MiB"] = bucket
     res["variant"] = variant
+    res["pushes"] = push_summary(res)
     return res
+
+
+def push_summary(res: dict) -> dict:
+    """The writer's pushes: GB/s of each (bytes / the push's wall time around the trainer's
+    ``_push``, and / the trainer's ``sync_seconds``), the medians of the verified pushes after the
+    first and of the unverified ones, every rank's peak extra memory, the sync's phases."""
+    ranks = {g.get("rank"): g for g in res.get("ranks", [])}
+    writer = (ranks.get(0) or {}).get("pushes") or []
+    sync_s = {r.get("weight_version"): r.get("sync_seconds") for r in res.get("metrics", [])}
+    rows = []
+    for p in writer:
+        row = {"version": p["version"], "verified": p.get("verified"), "level": p.get("level"),
+               "bytes": p["bytes"], "buckets": p["buckets"], "push_s": p["seconds"],
+               "GBps": p["bytes"] / p["seconds"] / 1e9 if p["seconds"] else None}
+        if sync_s.get(p["version"]):
+            row["sync_seconds"] = sync_s[p["version"]]
+            row["GBps_sync_seconds"] = p["bytes"] / sync_s[p["version"]] / 1e9
+        row["sync_phases"] = p.get("sync_phases")
+        row["phases"] = p.get("phases")
+        rows.append(row)
+    verified = [r for r in rows if r["verified"]]
+    unverified = [r for r in rows if not r["verified"]]
+    return {
+        "rows": rows,
+        "verified_after_first_GBps_median": _median([r["GBps"] for r in verified[1:]]),
+        "unverified_GBps_median": _median([r["GBps"] for r in unverified]),
+        "levels": sorted({str(r["level"]) for r in rows}),
+        "peak_extra_MiB": {f"rank{k}": [round(p.get("peak_extra_bytes", 0) / MIB, 1) for p in (g.get("pushes") or [])]
+                           for k, g in sorted(ranks.items(), key=lambda kv: str(kv[0]))},
+        "model_bytes": writer[-1]["bytes"] if writer else None,
+    }
 
 
 def part_sync_big(args: argparse.Namespace) -> dict:
@@ -517,6 +722,16 @@ def part_sync_large_in_place(args: argparse.Namespace) -> dict:
     return _sync_big(args, "sync_large_in_place", ["rollout.local_update=in_place"], layers_factor=3)
 
 
+def part_sync_large(args: argparse.Namespace) -> dict:
+    """In place on the 2.2 GB model: ``--big-steps`` pushes verified (coverage+exact), then
+    ``--unverified-pushes`` more of the same run with ``sync.verify`` off."""
+    verified = max(2, int(args.big_steps))
+    if args.unverified_pushes:
+        os.environ["TWO_GPU_UNVERIFIED_FROM"] = str(verified + 1)  # the ranks inherit it
+    return _sync_big(args, "sync_large", ["rollout.local_update=in_place"], layers_factor=3,
+                     steps=verified + int(args.unverified_pushes))
+
+
 def part_sync_big_breakdown(args: argparse.Namespace) -> dict:
     """In place and verified, every phase of the push timed (``TWO_GPU_BREAKDOWN=1`` in the ranks)."""
     os.environ["TWO_GPU_BREAKDOWN"] = "1"  # the spawned ranks inherit it
@@ -531,7 +746,8 @@ def part_sync_big_unverified(args: argparse.Namespace) -> dict:
 PARTS = {"d2d": part_d2d, "logprobs": part_logprobs, "tp_train": part_tp_train, "ep_mtp_train": part_ep_mtp_train,
          "fused_tp_train": part_fused_tp_train, "sync_big": part_sync_big,
          "sync_big_in_place": part_sync_big_in_place, "sync_big_unverified": part_sync_big_unverified,
-         "sync_big_breakdown": part_sync_big_breakdown, "sync_large_in_place": part_sync_large_in_place}
+         "sync_big_breakdown": part_sync_big_breakdown, "sync_large_in_place": part_sync_large_in_place,
+         "sync_large": part_sync_large, "dp2_equal": part_dp2_equal, "dp2_train": part_dp2_train}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -543,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--big-dtype", default="bfloat16", help="sync_big's model dtype")
     p.add_argument("--rank-timeout", type=float, default=240)
+    p.add_argument("--big-steps", type=int, default=4, help="sync_large: verified pushes")
+    p.add_argument("--unverified-pushes", type=int, default=3, help="sync_large: unverified pushes after them")
     args = p.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
