@@ -48,6 +48,9 @@ def step_table(rows: list[dict]) -> list[dict]:
     for r in rows:
         row = {"step": r.get("step")}
         row.update({k: r[k] for k in PHASES + ALSO if k in r})
+        # under Ray the replica's own metrics come as rollout/replica{i}_<name>: one replica here
+        row.update({k: r[f"rollout/replica0_{k.removeprefix('rollout/')}"] for k in PHASES + ALSO
+                    if k.startswith("rollout/") and k not in r and f"rollout/replica0_{k.removeprefix('rollout/')}" in r})
         row.update({k: v for k, v in r.items() if k.startswith(PREFIXES)})
         if r.get("sync_seconds"):
             row["sync_GB_per_s"] = r.get("sync_bytes", 0) / r["sync_seconds"] / 1e9
