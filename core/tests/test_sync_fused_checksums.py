@@ -21,6 +21,7 @@ from rlcore.sync import Bucket, iter_buckets
 from rlcore.testing.conformance import hf_export
 from rlcore.testing.models import make_model_dir
 from rlcore.weight_sync import InprocSync
+from torch.multiprocessing.reductions import StorageWeakRef
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,16 +107,17 @@ def test_landing_sums_equal_a_fresh_read_of_the_weights(dirs, update):
 
 
 class _BucketCounter(LocalRollout):
-    """Counts, at every bucket received, the earlier buckets still alive somewhere."""
+    """Counts, at every bucket received, the earlier buckets whose storage is still alive (held by
+    anything: a bucket object, a view, queued work)."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.seen: list[weakref.ref] = []
+        self.seen: list[tuple[weakref.ref, StorageWeakRef]] = []
         self.alive_max = 0
 
     def receive_bucket(self, bucket: Bucket) -> None:
-        self.alive_max = max(self.alive_max, sum(r() is not None for r in self.seen))
-        self.seen.append(weakref.ref(bucket))
+        self.alive_max = max(self.alive_max, sum(not s.expired() for _, s in self.seen))
+        self.seen.append((weakref.ref(bucket), StorageWeakRef(bucket.buffer.untyped_storage())))
         super().receive_bucket(bucket)
 
 
@@ -128,6 +130,7 @@ def test_pending_checksums_keep_no_bucket_alive(dirs):
     report = InprocSync(bucket_bytes=16 * 1024).push(hf_export(dirs["b"]), backend, 1)
     assert report.num_buckets >= 10 and report.details["level"] == "coverage+exact"
     assert backend.alive_max == 0
+    assert all(r() is None and s.expired() for r, s in backend.seen)  # and none outlives the push
 
 
 def test_a_run_writes_the_push_phases(tmp_path):
