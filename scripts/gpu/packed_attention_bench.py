@@ -47,6 +47,7 @@ FP32_LOGPROB_TOL = 1e-3
 FP32_GRAD_TOL = 1e-3
 BF16_RATIO = 1.5
 BF16_SLACK = 1e-3
+PATHS = ("padded", "packed")
 
 
 def spread_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -164,51 +165,47 @@ def kernel_check(lengths: list[int], device: str, heads: int, kv_heads: int, hea
 
 
 class HFFamily:
+    """Engines of one path at a time (one model on the GPU at a time), all from the same weights."""
+
     name = "hf"
 
     def __init__(self, size, device):
         self.size, self.device = size, device
+        self._cpu: dict = {}
 
-    def engines(self, dtype):
+    def cpu_model(self, dtype):
+        if dtype not in self._cpu:
+            self._cpu[dtype] = hf_model(self.size, dtype, "cpu")
+        return self._cpu[dtype]
+
+    def engine(self, dtype, path):
+        import copy
+
         from rlcore.engines.hf import HFEngine
 
-        model = hf_model(self.size, dtype, self.device)
-        return {"padded": HFEngine(model, None, self.device, "padded"),
-                "packed": HFEngine(model, None, self.device, "packed")}
-
-    @staticmethod
-    def path(engine):
-        return engine.attention_path
+        return HFEngine(copy.deepcopy(self.cpu_model(dtype)), None, self.device, path)
 
     @staticmethod
     def params(engine):
         return [p for p in engine.model.parameters() if p.requires_grad]
 
 
-class MegatronFamily:
+class MegatronFamily(HFFamily):
     name = "megatron"
 
-    def __init__(self, size, device):
-        self.size, self.device = size, device
-
-    def engines(self, dtype):
+    def engine(self, dtype, path):
         from rlcore_megatron.engine import HFSource, MegatronEngine
         from rlcore_megatron.settings import MegatronSettings
 
-        model = hf_model(self.size, dtype, "cpu")
-        source = HFSource.from_model(model, None)
+        source = HFSource.from_model(self.cpu_model(dtype), None)
         dt = str(dtype).removeprefix("torch.")
-        padded = MegatronEngine(source, MegatronSettings(attention="local"), device=self.device, dtype=dt)
-        # auto: THD on CUDA (Transformer Engine where installed, else torch varlen); on CPU the
-        # THD path is only reachable by rebuilding the model (see thd_on_cpu)
-        packed = MegatronEngine(source, MegatronSettings(attention="auto"), device=self.device, dtype=dt)
-        if packed.attention_path != "thd":
-            thd_on_cpu(packed)
-        return {"padded": padded, "packed": packed}
-
-    @staticmethod
-    def path(engine):
-        return engine.attention_path
+        # packed: megatron.attention=auto, THD on CUDA (Transformer Engine where installed, else
+        # torch varlen); on CPU the THD path is only reachable by rebuilding the model (thd_on_cpu)
+        settings = MegatronSettings(attention="local" if path == "padded" else "auto")
+        engine = MegatronEngine(source, settings, device=self.device, dtype=dt)
+        if path == "packed" and engine.attention_path != "thd":
+            thd_on_cpu(engine)
+        return engine
 
     @staticmethod
     def params(engine):
@@ -264,57 +261,56 @@ def bench_family(family, args, lens, check_lens) -> dict:
     check_groups = micro_batches(check_lens, args.check_mb_tokens)
     res: dict = {"micro_batches": len(groups), "padded_tokens": sum(len(gr) * max(lens[i] for i in gr) for gr in groups)}
     equality: dict = {}
+
+    def free():
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
     # fp32 reference and fp32 equality (TF32 off: the reference must be fp32 arithmetic)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    engines = family.engines(torch.float32)
     fp32 = {}
-    for path, eng in engines.items():
+    for path in PATHS:
+        eng = family.engine(torch.float32, path)
         fp32[path] = run_pass(fwd_of(eng), head_of(eng), check, check_groups, family.params(eng))
-        for p in family.params(eng):
-            p.grad = None
-    equality["fp32_backend_packed"] = backend_of(family, engines["packed"], torch.float32, device)
+        if path == "packed":
+            equality["fp32_backend_packed"] = backend_of(family, eng, torch.float32, device)
+        del eng
+        free()
     equality["fp32_packed_vs_padded"] = compare(*fp32["packed"], *fp32["padded"])
     ref = fp32["padded"]
-    del engines, fp32
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    # bf16: equality against the fp32 reference, then speed and memory
-    engines = family.engines(torch.bfloat16)
-    bf16 = {}
-    for path, eng in engines.items():
+    del fp32
+    # bf16, one engine at a time: equality against the fp32 reference, then speed and memory
+    bf16: dict = {}
+    res["paths"] = {}
+    for path in PATHS:
+        eng = family.engine(torch.bfloat16, path)
         bf16[path] = run_pass(fwd_of(eng), head_of(eng), check, check_groups, family.params(eng))
         for p in family.params(eng):
             p.grad = None
-    equality["bf16_packed_vs_padded"] = compare(*bf16["packed"], *bf16["padded"])
-    equality["bf16_padded_vs_fp32"] = compare(*bf16["padded"], *ref)
-    equality["bf16_packed_vs_fp32"] = compare(*bf16["packed"], *ref)
-    del bf16, ref
-    e32 = equality["fp32_packed_vs_padded"]
-    pk, pd = equality["bf16_packed_vs_fp32"], equality["bf16_padded_vs_fp32"]
-    equality["fp32_pass"] = e32["max_abs_logprob"] <= FP32_LOGPROB_TOL and e32["grad_rel"] <= FP32_GRAD_TOL
-    equality["bf16_pass"] = (pk["mean_abs_logprob"] <= BF16_RATIO * pd["mean_abs_logprob"] + BF16_SLACK
-                             and pk["grad_rel"] <= BF16_RATIO * pd["grad_rel"] + BF16_SLACK)
-    res["equality"] = equality
-    res["paths"] = {}
-    for path, eng in engines.items():
+        free()
         try:
             r = timed(fwd_of(eng), head_of(eng), seqs, groups, family.params(eng), args.iters, device)
         except torch.OutOfMemoryError as exc:  # reported, and the other path still runs
             r = {"seconds": None, "tokens_per_s": None, "peak_gib": None, "error": f"out of memory: {exc}"[:300]}
             for p in family.params(eng):
                 p.grad = None
-            gc.collect()
-            torch.cuda.empty_cache()
-        r["attention_path"] = family.path(eng)
+        r["attention_path"] = eng.attention_path
         r["backend"] = backend_of(family, eng, torch.bfloat16, device)
         res["paths"][path] = r
         print(f"[{family.name}] {path}: {r}", flush=True)
-    del engines
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+        del eng
+        free()
+    equality["bf16_packed_vs_padded"] = compare(*bf16["packed"], *bf16["padded"])
+    equality["bf16_padded_vs_fp32"] = compare(*bf16["padded"], *ref)
+    equality["bf16_packed_vs_fp32"] = compare(*bf16["packed"], *ref)
+    e32 = equality["fp32_packed_vs_padded"]
+    pk, pd = equality["bf16_packed_vs_fp32"], equality["bf16_padded_vs_fp32"]
+    equality["fp32_pass"] = e32["max_abs_logprob"] <= FP32_LOGPROB_TOL and e32["grad_rel"] <= FP32_GRAD_TOL
+    equality["bf16_pass"] = (pk["mean_abs_logprob"] <= BF16_RATIO * pd["mean_abs_logprob"] + BF16_SLACK
+                             and pk["grad_rel"] <= BF16_RATIO * pd["grad_rel"] + BF16_SLACK)
+    res["equality"] = equality
     return res
 
 
