@@ -11,9 +11,11 @@ for MTP hidden states.
 **Packed forward.** A :class:`~rlcore.batch.PackedBatch` runs one of two ways
 (:attr:`MegatronEngine.attention_path` says which; :mod:`.layout`):
 
-* ``thd`` (Transformer Engine present): input ``[1, T]`` with ``PackedSeqParams(qkv_format="thd")``
-  built from the batch's raw and padded ``cu_seqlens``; RoPE restarts per sequence inside TE.
-* ``padded`` (no TE: CI, and the GPU machine this project tests on): megatron's local attention
+* ``thd`` (any CUDA device): input ``[1, T]`` with ``PackedSeqParams(qkv_format="thd")`` built
+  from the batch's raw and padded ``cu_seqlens``; attention by Transformer Engine where installed,
+  else :class:`rlcore_megatron.varlen_attention.VarlenDotProductAttention` (torch's varlen
+  kernel); :attr:`MegatronEngine.thd_backend` says which.
+* ``padded`` (CPU, or ``megatron.attention=local``): megatron's local attention
   rejects ``PackedSeqParams``, and megatron computes RoPE from positions ``0..s-1`` of its input,
   so each sequence becomes a row of a ``[B, L]`` batch (``L`` = the longest padded sequence),
   which restarts positions per sequence; a causal mask keeps every real token from seeing the
@@ -160,7 +162,7 @@ class MegatronEngine:
         if self.pipe is None:
             built = build_model(self.spec, s, self.par, self.padded_vocab, self.attention_path, self.device,
                                 self.dtype)
-            self.config, self.mtp = built.config, built.mtp
+            self.config, self.mtp, self.thd_backend = built.config, built.mtp, built.thd_backend
             return [built.model], [0]
         pp = self.pipe.pp
         cuts = chunk_layers(self.spec.num_layers, pp * s.virtual_pipeline_stages)
@@ -172,7 +174,7 @@ class MegatronEngine:
                                 post_process=c == len(cuts) - 1)
             chunks.append(built.model)
             offsets.append(first)
-        self.config, self.mtp = built.config, None
+        self.config, self.mtp, self.thd_backend = built.config, None, built.thd_backend
         return chunks, offsets
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:

@@ -43,7 +43,9 @@ class MegatronSettings:
       ``s, s + pp, ...``). Dense models without MTP layers or tied embeddings; PPO's critic
       runs beside them (its value head on the last stage, :mod:`.value`).
     * ``sequence_parallel``: only with Transformer Engine (the THD path).
-    * ``attention``: ``auto`` (THD with Transformer Engine on CUDA, else padded rows), ``te``, ``local``.
+    * ``attention``: ``auto`` (THD on CUDA: Transformer Engine where installed, else torch's varlen
+      kernel through :mod:`rlcore_megatron.varlen_attention`; padded rows on CPU), ``te``, ``local``
+      (padded rows).
     * ``token_dispatcher``: ``allgather`` (any device) or ``alltoall`` (CUDA).
     * ``moe_aux_loss_coeff``: megatron's load-balancing loss (0: off, the RL default).
     * ``vocab_size_divisible_by``: the embedding and LM head are padded to a multiple of this ×
