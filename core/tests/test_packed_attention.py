@@ -148,3 +148,13 @@ class TestPackedHFEngineConformance(EngineConformance):
     @classmethod
     def engine_factory(cls):
         return lambda d: HFEngine.from_pretrained(d, attention="packed")
+
+
+def test_a_run_resumes_with_the_other_attention_path():
+    """Packed and padded rows compute the same attention (summed in another order), so a run
+    trained with one may resume with the other, as with ``engine.device``."""
+    from rlcore.config import training_fingerprint
+
+    padded, _ = load_config(None, ["engine.attention=padded"])
+    packed, _ = load_config(None, ["engine.attention=packed"])
+    assert training_fingerprint(padded) == training_fingerprint(packed)

@@ -510,6 +510,7 @@ FINGERPRINT_EXCLUDED = (
     "sync.bucket_mb",
     "sync.verify",
     "engine.device",
+    "engine.attention",  # packed or padded rows: the same attention, summed in another order
     "cluster.",  # where ranks run; data-parallel ranks hold the same weights, so any size resumes
 )
 
