@@ -10,6 +10,7 @@ excluded, 0 log-prob / entropy and no gradient at masked positions, entropy as
 * a backend computes one packed ``(max, Σexp, Σexp·(z−max), target logit)`` record per token
   over this rank's vocab rows; under vocab sharding one all-gather of that record is the whole
   exchange (:mod:`rlcore_fused.softmax_stats`);
+* ``Σπ²`` (when asked) is one more row of that record, ``Σ e^{2(z−m)}``, merged with the others;
 * the backward recomputes logits from the saved inputs and the per-token ``lse`` and
   ``E_p[z]``; the hidden-state gradient is summed over the tensor-parallel group (or
   reduce-scattered under sequence parallelism) by rlcore's autograd collectives.
@@ -30,7 +31,7 @@ from rlcore.errors import BatchShapeError, RLCoreError
 from rlcore.heads import check_head_input
 from rlcore.types import HeadInput, HeadOutput, VocabShard
 
-from rlcore_fused.softmax_stats import exchange_records, finalize
+from rlcore_fused.softmax_stats import exchange_records, finalize, sum_pi_squared
 from rlcore_fused.torch_backend import TorchKernels
 from rlcore_fused.tuning import BACKENDS, TritonConfig
 
@@ -40,14 +41,17 @@ class FusedBackendError(RLCoreError, RuntimeError):
 
 
 class _FusedLogprobEntropy(torch.autograd.Function):
-    """(compacted hidden [N, H], weight [V_local, H]) → (logprob [N], entropy [N]) in fp32."""
+    """(compacted hidden [N, H], weight [V_local, H]) → (logprob [N], entropy [N]) in fp32, and
+    Σπ² [N] (no gradient; zeros unless ``compute_sum_sq``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, labels_local, inv_temp, valid_rows, group, compute_entropy, kernels):
+    def forward(ctx, x, weight, labels_local, inv_temp, valid_rows, group, compute_entropy, kernels, compute_sum_sq):
         w_valid = weight[:valid_rows]
-        record = kernels.local_record(x, w_valid, labels_local, inv_temp, compute_entropy)
+        record = kernels.local_record(x, w_valid, labels_local, inv_temp, compute_entropy, compute_sum_sq)
         record = exchange_records(record, group)
         logprob, entropy, lse, mean_logit, target_missing = finalize(record, compute_entropy)
+        sum_sq = sum_pi_squared(record) if compute_sum_sq else torch.zeros_like(logprob)
+        ctx.mark_non_differentiable(sum_sq)
         ctx.save_for_backward(x, weight, labels_local, inv_temp, lse, mean_logit)
         ctx.valid_rows = valid_rows
         ctx.kernels = kernels
@@ -56,15 +60,15 @@ class _FusedLogprobEntropy(torch.autograd.Function):
             entropy = torch.zeros_like(logprob)
             ctx.mark_non_differentiable(entropy)
         ctx.mark_non_differentiable(target_missing)
-        return logprob, entropy, target_missing
+        return logprob, entropy, target_missing, sum_sq
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent, _g_missing=None):
+    def backward(ctx, g_lp, g_ent, _g_missing=None, _g_sum_sq=None):
         x, weight, labels_local, inv_temp, lse, mean_logit = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx_full = dw_full = None
         if g_lp is None and g_ent is None:
-            return (None,) * 8
+            return (None,) * 9
         v = ctx.valid_rows
         dx, dw = ctx.kernels.grads(
             x, weight[:v], labels_local, inv_temp, lse, mean_logit,
@@ -79,7 +83,7 @@ class _FusedLogprobEntropy(torch.autograd.Function):
             else:  # padding rows get an exact-zero gradient
                 dw_full = torch.zeros_like(weight)
                 dw_full[:v] = dw
-        return dx_full, dw_full, None, None, None, None, None, None
+        return dx_full, dw_full, None, None, None, None, None, None, None
 
 
 class _PrecomputedLoss(torch.autograd.Function):
@@ -256,13 +260,15 @@ def fused_logprobs(inp: HeadInput, kernels: Any) -> HeadOutput:
         if t <= 0:
             raise ValueError(f"temperature must be > 0, got {t}")
         inv_temp = torch.full((n,), 1.0 / t, dtype=torch.float32, device=h.device)
+    want_sq = inp.compute_sum_pi_squared
     if n == 0:
         zeros = torch.zeros(T, dtype=torch.float32, device=h.device)
         return HeadOutput(logprobs=zeros + h.sum() * 0.0 + inp.weight.sum() * 0.0,
-                          entropy=zeros.clone() if inp.compute_entropy else None)
+                          entropy=zeros.clone() if inp.compute_entropy else None,
+                          sum_pi_squared=zeros.clone() if want_sq else None)
     x = h if dense else h.index_select(0, idx)
-    lp, ent, target_missing = _FusedLogprobEntropy.apply(
-        x, inp.weight, labels - vocab.start, inv_temp, vocab.valid_rows, group, inp.compute_entropy, kernels,
+    lp, ent, target_missing, sq = _FusedLogprobEntropy.apply(
+        x, inp.weight, labels - vocab.start, inv_temp, vocab.valid_rows, group, inp.compute_entropy, kernels, want_sq,
     )
     bad = (labels < 0) | (labels >= vocab.vocab_size)
     bad_labels, missing = torch.stack([bad.any(), target_missing]).tolist()
@@ -279,9 +285,11 @@ def fused_logprobs(inp: HeadInput, kernels: Any) -> HeadOutput:
         zeros = torch.zeros(T, dtype=torch.float32, device=h.device)
         lp = zeros.index_put((idx,), lp)
         ent = zeros.index_put((idx,), ent) if inp.compute_entropy else None
-    elif not inp.compute_entropy:
-        ent = None
-    return HeadOutput(logprobs=lp, entropy=ent)
+        sq = zeros.index_put((idx,), sq.detach()) if want_sq else None
+    else:
+        ent = ent if inp.compute_entropy else None
+        sq = sq.detach() if want_sq else None
+    return HeadOutput(logprobs=lp, entropy=ent, sum_pi_squared=sq)
 
 
 @dataclass
@@ -336,9 +344,10 @@ class FusedHead:
 
     def __call__(self, inp: HeadInput) -> HeadOutput:
         kernels = self.kernels_for(inp.hidden.device)
-        if inp.loss is not None and not inp.loss.objective.loss.sequence_level:
+        if inp.loss is not None and not inp.loss.objective.loss.sequence_level and not inp.compute_sum_pi_squared:
             return fused_loss(inp, kernels)
-        # no loss request, or a sequence-level loss (declined: core forms it from the log-probs)
+        # no loss request, a sequence-level loss or Σπ² asked for beside it (declined: core forms
+        # the loss from the log-probs)
         return fused_logprobs(inp, kernels)
 
 

@@ -24,6 +24,7 @@ CAPABILITIES = frozenset({
     Cap.SEQUENCE_PARALLEL,
     Cap.MASK_SKIPS_COMPUTE,
     Cap.FUSED_LOSS,
+    Cap.SUM_PI_SQUARED,
 })
 
 

@@ -7,7 +7,11 @@ A record is a ``[4, N]`` fp32 tensor over the N computed tokens, for some subset
 * ``m``  the max logit over the subset (``NEG_BIG`` for an empty subset),
 * ``s``  ``Σ e^{z-m}``  (0 for an empty subset),
 * ``w``  ``Σ e^{z-m} (z-m)``  — the entropy numerator, shifted so that it has no cancellation,
-* ``t``  the target token's logit if the target is in the subset, else ``NEG_BIG``.
+* ``t``  the target token's logit if the target is in the subset, else ``NEG_BIG``,
+
+and, when ``Σπ²`` is asked for (:attr:`rlcore.types.HeadInput.compute_sum_pi_squared`), a fifth row
+
+* ``q``  ``Σ e^{2(z-m)}``, so that ``Σ_v π(v)² = Q / S²`` once merged (every term ≤ 1: no overflow).
 
 Merging needs only a max-rescale, so one all-gather of the ``[4, N]`` record is the whole
 tensor-parallel exchange (not per-split maxima, not separate MAX and SUM all-reduces).
@@ -28,22 +32,24 @@ LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
 
-def empty_record(n: int, device: torch.device) -> torch.Tensor:
-    """The record of an empty vocabulary subset (a rank holding only padding rows)."""
-    rec = torch.zeros(4, n, dtype=torch.float32, device=device)
+def empty_record(n: int, device: torch.device, rows: int = 4) -> torch.Tensor:
+    """The record of an empty vocabulary subset (a rank holding only padding rows); ``rows``: 5
+    with the ``q`` row."""
+    rec = torch.zeros(rows, n, dtype=torch.float32, device=device)
     rec[0] = NEG_BIG
     rec[3] = NEG_BIG
     return rec
 
 
 def merge_records(parts: torch.Tensor, base2: bool = False) -> torch.Tensor:
-    """Merge ``[P, 4, N]`` records of disjoint vocabulary subsets into one ``[4, N]`` record.
+    """Merge ``[P, 4, N]`` (or ``[P, 5, N]``) records of disjoint vocabulary subsets into one.
 
-    ``S = Σ_p s_p e^{m_p - M}`` and ``W = Σ_p e^{m_p - M} (w_p + (m_p - M) s_p)``, where
-    ``M = max_p m_p``; parts with ``s = 0`` (empty subsets) contribute nothing. ``base2`` merges
-    records whose logits are in base-2 units (the Triton kernels' splits).
+    ``S = Σ_p s_p e^{m_p - M}``, ``W = Σ_p e^{m_p - M} (w_p + (m_p - M) s_p)`` and
+    ``Q = Σ_p q_p e^{2(m_p - M)}``, where ``M = max_p m_p``; parts with ``s = 0`` (empty subsets)
+    contribute nothing. ``base2`` merges records whose logits are in base-2 units (the Triton
+    kernels' splits; their ``s`` and ``q`` are the same numbers in either unit).
     """
-    m, s, w, t = parts.unbind(1)
+    m, s, w, t = parts[:, :4].unbind(1)
     big_m = m.max(dim=0).values
     present = s > 0
     delta = torch.where(present, m - big_m, torch.zeros_like(m))
@@ -52,7 +58,10 @@ def merge_records(parts: torch.Tensor, base2: bool = False) -> torch.Tensor:
     total_s = (s * factor).sum(dim=0)
     total_w = (factor * (w + delta * s)).sum(dim=0)
     target = t.max(dim=0).values
-    return torch.stack([big_m, total_s, total_w, target])
+    merged = [big_m, total_s, total_w, target]
+    if parts.shape[1] == 5:
+        merged.append((parts[:, 4] * factor * factor).sum(dim=0))
+    return torch.stack(merged)
 
 
 def exchange_records(local: torch.Tensor, group: Any) -> torch.Tensor:
@@ -71,6 +80,11 @@ def exchange_records(local: torch.Tensor, group: Any) -> torch.Tensor:
     return merge_records(gathered)
 
 
+def sum_pi_squared(record: torch.Tensor) -> torch.Tensor:
+    """``Σ_v π(v)² = Q / S²`` ``[N]`` from a merged 5-row record."""
+    return record[4] / (record[1] * record[1])
+
+
 def finalize(record: torch.Tensor, compute_entropy: bool):
     """``(logprob, entropy, lse, mean_logit, target_missing)`` from a merged record.
 
@@ -79,7 +93,7 @@ def finalize(record: torch.Tensor, compute_entropy: bool):
     ``target_missing`` is a 0-d bool tensor, True when some target id was in no vocabulary
     subset: left on the device so that the caller checks it with its other checks in one sync.
     """
-    m, s, w, t = record.unbind(0)
+    m, s, w, t = record[:4].unbind(0)
     log_s = torch.log(s)
     lse = m + log_s
     logprob = t - lse

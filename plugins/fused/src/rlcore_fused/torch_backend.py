@@ -26,12 +26,14 @@ class TorchKernels:
             yield lo, min(lo + step, n)
 
     def local_record(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor,
-                     inv_temp: torch.Tensor, compute_entropy: bool) -> torch.Tensor:
-        """``[4, N]`` record (see :mod:`rlcore_fused.softmax_stats`) over this weight's rows."""
+                     inv_temp: torch.Tensor, compute_entropy: bool, compute_sum_sq: bool = False) -> torch.Tensor:
+        """``[4, N]`` record (``[5, N]`` with ``compute_sum_sq``: see :mod:`rlcore_fused.softmax_stats`)
+        over this weight's rows."""
         n, v = x.shape[0], w_valid.shape[0]
+        rows = 5 if compute_sum_sq else 4
         if v == 0:
-            return empty_record(n, x.device)
-        record = torch.empty(4, n, dtype=torch.float32, device=x.device)
+            return empty_record(n, x.device, rows)
+        record = torch.empty(rows, n, dtype=torch.float32, device=x.device)
         wf = w_valid.float()
         owned = (labels_local >= 0) & (labels_local < v)
         safe = labels_local.clamp(0, v - 1).long()
@@ -45,6 +47,8 @@ class TorchKernels:
             record[2, lo:hi] = (e * zs).sum(dim=1) if compute_entropy else 0.0
             target = z.gather(1, safe[lo:hi, None]).squeeze(1)
             record[3, lo:hi] = torch.where(owned[lo:hi], target, torch.full_like(target, NEG_BIG))
+            if compute_sum_sq:
+                record[4, lo:hi] = (e * e).sum(dim=1)
         return record
 
     def grads(self, x, w_valid, labels_local, inv_temp, lse, mean_logit, g_lp, g_ent, need_dx, need_dw):

@@ -196,13 +196,14 @@ class TritonKernels:
     # ---------------------------------------------------------------------- forward ------
 
     def local_record(self, x: torch.Tensor, w_valid: torch.Tensor, labels_local: torch.Tensor,
-                     inv_temp: torch.Tensor, compute_entropy: bool) -> torch.Tensor:
+                     inv_temp: torch.Tensor, compute_entropy: bool, compute_sum_sq: bool = False) -> torch.Tensor:
         self._check_device(x)
         self._check_dtypes(x, w_valid)
         n, h = x.shape
         v = w_valid.shape[0]
+        planes = 5 if compute_sum_sq else 4
         if v == 0:
-            return empty_record(n, x.device)
+            return empty_record(n, x.device, planes)
         x = x.contiguous()
         w_valid = w_valid.contiguous()
         use_tma = self._use_tma(x, w_valid)
@@ -211,7 +212,7 @@ class TritonKernels:
         num_splits = _cdiv(v, split)
         scale = (inv_temp.float() * LOG2E).contiguous()
         labels32 = labels_local.to(torch.int32).contiguous()
-        parts = torch.empty(4, num_splits, n, dtype=torch.float32, device=x.device)
+        parts = torch.empty(planes, num_splits, n, dtype=torch.float32, device=x.device)
         xs, ws = self._operands(x, w_valid, tiles, use_tma)
         grid = (_cdiv(n, tiles.block_m) * num_splits,)
         with self._device_ctx(x):
@@ -220,10 +221,11 @@ class TritonKernels:
                 n, v, h, x.stride(0), w_valid.stride(0), num_splits, split,
                 BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m,
                 USE_TMA=use_tma, DOT_PRECISION=self._precision(x), DOT_UPCAST=self._dot_upcast(x), COMPUTE_ENTROPY=compute_entropy,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                COMPUTE_SUMSQ=compute_sum_sq, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             )
         rec = merge_records(parts.transpose(0, 1), base2=True)
         # back to natural units: z = z₂·ln2, and Σe^{z-m}(z-m) = ln2·Σ2^{z₂-m₂}(z₂-m₂)
+        # (s and q need nothing: 2^{z₂-m₂} = e^{z-m})
         rec[0] *= LN2
         rec[2] *= LN2
         rec[3] = torch.where(rec[3] > NEG_BIG / 2, rec[3] * LN2, torch.full_like(rec[3], NEG_BIG))

@@ -5,8 +5,9 @@ registers:
 
 * :func:`forward_stats_kernel` — grid (token block × vocab split). Each program walks its split
   tile by tile and keeps an online softmax per token in fp32: the running max ``m``,
-  ``s = Σ e^{z-m}``, ``w = Σ e^{z-m}(z-m)`` (for the entropy) and the target logit. It writes
-  one ``(m, s, w, z_target)`` record per (split, token); the host merges the splits.
+  ``s = Σ e^{z-m}``, ``w = Σ e^{z-m}(z-m)`` (for the entropy), the target logit and, when
+  asked, ``q = Σ e^{2(z-m)}`` (for ``Σπ² = Q/S²``). It writes one ``(m, s, w, z_target[, q])``
+  record per (split, token); the host merges the splits.
 * :func:`backward_dlogits_kernel` — grid (token block × vocab tile) over one vocab chunk. It
   recomputes the logits and writes ``dL/d(x·wᵀ)`` for the chunk (in the input dtype), which the
   host then multiplies with cuBLAS into ``dX`` (fp32 accumulation over chunks) and ``dW``.
@@ -100,13 +101,15 @@ def forward_stats_kernel(
     N, V, H, stride_x, stride_w, num_splits, split_size,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    COMPUTE_SUMSQ: tl.constexpr = False,
 ):
     """Per (token block, vocab split): online base-2 softmax statistics over the split.
 
     ``scale_ptr[n] = log2(e) / temperature[n]``; ``labels_ptr[n]`` is the target's row in this
     weight (any value when the target lives elsewhere). ``stats_ptr`` is ``[4, num_splits, N]``
     fp32: max, Σ2^{z-m}, Σ2^{z-m}(z-m), target logit (NEG_BIG when not in this split), all in
-    base-2 units.
+    base-2 units; with ``COMPUTE_SUMSQ`` a fifth plane ``Σ2^{2(z-m)}`` (the same number in
+    natural units: ``2^{z₂-m₂} = e^{z-m}``), rescaled by ``α²`` as the max moves.
     """
     pid = tl.program_id(0)
     num_m = tl.cdiv(N, BM)
@@ -120,6 +123,7 @@ def forward_stats_kernel(
     m_i = tl.full((BM,), NEG_BIG, dtype=tl.float32)
     s_i = tl.zeros((BM,), dtype=tl.float32)
     w_i = tl.zeros((BM,), dtype=tl.float32)
+    q_i = tl.zeros((BM,), dtype=tl.float32)
     t_i = tl.full((BM,), NEG_BIG, dtype=tl.float32)
     col_begin = pid_s * split_size
     col_end = tl.minimum(col_begin + split_size, V)
@@ -137,6 +141,8 @@ def forward_stats_kernel(
         if COMPUTE_ENTROPY:
             # rescale the old Σe(z-m) to the new max: e^{m-m'}(w + (m-m')·s)
             w_i = alpha * (w_i + (m_i - m_new) * s_i) + tl.sum(e * zs, axis=1)
+        if COMPUTE_SUMSQ:
+            q_i = alpha * alpha * q_i + tl.sum(e * e, axis=1)
         s_i = alpha * s_i + tl.sum(e, axis=1)
         m_i = m_new
         local = label - col0
@@ -151,6 +157,8 @@ def forward_stats_kernel(
     tl.store(out + plane, s_i, mask=row_ok)
     tl.store(out + 2 * plane, w_i, mask=row_ok)
     tl.store(out + 3 * plane, t_i, mask=row_ok)
+    if COMPUTE_SUMSQ:
+        tl.store(out + 4 * plane, q_i, mask=row_ok)
 
 
 @triton.jit
