@@ -41,6 +41,7 @@ MORE = {
     "opo (PPO-clip)": ["algorithm.name=opo"],
     "grpo_passk (PPO-clip)": ["algorithm.name=grpo_passk"],
     "remax (PPO-clip)": ["algorithm.name=remax"],
+    "optimal_token_baseline (PPO-clip)": ["algorithm.name=optimal_token_baseline"],
 }
 
 
