@@ -181,9 +181,12 @@ def test_a_head_without_sum_pi_squared_is_refused_at_config_time(rlcore_plugin_m
     resolve(cfg, pm)  # grpo does not need it
 
 
-def test_the_trainer_fills_sum_pi_squared_from_the_old_logprob_pass(tmp_path, rlcore_plugin_manager, register_plugin):
+@pytest.mark.parametrize("mismatch", [[], ["algorithm.mismatch.tis_cap=2"]])
+def test_the_trainer_fills_sum_pi_squared_from_the_old_logprob_pass(tmp_path, rlcore_plugin_manager, register_plugin,
+                                                                    mismatch):
     """A recording estimator under the built-in spec's needs: Σπ² arrives per sample, aligned with the
-    trainer's recomputed log-probs (π(label)² ≤ Σπ² ≤ 1), which equal the rollout's (same policy)."""
+    trainer's recomputed log-probs (π(label)² ≤ Σπ² ≤ 1), which equal the rollout's (same policy); with
+    the mismatch correction on, its weights come per sample too (verl scales w by them squared)."""
     from rlcore.algorithms import PPOClip
     from rlcore.trainer import Trainer
     from rlcore.types import Algorithm, AlgorithmSpec
@@ -202,7 +205,8 @@ def test_the_trainer_fills_sum_pi_squared_from_the_old_logprob_pass(tmp_path, rl
         factory=lambda s: Algorithm(advantages=Recording(), loss=PPOClip(), token_level_rewards=True))])
     register_plugin(mod, "otbrec")
     cfg, pm = load_config(TINY, ["algorithm.name=otb-recorder", "training.steps=1", "data.prompts_per_step=4",
-                                 "rollout.n=4", "rollout.temperature=0.7", f"output.dir={tmp_path}", *QUIET],
+                                 "rollout.n=4", "rollout.temperature=0.7", f"output.dir={tmp_path}", *QUIET,
+                                 *mismatch],
                           plugins=rlcore_plugin_manager)
     assert Trainer(resolve(cfg, pm)).run()["completed"]
     (inp,) = seen
@@ -211,6 +215,11 @@ def test_the_trainer_fills_sum_pi_squared_from_the_old_logprob_pass(tmp_path, rl
         assert sq.shape == lp.shape == rollout.shape
         assert bool((sq <= 1 + 1e-6).all()) and bool((sq + 1e-6 >= lp.exp() ** 2).all())
         torch.testing.assert_close(lp, rollout, atol=1e-4, rtol=0)  # the sampling policy's own pass
+    if mismatch:  # TIS weights min(ratio, 2): the same policy on both sides, so ~1
+        assert [c.shape for c in inp.correction] == [lp.shape for lp in inp.recomputed_logprobs]
+        assert all(bool(((c - 1).abs() < 1e-3).all()) for c in inp.correction)
+    else:
+        assert inp.correction is None
 
 
 @pytest.mark.slow
