@@ -30,8 +30,9 @@ checkpoint's names and written back the same way (:func:`detect_mtp_layout`):
 Loading (:func:`load_hf_into`) builds each parameter's full tensor from the HF tensors and copies
 this rank's shard; every checkpoint tensor must find a place and every parameter must be filled.
 Exporting (:func:`export_hf`) walks the parameters in a fixed order that is the same on every
-rank, gathers each one across its TP group (and each expert across the EP group) — one tensor at
-a time, never the whole model — and yields HF-named tensors. Every rank must iterate the stream
+rank, gathers them across the TP group (and experts across the EP group) — several consecutive
+tensors in one collective, about one sync bucket's bytes (:data:`GATHER_BYTES`), never the whole
+model — and yields HF-named tensors. Every rank must iterate the stream
 to the end (the gathers are collectives).
 """
 
@@ -340,13 +341,31 @@ def _expert_of_other_rank(names: NameMap, hf_name: str) -> bool:
 # ------------------------------------------------------------------------------------------
 
 
-def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
-    if size == 1:
-        return [t]
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(parts, t, group=group)
-    return parts
+#: the gathered bytes one collective of the export carries at most: the sync's default bucket
+#: (``sync.bucket_mb`` = 64), so a push makes about one all-gather per bucket; a tensor larger than
+#: this is gathered alone
+GATHER_BYTES = 64 << 20
+
+
+def _all_gather_many(tensors: list[torch.Tensor], group: Any, size: int) -> list[list[torch.Tensor]]:
+    """Every rank's shard of each of ``tensors`` (one dtype, one device), in one collective: the
+    local shards concatenated into one flat buffer, gathered into ``size`` rank blocks; returns,
+    per tensor, its ``size`` pieces as views of the gathered buffer."""
+    if size == 1 or not tensors:
+        return [[t] for t in tensors]
+    flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+    gathered = flat.new_empty(size * flat.numel())
+    # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.13 deprecates the old one)
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather_into(gathered, flat.contiguous(), group=group)
+    del flat  # only the gathered buffer stays alive while the pieces are reordered
+    blocks = gathered.view(size, -1)
+    pieces, offset = [], 0
+    for t in tensors:
+        n = t.numel()
+        pieces.append([blocks[r, offset:offset + n].view(t.shape) for r in range(size)])
+        offset += n
+    return pieces
 
 
 def _merge(pm: ParamMap, spec: ModelSpec, parts: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -370,27 +389,103 @@ def _merge(pm: ParamMap, spec: ModelSpec, parts: list[torch.Tensor]) -> list[tup
 
 
 def export_hf(named_params: list[tuple[str, torch.Tensor]], names: NameMap,
-              skip: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
+              skip: Callable[[str], bool] = lambda name: False,
+              gather_bytes: int = GATHER_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(hf_name, full tensor)`` (see module docstring). ``skip(megatron_name)`` leaves
-    parameters out (identically on every rank)."""
+    parameters out (identically on every rank).
+
+    Consecutive sharded parameters are gathered together, one collective per group of at most
+    ``gather_bytes`` gathered bytes (about one bucket of the sync), then each is reordered out of
+    the gathered buffer; the stream's order and bytes are those of a gather per tensor. At most
+    one group's gather is alive at a time."""
+    if gather_bytes < 1:
+        raise ValueError(f"gather_bytes must be >= 1, got {gather_bytes}")
     par = names.par
+    group: list[tuple[ParamMap, torch.Tensor]] = []
+    group_key: tuple[Any, ...] | None = None
+    group_bytes = 0
     for name, p in named_params:
         if skip(name):
             continue
         pm = names(name)
         t = p.detach()
+        key, nbytes = _gather_kind(pm, t, par)
+        if group and key is not None and (
+            (group_key is not None and key != group_key) or group_bytes + nbytes > gather_bytes
+        ):
+            yield from _gathered_group(group, group_key, names)
+            group, group_key, group_bytes = [], None, 0
+        group.append((pm, t))
+        if key is not None:
+            group_key, group_bytes = key, group_bytes + nbytes
+    if group:
+        yield from _gathered_group(group, group_key, names)
+
+
+def _gather_kind(pm: ParamMap, t: torch.Tensor, par: Parallel) -> tuple[tuple[Any, ...] | None, int]:
+    """Which collective group ``pm``'s tensor joins (``None``: none, it is exported as it is) and
+    how many bytes its gather produces."""
+    if pm.expert:
+        size = (par.etp_size if pm.tp_dim is not None else 1) * par.ep_size
+        key: tuple[Any, ...] = ("expert", t.dtype, t.device)
+    else:
+        size = par.tp_size if pm.tp_dim is not None else 1
+        key = ("tp", t.dtype, t.device)
+    if size == 1:
+        return None, 0
+    return key, t.numel() * t.element_size() * size
+
+
+def _gathered_group(group: list[tuple[ParamMap, torch.Tensor]], key: tuple[Any, ...] | None,
+                    names: NameMap) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of ``group``'s parameters, in their order, from one all-gather (experts:
+    one over the expert-TP group, then one over the EP group)."""
+    par, spec = names.par, names.spec
+    if key is None or key[0] == "tp":
+        sharded = [t for pm, t in group if not pm.expert and pm.tp_dim is not None and par.tp_size > 1]
+        pieces = iter(_all_gather_many(sharded, par.tp_group, par.tp_size))
+        for pm, t in group:
+            gathered = not pm.expert and pm.tp_dim is not None and par.tp_size > 1
+            yield from _merge(pm, spec, next(pieces) if gathered else [t])
+        return
+    yield from _owning_last(_gathered_experts(group, names))
+
+
+def _gathered_experts(group: list[tuple[ParamMap, torch.Tensor]],
+                      names: NameMap) -> Iterator[tuple[str, torch.Tensor]]:
+    """Experts: first the expert-TP gather of this rank's local experts j, then every EP rank's
+    experts j (global ids r * E_local + j); unsharded parameters among them pass through. The
+    yielded experts are views of the EP gather's buffer."""
+    par, spec = names.par, names.spec
+    etp = [t for pm, t in group if pm.expert and pm.tp_dim is not None]
+    etp_pieces = iter(_all_gather_many(etp, par.etp_group, par.etp_size))
+    local: list[tuple[ParamMap, Any]] = []
+    for pm, t in group:
         if not pm.expert:
-            parts = _all_gather(t, par.tp_group, par.tp_size) if pm.tp_dim is not None else [t]
-            yield from _merge(pm, names.spec, parts)
+            local.append((pm, t))
+        else:
+            local.append((pm, _merge(pm, spec, next(etp_pieces) if pm.tp_dim is not None else [t])))
+    del etp_pieces  # the expert-TP buffer is free before the EP gather
+    fulls = [full for pm, merged in local if pm.expert for _, full in merged]
+    ep_pieces = iter(_all_gather_many(fulls, par.ep_group, par.ep_size))
+    for pm, merged in local:
+        if not pm.expert:
+            yield from _merge(pm, spec, [merged])
             continue
-        # an expert: first the expert-TP gather of this rank's local expert j, then every EP
-        # rank's expert j (global ids r * E_local + j)
-        parts = _all_gather(t, par.etp_group, par.etp_size) if pm.tp_dim is not None else [t]
-        local = _merge(pm, names.spec, parts)
-        for hf_name, full in local:
-            gathered = _all_gather(full, par.ep_group, par.ep_size)
-            for src, expert_tensor in enumerate(gathered):
+        for hf_name, _ in merged:
+            for src, expert_tensor in enumerate(next(ep_pieces)):
                 yield _renumber_expert(hf_name, names, src), expert_tensor
+
+
+def _owning_last(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items``, the last one copied: a consumer keeps its loop variable while it asks for the
+    next tensor, and a view would keep the whole group's buffer alive during the next gather."""
+    held = next(items, None)
+    for item in items:
+        yield held
+        held = item
+    if held is not None:
+        yield held[0], held[1].clone()
 
 
 def _renumber_expert(hf_name: str, names: NameMap, src: int) -> str:
