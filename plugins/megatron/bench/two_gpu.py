@@ -51,6 +51,7 @@ Usage: ``python plugins/megatron/bench/two_gpu.py --part tp_train --out DIR --re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -461,12 +462,13 @@ def _measured_trainer(base: type, q_info: dict) -> type:
                 base_alloc = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            report = super()._push(version)
+            with _counted_all_gathers() as all_gathers:
+                report = super()._push(version)
             if cuda:
                 torch.cuda.synchronize()
             row = {"version": version, "seconds": time.perf_counter() - t0, "bytes": int(report.bytes),
                    "buckets": int(report.num_buckets), "verified": bool(getattr(report, "verified", False)),
-                   "level": (getattr(report, "details", None) or {}).get("level")}
+                   "level": (getattr(report, "details", None) or {}).get("level"), "all_gathers": dict(all_gathers)}
             sync_phases = (getattr(report, "details", None) or {}).get("phases")
             if sync_phases:  # the sync's own host-time phases, where it reports them
                 row["sync_phases"] = dict(sync_phases)
@@ -526,6 +528,32 @@ def _measured_trainer(base: type, q_info: dict) -> type:
 #: object's own flag), so one run measures verified and unverified pushes of the same model
 UNVERIFIED_FROM = int(os.environ.get("TWO_GPU_UNVERIFIED_FROM", "0") or 0)
 NO_FINAL_CHECKPOINT = os.environ.get("TWO_GPU_NO_FINAL_CHECKPOINT") == "1"
+
+
+@contextlib.contextmanager
+def _counted_all_gathers() -> Any:
+    """Counts this rank's all-gathers during a push (the export's: one per group of about a bucket
+    since issue 32): ``into`` the flat gather the export calls (``all_gather_single`` where torch
+    has it, else ``all_gather_into_tensor``), ``list`` per-tensor ``all_gather``."""
+    import torch.distributed as dist
+
+    into_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    counts = {"into": 0, "list": 0}
+    saved = {into_name: getattr(dist, into_name), "all_gather": dist.all_gather}
+
+    def counted(kind: str, fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            counts[kind] += 1
+            return fn(*a, **kw)
+        return call
+
+    setattr(dist, into_name, counted("into", saved[into_name]))
+    dist.all_gather = counted("list", saved["all_gather"])
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def _dump(info: dict) -> None:
@@ -686,6 +714,7 @@ def push_summary(res: dict) -> dict:
     rows = []
     for p in writer:
         row = {"version": p["version"], "verified": p.get("verified"), "level": p.get("level"),
+               "all_gathers": p.get("all_gathers"),
                "bytes": p["bytes"], "buckets": p["buckets"], "push_s": p["seconds"],
                "GBps": p["bytes"] / p["seconds"] / 1e9 if p["seconds"] else None}
         if sync_s.get(p["version"]):

@@ -44,12 +44,14 @@ def sync(res: dict) -> list[str]:
         gb = (pushes.get("model_bytes") or 0) / 1e9
         lines += [f"Model {gb:.2f} GB, {rows[0]['buckets']} buckets of {res.get('bucket_MiB')} MiB, TP=2, "
                   f"in place. Levels: {', '.join(pushes.get('levels') or [])}.", "",
-                  "| push | verified | level | push s | GB/s | sync_seconds | GB/s (sync_seconds) | sync phases (ms) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| push | verified | level | all-gathers | push s | GB/s | sync_seconds | GB/s (sync_seconds) "
+                  "| sync phases (ms) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ph = r.get("sync_phases") or {}
             phs = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()) or "–"
-            lines.append(f"| {r['version']} | {r['verified']} | {r['level']} | {_f(r['push_s'], 4)} | {_f(r['GBps'])} | "
+            ag = r.get("all_gathers") or {}
+            lines.append(f"| {r['version']} | {r['verified']} | {r['level']} | {ag.get('into')} (+{ag.get('list')} per tensor) "
+                         f"| {_f(r['push_s'], 4)} | {_f(r['GBps'])} | "
                          f"{_f(r.get('sync_seconds'), 4)} | {_f(r.get('GBps_sync_seconds'))} | {phs} |")
         lines += ["", f"- verified, median after the first: **{_f(pushes.get('verified_after_first_GBps_median'))} GB/s**",
                   f"- unverified, median: **{_f(pushes.get('unverified_GBps_median'))} GB/s**"]
