@@ -113,11 +113,13 @@ class FleetChannel:
         self.want_checksums = False
         #: replica 0's checksums from the last push's replies, in layout order (all replicas agreed)
         self.replica_sums: list[int | None] | None = None
+        #: what differed between the replicas' checksums in the last push (None: they agree)
+        self.replica_mismatch: str | None = None
 
     def send(self, msg: tuple) -> None:
         if msg[0] == "close":
             return
-        self.replica_sums = None
+        self.replica_sums = self.replica_mismatch = None
         self._refs = [r.mapped_push.remote((*msg, self.want_checksums)) for r in self.fleet.replicas]
 
     def poll(self, timeout: float = 0.0) -> bool:
@@ -151,12 +153,15 @@ class FleetChannel:
             sums = [r[5] if len(r) > 5 else None for r in replies]
             if any(s is None for s in sums):
                 return ("error", "a replica replied without the checksums of what it holds")
+            # replicas that committed different bytes: not a transport error (every replica committed),
+            # the writer's check below fails the push naming it
+            self.replica_sums = sums[0]
             for i, other in enumerate(sums[1:], start=1):
                 if other != sums[0]:
                     bad = sum(a != b for a, b in zip(sums[0], other, strict=True))
-                    return ("error", f"rollout replica {i} holds other weights than replica 0 after the push "
-                                     f"({bad} tensors differ)")
-            self.replica_sums = sums[0]
+                    self.replica_mismatch = (f"rollout replica {i} holds other weights than replica 0 after the "
+                                             f"push ({bad} tensors differ)")
+                    break
         return ("mapped", replies[0][1], verification_level(*passed), min(int(r[3]) for r in replies), phases)
 
 
@@ -255,6 +260,9 @@ class MappedFleetSync:
             if pending is not None:
                 with phases("sender_checksum"):
                     sent = dict(zip(names, pending.values(), strict=True))
+                if self._channel.replica_mismatch:
+                    raise WeightSyncError(f"mapped push of version {version}: {self._channel.replica_mismatch}",
+                                          receiver_version=None)
                 held = dict(zip(names, self._channel.replica_sums or [], strict=False))
                 bad = verify_checksums(sent, held)
                 if bad:
