@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -177,11 +179,15 @@ def model_for(gbytes: float, tiny: bool) -> dict:
 def run_part(out: Path, device: str, label: str, gbytes: float, tiny: bool, steps: int, timeout: float,
              extra: list[str]) -> dict:
     model = model_for(gbytes, tiny)
+    # the run's own directory (model dirs, the final checkpoint with the optimizer: ~5x the model) stays
+    # out of --out and is deleted after; its metrics.jsonl and log come back
+    work = Path(os.environ.get("SYNC_SPEED_WORK", "/tmp/sync-speed-work")) / label
+    shutil.rmtree(work, ignore_errors=True)
     run_dir = out / "runs" / label
-    cmd = [sys.executable, "-m", "rlcore.cli", "train", str(ROOT / "examples" / "tiny.yaml"), "--output", str(run_dir),
+    cmd = [sys.executable, "-m", "rlcore.cli", "train", str(ROOT / "examples" / "tiny.yaml"), "--output", str(work),
            f"engine.device={device}", f"training.steps={steps}", "rollout.n=2", "data.prompts_per_step=2",
            "rollout.max_new_tokens=4", "sync.name=inproc", "sync.verify=true", "sync.bucket_mb=512",
-           "output.checkpoint_every=0", "output.plot=false", "output.tensorboard=false",
+           "output.checkpoint_every=0", "output.export_hf=never", "output.plot=false", "output.tensorboard=false",
            *[f"engine.model.tiny.{k}={v}" for k, v in model.items()], *extra]
     t0 = time.perf_counter()
     try:
@@ -194,6 +200,9 @@ def run_part(out: Path, device: str, label: str, gbytes: float, tiny: bool, step
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "log.txt").write_text(log[-20000:])
     res: dict = {"model": model, "target_GB": gbytes, "rc": rc, "wall_s": time.perf_counter() - t0, "extra": extra}
+    if (work / "metrics.jsonl").exists():
+        shutil.copy(work / "metrics.jsonl", run_dir / "metrics.jsonl")
+    shutil.rmtree(work, ignore_errors=True)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
