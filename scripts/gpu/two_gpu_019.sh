@@ -73,5 +73,9 @@ run_part d2d "${LIMIT_D2D:-40}"
 run_part sync_large "${LIMIT_LARGE:-110}" --big-steps "${BIG_STEPS:-4}" --unverified-pushes "${UNVERIFIED:-3}"
 run_part dp2_equal "${LIMIT_DP_EQUAL:-50}"
 run_part dp2_train "${LIMIT_DP_TRAIN:-70}" --steps "${STEPS:-4}"
+# optional, e.g. EXTRA_PARTS=sync_big_in_place (the 0.72 GB model of the calls before, against call 9)
+for part in ${EXTRA_PARTS:-}; do
+  run_part "$part" "${LIMIT_EXTRA:-90}"
+done
 "$PY" plugins/megatron/bench/two_gpu_summary.py "$OUT" > /dev/null 2>> "$OUT/log.txt" || log "summary failed"
 log "total: $(( $(date +%s) - t0 )) s"

@@ -99,7 +99,7 @@ def train(res: dict) -> list[str]:
     return lines + _errors(res)
 
 
-SECTIONS = {"d2d": d2d, "sync_large": sync, "sync_large_in_place": sync, "dp2_equal": dp_equal, "dp2_train": train}
+SECTIONS = {"d2d": d2d, "sync_large": sync, "sync_large_in_place": sync, "sync_big_in_place": sync, "dp2_equal": dp_equal, "dp2_train": train}
 
 
 def main(out_dir: str) -> str:
