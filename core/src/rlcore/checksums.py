@@ -363,13 +363,26 @@ class ChecksumPlan:
     ``"triton"`` (one kernel for all eligible tensors) or ``"per-tensor"``.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], use_triton: bool | None = None):
+    def __init__(self, tensors: list[torch.Tensor], use_triton: bool | None = None, *,
+                 sources: list[torch.Tensor] | None = None):
         self.tensors = list(tensors)
         device = self.tensors[0].device if self.tensors else torch.device("cpu")
         self._slots = ChecksumSlots(device, capacity=len(self.tensors), use_triton=use_triton)
         slots = self._slots._take(self.tensors)
-        self._prepared = self._slots.prepare([(None, t) for t in self.tensors], slots)
+        pairs = list(zip(self.tensors, sources, strict=True)) if sources is not None else [(None, t) for t in self.tensors]
+        self._prepared = self._slots.prepare(pairs, slots)
         self.backend = "triton" if self._prepared.table is not None else "per-tensor"
+
+    @classmethod
+    def copying(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]], use_triton: bool | None = None) -> ChecksumPlan:
+        """A plan whose every :meth:`compute` first copies each ``src`` into its ``dst`` (same dtype
+        and shape) and checksums the landed bytes in the same pass (one Triton kernel on a GPU: the
+        receiver reads each byte once); the values are ``tensor_checksum`` of each ``dst``."""
+        for dst, src in pairs:
+            if dst.dtype != src.dtype or dst.shape != src.shape:
+                raise ValueError(f"copy with checksum needs equal dtype and shape, got {dst.dtype}{tuple(dst.shape)} "
+                                 f"<- {src.dtype}{tuple(src.shape)}")
+        return cls([d for d, _ in pairs], use_triton, sources=[s for _, s in pairs])
 
     def compute_async(self) -> ChecksumSlots:
         """Queue the checksums (nothing waits); read them with ``.values()`` of the result."""

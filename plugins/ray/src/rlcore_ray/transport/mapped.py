@@ -223,7 +223,10 @@ class MappedReceiver:
         self._names: list[str] = []
         self._program: CopyProgram | None = None
         self._loads: list[Bucket] = []
-        self._checks: ChecksumPlan | None = None
+        self._checks: ChecksumPlan | None = None  # the tensors the target's loader copies, at their source
+        self._copy_checks: ChecksumPlan | None = None  # the direct copies, checksummed as they land
+        self._direct: list[int] = []  # positions in _names of each kind
+        self._loaded: list[int] = []
         self._dst_signature: list[int] = []
         self._sources: list[torch.Tensor] = []
         self.device = torch.device("cpu")
@@ -273,17 +276,21 @@ class MappedReceiver:
     def _plan(self, target: Any, sources: list[torch.Tensor], phases: Phases) -> None:
         with phases("plan"):
             dests = target.direct_destinations() if callable(getattr(target, "direct_destinations", None)) else {}
-            pairs, checked, by_storage = [], [], {}
-            for name, src in zip(self._names, sources, strict=True):
+            pairs, direct, loaded, by_storage = [], [], [], {}
+            for i, (name, src) in enumerate(zip(self._names, sources, strict=True)):
                 dst = dests.get(name)
                 if (dst is not None and dst.shape == src.shape and dst.dtype == src.dtype and dst.is_contiguous()
                         and dst.device == src.device):
                     pairs.append((dst, src))
-                    checked.append(dst)
+                    direct.append(i)
                 else:  # the target's loader copies it (fused or re-laid-out parameters)
                     by_storage.setdefault(src.untyped_storage().data_ptr(), []).append((name, src))
-                    checked.append(src)
+                    loaded.append(i)
             self._program = CopyProgram(pairs, self.big_bytes, self.fused)
+            # a verified push copies the direct tensors and checksums what landed in one pass (each
+            # byte read once); the loader's tensors are checksummed at their source
+            self._copy_checks = ChecksumPlan.copying(pairs) if pairs else None
+            self._direct, self._loaded = direct, loaded
             self._dst_signature = self._destinations_now(target)
             self._loads = []
             for items in by_storage.values():
@@ -292,7 +299,7 @@ class MappedReceiver:
                 metas = [TensorMeta(n, tuple(s.shape), s.dtype, s.data_ptr() - base.data_ptr(),
                                     s.numel() * s.element_size()) for n, s in items]
                 self._loads.append(Bucket(len(self._loads), metas[0].dtype, buf, metas))
-            self._checks = ChecksumPlan(checked)
+            self._checks = ChecksumPlan([sources[i] for i in loaded])
             self._sources = sources
 
     def _destinations_now(self, target: Any) -> list[int | None]:
@@ -321,7 +328,11 @@ class MappedReceiver:
             target.begin_update(version)
             begun = True
             with phases("copy"):
-                self._program.run()
+                landed = None
+                if sums is not None and self._copy_checks is not None:
+                    landed = self._copy_checks.compute_async()  # copy + checksum, read in "verify"
+                else:
+                    self._program.run()
             with phases("load"):
                 for bucket in self._loads:
                     target.receive_bucket(bucket)
@@ -330,7 +341,11 @@ class MappedReceiver:
             verified = False
             if sums is not None:
                 with phases("verify"):
-                    got = self._checks.compute()
+                    got = [0] * len(self._names)
+                    for i, value in zip(self._direct, landed.values() if landed is not None else [], strict=True):
+                        got[i] = value
+                    for i, value in zip(self._loaded, self._checks.compute(), strict=True):
+                        got[i] = value
                 bad = [n for n, a, b in zip(self._names, got, sums, strict=True) if a != b]
                 if bad:
                     raise WeightSyncError(f"version {version}: {len(bad)} tensor(s) arrived with other bytes than "
@@ -353,9 +368,9 @@ class MappedReceiver:
         self.channel.send(("mapped", version, level, checked, phases.as_dict()))
         return {"version": version, "tensors": len(self._names), "level": level, "phases": phases.as_dict(),
                 "program": self._program.stats(), "loader_buckets": len(self._loads),
-                "checksum_backend": self._checks.backend, "opened_total": self.opened_total}
+                "checksum_backend": (self._copy_checks or self._checks).backend, "opened_total": self.opened_total}
 
     def close(self) -> None:
-        self._opened, self._program, self._loads, self._checks = {}, None, [], None
+        self._opened, self._program, self._loads, self._checks, self._copy_checks = {}, None, [], None, None
         self._sources = []
         self._layout_id = None
