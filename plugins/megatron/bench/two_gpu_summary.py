@@ -38,6 +38,13 @@ def d2d(res: dict) -> list[str]:
 
 def sync(res: dict) -> list[str]:
     lines = [f"## {res.get('part')}: the push", ""]
+    if res.get("ranks_so_far") and not res.get("pushes"):  # stopped at its limit: what the ranks wrote
+        sys.path.insert(0, str(Path(__file__).parent))
+        from two_gpu import push_summary
+
+        res = dict(res, ranks=res["ranks_so_far"], metrics=res.get("partial_metrics") or [])
+        res["pushes"] = push_summary(res)
+        lines += ["(the part stopped at its limit: the pushes its ranks recorded before)", ""]
     pushes = res.get("pushes") or {}
     rows = pushes.get("rows") or []
     if rows:
