@@ -109,12 +109,18 @@ def compare(ray_dir: str, local_dir: str, out: str) -> None:
         steps.append({"step": a.get("step"), "reward_ray": a.get("reward_mean"), "reward_local": b.get("reward_mean"),
                       "diff": abs(a.get("reward_mean", float("nan")) - b.get("reward_mean", float("nan"))),
                       "mismatch_max_ray": a.get("logprob_mismatch_max"), "mismatch_max_local": b.get("logprob_mismatch_max"),
-                      "verified_ray": a.get("sync_verified"), "verified_local": b.get("sync_verified")})
+                      "verified_ray": a.get("sync_verified"), "verified_local": b.get("sync_verified"),
+                      # beyond the reward: the same tokens sampled, the same gradient
+                      "tokens_ray": a.get("tokens"), "tokens_local": b.get("tokens"),
+                      "grad_norm_rel_diff": abs(a.get("grad_norm", 0.0) - b.get("grad_norm", 0.0))
+                      / max(abs(b.get("grad_norm", 0.0)), 1e-30)})
     first_apart = next((s["step"] for s in steps if not s["diff"] <= tol), None)
     result = {"steps_compared": len(steps), "steps_ray": len(ray_rows), "steps_local": len(local_rows),
               "tolerance": tol, "equal_within_tolerance": bool(steps) and first_apart is None
               and len(ray_rows) == len(local_rows),
               "first_step_apart": first_apart, "max_diff": max((s["diff"] for s in steps), default=None),
+              "same_tokens_every_step": bool(steps) and all(s["tokens_ray"] == s["tokens_local"] for s in steps),
+              "max_grad_norm_rel_diff": max((s["grad_norm_rel_diff"] for s in steps), default=None),
               "every_push_verified": bool(steps) and all(s["verified_ray"] is True and s["verified_local"] is True
                                                          for s in steps),
               "steps": steps}
@@ -158,7 +164,9 @@ def summary(parts_dir: str, out: str) -> None:
         lines.append("")
         lines.append(f"{name}: Ray vs single process, {c['steps_compared']} steps: equal within {c['tolerance']}: "
                      f"{c['equal_within_tolerance']} (max |Δ reward| {_fmt(c['max_diff'])}, first step apart: "
-                     f"{c['first_step_apart']}); every push verified in both: {c['every_push_verified']}")
+                     f"{c['first_step_apart']}); same token counts every step: {c.get('same_tokens_every_step')}; max relative "
+                     f"grad-norm difference {_fmt(c.get('max_grad_norm_rel_diff'))}; every push verified in both: "
+                     f"{c['every_push_verified']}")
         lines.append("rewards (ray / local): " + ", ".join(f"{_fmt(s['reward_ray'])}/{_fmt(s['reward_local'])}"
                                                            for s in c["steps"]))
     Path(out).write_text("\n".join(lines) + "\n")
