@@ -160,6 +160,10 @@ def summary(parts_dir: str, out: str) -> None:
                      f"{_fmt(m.get('tokens_per_second'))} | {_fmt(peak / 1024 if peak else None)} | {_fmt(mismatch)} | "
                      f"{_fmt(tis)} | {','.join(r.get('sync_levels', []))} {r.get('every_push_verified', '')} | "
                      f"{first_last} |")
+    for f in sorted(Path(parts_dir).glob("*.json")):  # why a run failed: the last line of its log
+        r = json.loads(f.read_text())
+        if r.get("rc") and r.get("log_tail"):
+            lines += ["", f"{r['run']} (rc {r['rc']}): {r['log_tail'][-1][:400]}"]
     for name, c in compares:
         lines.append("")
         lines.append(f"{name}: Ray vs single process, {c['steps_compared']} steps: equal within {c['tolerance']}: "
