@@ -347,22 +347,24 @@ def _expert_of_other_rank(names: NameMap, hf_name: str) -> bool:
 GATHER_BYTES = 64 << 20
 
 
-def _all_gather_many(tensors: list[torch.Tensor], group: Any, size: int) -> list[list[torch.Tensor]]:
-    """Every rank's shard of each of ``tensors`` (one dtype, one device), in one collective: the
-    local shards concatenated into one flat buffer, gathered into ``size`` rank blocks; returns,
-    per tensor, its ``size`` pieces as views of the gathered buffer."""
+def _all_gather_many(tensors: list[torch.Tensor], group: Any, size: int, rank: int) -> list[list[torch.Tensor]]:
+    """Every rank's shard of each of ``tensors`` (one dtype, one device), in one collective: this
+    rank's shards are copied into its own block of one flat buffer (one ``_foreach_copy_``), which
+    is gathered in place into ``size`` rank blocks (FSDP2's layout: no separate input buffer);
+    returns, per tensor, its ``size`` pieces as views of the gathered buffer."""
     if size == 1 or not tensors:
         return [[t] for t in tensors]
-    flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
-    gathered = flat.new_empty(size * flat.numel())
+    numels = [t.numel() for t in tensors]
+    total = sum(numels)
+    gathered = tensors[0].new_empty(size * total)
+    own = gathered.narrow(0, rank * total, total)
+    torch._foreach_copy_(list(torch.split(own, numels)), [t.reshape(-1) for t in tensors])
     # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.13 deprecates the old one)
     gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather_into(gathered, flat.contiguous(), group=group)
-    del flat  # only the gathered buffer stays alive while the pieces are reordered
-    blocks = gathered.view(size, -1)
+    gather_into(gathered, own, group=group)
+    blocks = gathered.view(size, total)
     pieces, offset = [], 0
-    for t in tensors:
-        n = t.numel()
+    for t, n in zip(tensors, numels, strict=True):
         pieces.append([blocks[r, offset:offset + n].view(t.shape) for r in range(size)])
         offset += n
     return pieces
@@ -443,7 +445,7 @@ def _gathered_group(group: list[tuple[ParamMap, torch.Tensor]], key: tuple[Any, 
     par, spec = names.par, names.spec
     if key is None or key[0] == "tp":
         sharded = [t for pm, t in group if not pm.expert and pm.tp_dim is not None and par.tp_size > 1]
-        pieces = iter(_all_gather_many(sharded, par.tp_group, par.tp_size))
+        pieces = iter(_all_gather_many(sharded, par.tp_group, par.tp_size, par.tp_rank))
         for pm, t in group:
             gathered = not pm.expert and pm.tp_dim is not None and par.tp_size > 1
             yield from _merge(pm, spec, next(pieces) if gathered else [t])
@@ -458,7 +460,7 @@ def _gathered_experts(group: list[tuple[ParamMap, torch.Tensor]],
     yielded experts are views of the EP gather's buffer."""
     par, spec = names.par, names.spec
     etp = [t for pm, t in group if pm.expert and pm.tp_dim is not None]
-    etp_pieces = iter(_all_gather_many(etp, par.etp_group, par.etp_size))
+    etp_pieces = iter(_all_gather_many(etp, par.etp_group, par.etp_size, par.etp_rank))
     local: list[tuple[ParamMap, Any]] = []
     for pm, t in group:
         if not pm.expert:
@@ -467,7 +469,7 @@ def _gathered_experts(group: list[tuple[ParamMap, torch.Tensor]],
             local.append((pm, _merge(pm, spec, next(etp_pieces) if pm.tp_dim is not None else [t])))
     del etp_pieces  # the expert-TP buffer is free before the EP gather
     fulls = [full for pm, merged in local if pm.expert for _, full in merged]
-    ep_pieces = iter(_all_gather_many(fulls, par.ep_group, par.ep_size))
+    ep_pieces = iter(_all_gather_many(fulls, par.ep_group, par.ep_size, par.ep_rank))
     for pm, merged in local:
         if not pm.expert:
             yield from _merge(pm, spec, [merged])
