@@ -79,7 +79,14 @@ from rlcore_megatron.model import (
 from rlcore_megatron.pipeline import chunk_layers, gather_stages, pipeline_groups, run_chunks
 from rlcore_megatron.routers import RouterSeam, RoutingState
 from rlcore_megatron.settings import ENGINE_CAPABILITIES, MegatronSettings, resolve_parallel, section_settings
-from rlcore_megatron.weights import NameMap, Parallel, detect_mtp_layout, export_hf, load_hf_into
+from rlcore_megatron.weights import (
+    GATHER_BYTES,
+    NameMap,
+    Parallel,
+    detect_mtp_layout,
+    export_hf,
+    load_hf_into,
+)
 
 __all__ = ["MegatronEngine", "HFSource", "build_megatron_engine", "settings_from_section"]
 
@@ -102,6 +109,9 @@ class MegatronEngine:
     """See module docstring."""
 
     capabilities = ENGINE_CAPABILITIES
+
+    #: gathered bytes per export collective (:func:`.weights.export_hf`); the factory sets the run's bucket size
+    export_gather_bytes: int = GATHER_BYTES
 
     def __init__(self, source: HFSource, settings: MegatronSettings | None = None, device: str = "cpu",
                  dtype: str = "float32", _weights_from: MegatronEngine | None = None):
@@ -450,14 +460,15 @@ class MegatronEngine:
     # ----------------------------------------------------------------- weights -----------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors, gathered per tensor over the tensor/expert-parallel ranks and,
-        pipelined, from every stage to the writer (every rank must consume the stream)."""
+        """HF-named full tensors, gathered over the tensor/expert-parallel ranks one collective per
+        group of :attr:`export_gather_bytes` (the run's ``sync.bucket_mb``: one all-gather per
+        bucket) and, pipelined, from every stage to the writer (every rank must consume the stream)."""
         skip_mtp = not self.settings.export_mtp
 
         def skip(name: str) -> bool:
             return skip_mtp and name.startswith("mtp.")
 
-        stream = export_hf(self.named_parameters(), self.names, skip)
+        stream = export_hf(self.named_parameters(), self.names, skip, gather_bytes=self.export_gather_bytes)
         return stream if self.pipe is None else gather_stages(stream, self.pipe, self.device)
 
     def save_hf(self, path: str | Path, shard_bytes: int = 2 << 30) -> None:
@@ -532,4 +543,6 @@ def build_megatron_engine(ctx: Any) -> MegatronEngine:
         words = task.vocab if task is not None else [str(i) for i in range(10)]
         tok = make_tokenizer(words)
         source = tiny_source(ecfg.model.tiny, tok, ecfg.model.dtype)
-    return MegatronEngine(source, settings, device=device, dtype=ecfg.model.dtype)
+    engine = MegatronEngine(source, settings, device=device, dtype=ecfg.model.dtype)
+    engine.export_gather_bytes = max(1, int(ctx.config.sync.bucket_mb * 2**20))  # a gather per sync bucket
+    return engine
