@@ -160,12 +160,17 @@ def bitwise_mismatches(mine: dict[str, torch.Tensor], storages: list, metas: lis
     return bad, len(metas)
 
 
+def cuda_indexed(dev: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:0`` (``torch.cuda.set_device`` refuses a device without an index)."""
+    return torch.device("cuda", 0) if dev.type == "cuda" and dev.index is None else dev
+
+
 def rollout_main(conn, result_conn, kind: str, scale: float, device: str) -> None:
     from rlcore.sync import WeightManifest
     from rlcore_ray.transport import MappedReceiver
     from rlcore_ray.transport.testing import PipeChannel
 
-    dev = torch.device(device)
+    dev = cuda_indexed(torch.device(device))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     shapes = model_shapes(kind.removesuffix("_flat"), scale)
@@ -225,7 +230,7 @@ def trainer_main(conn, result_conn, args: dict) -> None:
     from rlcore_ray.transport.testing import PipeChannel
 
     res: dict = {}
-    kind, dev, R = args["kind"], torch.device(args["device"]), args["repeats"]
+    kind, dev, R = args["kind"], cuda_indexed(torch.device(args["device"])), args["repeats"]
     channel = PipeChannel(conn, "rollout")
 
     def bitwise(tag: str) -> None:
