@@ -15,13 +15,13 @@ from rlcore.cli import main
 from rlcore.errors import ConfigError
 from rlcore.run_output import read_metrics
 from rlcore.stack import load_config
+from rlcore.testing.runs import comparable_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 STEPS = 4
 ARGS = [f"training.steps={STEPS}", "rollout.n=4", "data.prompts_per_step=4", "output.plot=false",
         "output.tensorboard=false", "output.progress=false", "output.checkpoint_every=0"]
-TIMINGS = {"generate_seconds", "train_seconds", "old_logprob_seconds", "step_seconds", "wall_seconds", "tokens_per_second", "sync_seconds"}
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
@@ -33,7 +33,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
 
 
 def _numbers(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMINGS and not k.startswith("loop/")} for r in rows]
+    return comparable_metrics(rows, drop_prefixes=("loop/",))
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from rlcore.cli import main
 from rlcore.run_output import list_checkpoints, load_checkpoint, read_metrics
+from rlcore.testing.runs import comparable_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 STEPS = 6
 ARGS = [f"training.steps={STEPS}", "output.checkpoint_every=2", "rollout.n=4", "data.prompts_per_step=4",
         "output.plot=false", "output.tensorboard=false", "output.progress=false"]
-TIMINGS = {"generate_seconds", "train_seconds", "old_logprob_seconds", "step_seconds", "wall_seconds", "tokens_per_second", "sync_seconds"}
 
 # (RLCORE_FAULT, metrics rows written before the kill, the newest committed checkpoint then);
 # checkpoints are written after steps 1, 3 and 5
@@ -36,7 +35,7 @@ FAULTS = [
 
 
 def _numbers(rows):
-    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
+    return comparable_metrics(rows)
 
 
 @pytest.fixture(scope="module")

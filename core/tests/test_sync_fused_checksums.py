@@ -142,10 +142,10 @@ def test_a_run_writes_the_push_phases(tmp_path):
                  "output.checkpoint_every=0"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
-        phases = {k: v for k, v in row.items() if k.startswith("sync/") and k.endswith("_s")}
-        assert set(phases) == {f"sync/{p}_s" for p in ("control", "sender_checksum", "copy", "wait",
+        phases = {k: v for k, v in row.items() if k.startswith("sync/") and k.endswith("_seconds")}
+        assert set(phases) == {f"sync/{p}_seconds" for p in ("control", "sender_checksum", "copy", "wait",
                                                        "receiver_checksum", "commit")}
-        assert all(v >= 0 for v in phases.values()) and phases["sync/copy_s"] > 0
+        assert all(v >= 0 for v in phases.values()) and phases["sync/copy_seconds"] > 0
         assert sum(phases.values()) <= row["sync_seconds"] + 1e-6
         assert row["sync_level"] == "coverage+exact"
 

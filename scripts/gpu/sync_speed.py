@@ -16,7 +16,7 @@ Three parts, each bounded in time, results in ``--out``:
 3. ``runs``: short real runs, ``rlcore train`` (hf engine on the device, local rollout, ``inproc``
    verified; ``sync.name=mapped`` needs Ray, which the GPU machine does not carry) with models of
    about 0.4, 2 and 8 GB created from configs (random weights, fp32), 3 steps of tiny batches;
-   each step's push phases (``sync/<phase>_s``) from ``metrics.jsonl``.
+   each step's push phases (``sync/<phase>_seconds``) from ``metrics.jsonl``.
 
 Writes ``sync_speed.json`` and ``sync_speed.md`` (the per-phase push table) to ``--out``.
 
@@ -208,7 +208,7 @@ def run_part(out: Path, device: str, label: str, gbytes: float, tiny: bool, step
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         res["steps"] = [{"step": r.get("step"), "sync_seconds": r.get("sync_seconds"), "sync_bytes": r.get("sync_bytes"),
                          "sync_buckets": r.get("sync_buckets"), "sync_level": r.get("sync_level"),
-                         **{p: r.get(f"sync/{p}_s") for p in PHASES}} for r in rows]
+                         **{p: r.get(f"sync/{p}_seconds") for p in PHASES}} for r in rows]
     return res
 
 

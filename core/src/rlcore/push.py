@@ -8,7 +8,7 @@ collapse silently (SGLang #27718, vLLM level-2 sleep, vllm-ascend #13209), so a 
 run here. Metrics: ``rollout/draft_weight_version``, the backend's ``memory_metrics()`` (KV
 cache bytes freed by the release) and, from a sync that reports where its push's time went
 (``SyncReport.details["phases"]``, named as :data:`rlcore.sync.PUSH_PHASES`), one
-``sync/<phase>_s`` each.
+``sync/<phase>_seconds`` each.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def push_weights(backend: Any, sync: Any, weights: Iterable[Any], version: int,
 
 
 def phase_metrics(report: Any) -> dict[str, float]:
-    """``{sync/<phase>_s: seconds}`` for each of :data:`~rlcore.sync.PUSH_PHASES` the
+    """``{sync/<phase>_seconds: seconds}`` for each of :data:`~rlcore.sync.PUSH_PHASES` the
     report's ``details["phases"]`` names (a sync that reports no phases adds none)."""
     phases = (getattr(report, "details", None) or {}).get("phases") or {}
-    return {f"sync/{p}_s": float(phases[p]) for p in PUSH_PHASES if p in phases}
+    return {f"sync/{p}_seconds": float(phases[p]) for p in PUSH_PHASES if p in phases}
 
 
 def check_draft_version(backend: Any, version: int) -> dict[str, float]:
