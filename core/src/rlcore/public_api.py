@@ -70,8 +70,8 @@ PUBLIC_MODULES: dict[str, str] = {
         "`make_tiny_model`, `make_tokenizer`"
     ),
     "rlcore.engines.varlen": (
-        "for an engine's attention over packed sequences: `varlen_attention` (causal, per `cu_seqlens`, no "
-        "padding), `varlen_backend` (which kernel a device and dtype get)"
+        "for an engine's attention over packed sequences: `varlen_attention` (causal, per sequence boundaries, "
+        "no padding), `varlen_backend` (which kernel a device and dtype get)"
     ),
     "rlcore.parallel.worker": (
         "for a launcher: a trainer rank's process entry (`run_rank`), the resolved config shipped to it "
