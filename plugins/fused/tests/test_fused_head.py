@@ -305,8 +305,12 @@ def test_fused_device_checks_apply_only_when_the_head_is_selected(register_plugi
     rlcore_config("fused.backend=triton", "engine.device=cpu")  # forward.name=reference: the section is unused
     rlcore_config("forward.name=fused", "fused.backend=torch", "engine.device=cpu")
     monkeypatch.setattr(plugin, "_triton_installed", lambda: False)
+    monkeypatch.setattr(plugin, "_cuda_available", lambda: True)
     with pytest.raises(Exception, match=r"needs Triton, which is not installed"):
         rlcore_config("forward.name=fused", "engine.device=cuda")  # auto on CUDA: Triton
+    # no CUDA here: the platform refuses engine.device=cuda at run time (the error to act on first)
+    monkeypatch.setattr(plugin, "_cuda_available", lambda: False)
+    rlcore_config("forward.name=fused", "engine.device=cuda")
 
 
 def test_cli_check_refuses_a_fused_section_the_run_would_reject(capsys):

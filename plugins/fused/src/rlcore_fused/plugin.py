@@ -59,6 +59,12 @@ class FusedSettings:
 
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _triton_installed() -> bool:
     """Whether a ``triton`` module can be found (without importing it: the check stays cheap)."""
     import importlib.util
@@ -89,7 +95,9 @@ def validate_settings(section, config=None) -> None:
     if section.backend == "auto" and kind not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"fused.backend=auto has no kernel for engine.device={device}: set fused.backend=torch "
                           f"to use the chunked torch path there", key="fused.backend")
-    needs_triton = section.backend == "triton" or (section.backend == "auto" and kind == "cuda")
+    # auto on a machine without CUDA: the platform's own refusal (engine.device=cuda but no GPU) is
+    # the error to act on first, not a missing Triton the machine could not use anyway
+    needs_triton = section.backend == "triton" or (section.backend == "auto" and kind == "cuda" and _cuda_available())
     if needs_triton and not _triton_installed():
         raise ConfigError(f"fused.backend={section.backend} with engine.device={device} needs Triton, which is "
                           f"not installed: `pip install 'rlcore-fused[triton]'`, or set fused.backend=torch",
