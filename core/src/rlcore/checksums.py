@@ -42,32 +42,8 @@ def tensor_checksum(t: torch.Tensor) -> int:
     as ``[rows, 65521]`` and summed per column in int64 (no partial sum can overflow), then the
     65521 column sums are weighted.
     """
-    flat = t.detach().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-    pad = (-raw.numel()) % 4
-    if pad:
-        raw = torch.cat([raw, raw.new_zeros(pad)])
-    elif raw.storage_offset() % 4:  # a 2-byte tensor at offset 2 of a bucket: int32 view needs 4
-        raw = raw.clone()
-    words = raw.view(torch.int32)
-    n = words.numel()
-    if n < _W:  # one partial row: the same sums without the 65521-wide column pass (small tensors)
-        w64 = words.to(torch.int64)
-        s1 = int(w64.sum()) % _P
-        s2 = int(((w64 % _P) * torch.arange(1, n + 1, dtype=torch.int64, device=w64.device)).sum()) % _P
-        return (s1 << 31) | (s2 ^ (n & 0x7FFFFFFF))
-    full = n - n % _W
-    if full:
-        colsum = words[:full].view(-1, _W).sum(dim=0, dtype=torch.int64)
-    else:
-        colsum = torch.zeros(_W, dtype=torch.int64, device=words.device)
-    tail = words[full:]
-    if tail.numel():
-        colsum[: tail.numel()] += tail.to(torch.int64)
-    s1 = int(colsum.sum()) % _P
-    weights = torch.arange(1, _W + 1, dtype=torch.int64, device=colsum.device)
-    s2 = int(((colsum % _P) * weights).sum()) % _P
-    return (s1 << 31) | (s2 ^ (n & 0x7FFFFFFF))
+    s1, s2 = _raw_sums(t).tolist()  # one read-back
+    return _pack(s1, s2, _nwords(t))
 
 
 _ROWS = 16
