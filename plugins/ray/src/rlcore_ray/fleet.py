@@ -165,16 +165,19 @@ class RolloutReplica:
     def weight_version(self) -> int:
         return self.backend.weight_version
 
+    def _backend_metrics(self, method: str) -> dict[str, float]:
+        """The backend's optional ``method()`` metrics as floats (none when it has no such method)."""
+        get = getattr(self.backend, method, None)
+        return {str(k): float(v) for k, v in get().items()} if callable(get) else {}
+
     def rollout_metrics(self) -> dict[str, float]:
         """The backend's own metrics of its last ``generate`` (none when it reports none)."""
-        get = getattr(self.backend, "rollout_metrics", None)
-        return {str(k): float(v) for k, v in get().items()} if callable(get) else {}
+        return self._backend_metrics("rollout_metrics")
 
     def memory_metrics(self) -> dict[str, float]:
         """The backend's own metrics of its last memory release (KV-cache bytes freed; none when it
         reports none)."""
-        get = getattr(self.backend, "memory_metrics", None)
-        return {str(k): float(v) for k, v in get().items()} if callable(get) else {}
+        return self._backend_metrics("memory_metrics")
 
     def shutdown(self) -> None:
         self.backend.shutdown()
@@ -330,22 +333,22 @@ class RolloutFleet:
         replica is what the step waits for; freed bytes: a sum; acceptance: a mean weighted by
         draft rounds the fleet does not see), and per-replica values show which replica lags."""
         out = {f"rollout/replica{i}_weight_version": float(v) for i, v in enumerate(self.replica_weight_versions)}
-        reporting = [i for i, r in enumerate(self.replicas) if hasattr(r, "rollout_metrics")]
-        answers = self._get([self.replicas[i].rollout_metrics.remote() for i in reporting], reporting,
-                            "rollout_metrics") if reporting else []
-        for i, metrics in zip(reporting, answers, strict=True):
-            out.update({f"rollout/replica{i}_{name.removeprefix('rollout/')}": float(v) for name, v in metrics.items()})
-        return out
+        return {**out, **self._per_replica("rollout_metrics")}
+
+    def _per_replica(self, method: str) -> dict[str, float]:
+        """Every replica's ``method()`` metrics (replicas without the method left out),
+        ``rollout/<name>`` as ``rollout/replica{i}_<name>``."""
+        reporting = [i for i, r in enumerate(self.replicas) if hasattr(r, method)]
+        answers = self._get([getattr(self.replicas[i], method).remote() for i in reporting], reporting,
+                            method) if reporting else []
+        return {f"rollout/replica{i}_{name.removeprefix('rollout/')}": float(v)
+                for i, metrics in zip(reporting, answers, strict=True) for name, v in metrics.items()}
 
     def memory_metrics(self) -> dict[str, float]:
         """Each replica backend's metrics of its last memory release (core reads them after the
         release before a push: vLLM's KV-cache bytes freed), ``rollout/<name>`` as
         ``rollout/replica{i}_<name>``, kept per replica like :meth:`rollout_metrics`."""
-        reporting = [i for i, r in enumerate(self.replicas) if hasattr(r, "memory_metrics")]
-        answers = self._get([self.replicas[i].memory_metrics.remote() for i in reporting], reporting,
-                            "memory_metrics") if reporting else []
-        return {f"rollout/replica{i}_{name.removeprefix('rollout/')}": float(v)
-                for i, metrics in zip(reporting, answers, strict=True) for name, v in metrics.items()}
+        return self._per_replica("memory_metrics")
 
     def pause(self) -> None:
         self._all("pause")
