@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 import weakref
 
 import torch
@@ -39,8 +40,7 @@ class CollectiveCounter:
         def into(output, inp, *args, **kwargs):
             self.calls["into"] += 1
             self.sizes.append(output.numel() * output.element_size())
-            gc.collect()  # only references decide what is alive, not the collector's timing
-            self.alive = [w for w in self.alive if w() is not None] + [weakref.ref(output.untyped_storage())]
+            self.alive = _still_alive(self.alive) + [weakref.ref(output.untyped_storage())]
             self.max_alive = max(self.max_alive, len(self.alive))
             return real_into(output, inp, *args, **kwargs)
 
@@ -55,6 +55,21 @@ class CollectiveCounter:
     def __exit__(self, *exc) -> None:
         for name, fn in self.saved.items():
             setattr(self.dist, name, fn)
+
+
+def _still_alive(buffers: list[weakref.ref], patience_s: float = 2.0) -> list[weakref.ref]:
+    """The buffers among ``buffers`` still alive, after giving other threads up to ``patience_s``
+    to let go of them. gloo's worker thread can hold a finished collective's work, and with it
+    the output tensor, for a moment after ``wait()`` returns (seen once on a loaded 2-core CI
+    machine). Python code of this process cannot release anything while this call waits, since
+    the export is suspended inside it, so a buffer the export itself keeps stays alive."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        gc.collect()  # only references decide what is alive, not the collector's timing
+        alive = [w for w in buffers if w() is not None]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
 
 
 def _kept(stream, into: dict[str, torch.Tensor]):
