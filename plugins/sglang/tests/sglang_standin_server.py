@@ -15,9 +15,11 @@ engine's weights" and samples by a fixed rule. What it does with weights is SGLa
   ``WeightUpdater.init_weights_update_group`` (its ``init_custom_process_group``, gloo instead of
   NCCL) and ``receive_weights_from_distributed`` (``FlattenedTensorBucket.empty`` + broadcast);
 * answers to ``/generate`` are assembled with SGLang's own helpers (``FINISH_*.to_json``,
-  ``detokenize_logprob_tokens``, ``_b64_encode_per_request``, ``add_weight_versions_to_meta_info``)
-  after SGLang's ``normalize_batch_and_arguments`` and ``SamplingParams.verify`` accepted the
-  request.
+  ``detokenize_logprob_tokens``, ``_b64_encode_per_request``, ``add_weight_versions_to_meta_info``,
+  and, when a test configures speculative decoding, ``TokenizerManager._calculate_spec_decoding_metrics``
+  over per-request counters the stand-in makes up from a configured pattern of accepted drafts per
+  verify step, with ``get_spec()`` answered from that configuration) after SGLang's
+  ``normalize_batch_and_arguments`` and ``SamplingParams.verify`` accepted the request.
 
 Where the stand-in imitates SGLang's behaviour rather than running it, it says so: the session
 rule of >= 0.5.21 (updates outside begin/end fail), the weights checker (snapshot /
@@ -51,6 +53,7 @@ from fastapi import Request  # noqa: E402
 from rlcore.sync import tensor_checksum  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from sglang.srt.entrypoints import http_server as hs  # noqa: E402
+from sglang.srt.managers import tokenizer_manager as tm_module  # noqa: E402
 from sglang.srt.managers.detokenizer_manager import DetokenizerManager  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_TOKEN  # noqa: E402
 from sglang.srt.managers.tokenizer_manager import TokenizerManager  # noqa: E402
@@ -97,10 +100,13 @@ class StandInTokenizerManager:
             self.weights: dict[str, torch.Tensor] = {}
             self.snapshot: dict[str, torch.Tensor] | None = None
             self.weight_version, self.session, self.paused = "default", False, False
+            #: speculative decoding: {"algorithm", "num_draft_tokens", "correct": accepted drafts per verify step}
+            self.spec = None
             self.log: list[dict[str, Any]] = []
             self.updates = 0
             self.dist_updater = _updater(Recorder())
-        for key in ("version", "tp_size", "memory_saver", "routed", "fail_update", "drop_updates", "weight_version"):
+        for key in ("version", "tp_size", "memory_saver", "routed", "fail_update", "drop_updates", "weight_version",
+                    "spec"):
             if key in cfg:
                 setattr(self, key, cfg[key])
         for name, shape in cfg.get("extra_weights", {}).items():  # engine-only tensors no checkpoint carries
@@ -290,10 +296,31 @@ class StandInTokenizerManager:
             rows = len(prompt) + len(ids) - 1 - item.routed_experts_start_len
             routes = (torch.arange(rows * layers * topk, dtype=torch.int32) % 8).reshape(rows, layers, topk)
             meta["routed_experts"] = DetokenizerManager._b64_encode_per_request([routes])[0]
+        if self.spec:
+            self._spec_meta(meta, len(ids))
         if self.weight_version == "span-test":  # one sample whose version changed mid-way
             spans = [WeightVersionSpan(version="4", start=0, end=1), WeightVersionSpan(version="5", start=1, end=len(ids))]
             add_weight_versions_to_meta_info(meta, spans, num_output_tokens=len(ids))
         return {"text": None, "output_ids": ids, "meta_info": meta}
+
+
+    def _spec_meta(self, meta: dict[str, Any], num_tokens: int) -> None:
+        """Made-up counters (the first token from prefill, then verify steps accepting the
+        configured numbers of drafts in turn, plus one bonus token each), turned into meta_info
+        by SGLang's own ``_calculate_spec_decoding_metrics``."""
+        pattern, steps, hist, left = list(self.spec["correct"]), 0, [], num_tokens - 1
+        while left > 0:
+            correct = min(pattern[steps % len(pattern)], left - 1)
+            hist += [0] * (correct + 1 - len(hist))
+            hist[correct] += 1
+            steps += 1
+            left -= correct + 1
+        counters = SimpleNamespace(spec_verify_ct=[steps], spec_num_correct_drafts=[sum(k * n for k, n in enumerate(hist))],
+                                   completion_tokens=[num_tokens], spec_correct_drafts_histogram=[hist])
+        spec = SimpleNamespace(speculative_algorithm=self.spec["algorithm"],
+                               speculative_num_draft_tokens=self.spec["num_draft_tokens"])
+        tm_module.get_spec = lambda: spec
+        TokenizerManager._calculate_spec_decoding_metrics(None, meta, counters, 0)
 
 
 def build_app(tm: StandInTokenizerManager):
@@ -304,7 +331,9 @@ def build_app(tm: StandInTokenizerManager):
 
     async def server_info():
         return {"version": tm.version, "tp_size": tm.tp_size, "enable_memory_saver": tm.memory_saver,
-                "enable_return_routed_experts": tm.routed is not None, "speculative_algorithm": None,
+                "enable_return_routed_experts": tm.routed is not None,
+                "speculative_algorithm": tm.spec["algorithm"] if tm.spec else None,
+                "speculative_num_draft_tokens": tm.spec["num_draft_tokens"] if tm.spec else None,
                 "weight_cache_mode": "off"}
 
     async def configure(request: Request):

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from rlcore.errors import RolloutError, WeightSyncError
+from rlcore.push import check_draft_version, push_weights
 from rlcore.sync import tensor_checksum
 from rlcore.types import Cap, Prompt, SamplingSettings
 from rlcore_sglang.backend import SGLangBackend
@@ -181,6 +182,59 @@ def test_backend_reads_weight_version_spans(standin, policy_dir, tmp_path):
     standin.configure(weight_version="someone-else", reset=False)
     with pytest.raises(RolloutError, match="'someone-else', which rlcore did not set"):
         backend.generate([Prompt(ids=[1], index=0)], SamplingSettings(n=1, max_new_tokens=1))
+
+
+def test_old_server_refuses_top_p_instead_of_sending_a_field_it_lacks(standin, policy_dir, tmp_path):
+    """SGLang 0.5.17's GenerateReqInput has no ``sampling_logprobs_mode`` (its sampling mask comes
+    without log-probs): a truncated distribution is refused before any request, naming the version."""
+    standin.configure(version="0.5.17")
+    backend = _started(standin, policy_dir, tmp_path, load_policy_on_start=False)
+    before = len(standin.state()["log"])
+    with pytest.raises(RolloutError, match=r"SGLang 0\.5\.17 does not return.*0\.5\.23"):
+        backend.generate([Prompt(ids=[1], index=0)], SamplingSettings(n=1, max_new_tokens=2, top_p=0.9))
+    assert len(standin.state()["log"]) == before
+    assert len(backend.generate([Prompt(ids=[1], index=0)], SamplingSettings(n=1, max_new_tokens=2))) == 1
+
+
+def test_speculative_acceptance_per_position_and_the_drafts_weight_version(standin, policy_dir, tmp_path):
+    """A server drafting with the policy's MTP layers (EAGLE, 2 draft positions): acceptance per
+    position from the meta_info SGLang's own _calculate_spec_decoding_metrics writes, and the
+    draft's weight version, which core checks after every push: a push that skips the draft
+    (selector target) fails the run."""
+    standin.configure(spec={"algorithm": "EAGLE", "num_draft_tokens": 3, "correct": [2, 0, 1]})
+    settings = _settings(standin, speculative_algorithm="NEXTN")
+    backend = SGLangBackend(settings, output_dir=str(tmp_path))
+    backend.start(str(policy_dir), version=0)
+    assert Cap.SPECULATIVE in backend.capabilities() and backend.draft_weight_version == 0
+
+    backend.generate([Prompt(ids=[3, 1], index=0), Prompt(ids=[5], index=1)], SamplingSettings(n=2, max_new_tokens=8))
+    # 8 tokens: 1 from prefill, then verify steps accepting 2, 0, 1 drafts (+1 bonus each) and a last bonus
+    # token: histogram [2, 1, 1] over 4 steps, in each of the 4 samples
+    metrics = backend.rollout_metrics()
+    assert metrics["rollout/spec/acceptance_pos1"] == pytest.approx(2 / 4)
+    assert metrics["rollout/spec/acceptance_pos2"] == pytest.approx(1 / 4)
+    assert metrics["rollout/acceptance_d2"] == pytest.approx(1 / 2)
+    assert metrics["rollout/accept_length"] == pytest.approx(8 / 4)
+    assert metrics["rollout/spec/acceptance_rate"] == pytest.approx(3 / 8)
+    assert metrics["rollout/spec/drafts"] == 16 and metrics["rollout/spec/draft_lag"] == 0
+
+    _, pushed = push_weights(backend, SGLangTensorSync(settings, bucket_bytes=1 << 20), iter(_weights(1)), 1,
+                             release_kv=True)
+    assert pushed["rollout/draft_weight_version"] == 1 and backend.draft_weight_version == 1
+    # every sglang sync that could miss the draft is refused before it pushes (settings, nccl at push
+    # time); were one to land without reaching the draft, core's check after the push stops the run
+    backend.set_weight_version(2, draft_updated=False)
+    with pytest.raises(WeightSyncError, match="draft is at weight version 1 but the policy was pushed as version 2"):
+        check_draft_version(backend, 2)
+    backend.shutdown()
+
+    # a separate draft checkpoint is not the policy: no push updates it, nothing to check
+    standin.configure(spec={"algorithm": "EAGLE", "num_draft_tokens": 3, "correct": [1]})
+    separate = SGLangBackend(_settings(standin, speculative_algorithm="EAGLE3", speculative_draft_model_path="/d"),
+                             output_dir=str(tmp_path))
+    separate.start(str(policy_dir), version=0)
+    assert separate.draft_weight_version is None
+    separate.shutdown()
 
 
 # ------------------------------------------------------------------- sglang-tensor -------

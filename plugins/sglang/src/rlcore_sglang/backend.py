@@ -14,7 +14,11 @@ answers into :class:`~rlcore.types.Sample`\\ s:
   server: ``--weight-version`` at launch, ``weight_version`` on the last bucket of each push),
   with ``weight_versions`` spans when the version changed inside one sample;
 * routed experts (R3) decoded from SGLang's base64 int32 ``[prompt + response - 1, layers,
-  topk]`` by core's :func:`rlcore.routed_experts.decode_routed_experts`.
+  topk]`` by core's :func:`rlcore.routed_experts.decode_routed_experts`;
+* with speculative decoding, acceptance per draft position from each answer's
+  ``spec_correct_drafts_histogram`` (:func:`rlcore_sglang.protocol.acceptance_metrics`), and the
+  draft's weight version when the draft is the policy's own MTP layers (core checks it after
+  every push: a push that missed the draft fails the run).
 
 A server this backend launches listens on ``sglang.host`` (loopback by default: its weight-update
 routes have no authentication); core's :mod:`rlcore.serving` launches it and polls its health.
@@ -41,7 +45,7 @@ from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
 from rlcore_sglang import protocol
 from rlcore_sglang.protocol import OLDEST_SUPPORTED, ServerFeatures, version_text
-from rlcore_sglang.settings import SGLangSettings, check_settings
+from rlcore_sglang.settings import SGLangSettings, check_settings, drafts_from_policy
 from rlcore_sglang.transport import EngineTransport, HTTPTransport, Transport, server_cli_args, server_command
 
 MEMORY_TAGS = frozenset({"kv_cache", "weights", "cuda_graph"})
@@ -67,6 +71,8 @@ class SGLangBackend:
         self.model_dir: str | None = None
         self._moe: MoEShape | None = None
         self._version = -1
+        #: the weight version of a speculative draft made of the policy's MTP layers (None otherwise)
+        self._draft_version: int | None = None
         self._paused = False
         self._released: set[str] = set()
         #: releasing 'weights' discards a speculative draft's weights and resuming does not bring
@@ -76,6 +82,8 @@ class SGLangBackend:
         #: what sglang.release_for_training released after the last generate (not core's release_memory)
         self._training_released: set[str] = set()
         self._rollout_metrics: dict[str, float] = {}
+        #: the last rollout's speculative acceptance (empty without drafting)
+        self._spec_metrics: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -94,11 +102,14 @@ class SGLangBackend:
             caps.add(Cap.SPECULATIVE)
         return frozenset(caps)
 
-    def _speculative(self) -> dict[str, Any]:
+    def _speculative(self, model_dir: str) -> dict[str, Any]:
         s = self.settings
+        # a draft made of the policy's MTP layers is read from the policy directory; SGLang fills
+        # that path in itself for a few architectures only (DeepSeek-V3, GLM-4 MoE, ...: not MiMo)
+        draft_path = model_dir if drafts_from_policy(s) else s.speculative_draft_model_path
         return {
             "speculative_algorithm": s.speculative_algorithm,
-            "speculative_draft_model_path": s.speculative_draft_model_path,
+            "speculative_draft_model_path": draft_path,
             "speculative_num_steps": s.speculative_num_steps,
             "speculative_eagle_topk": s.speculative_eagle_topk,
             "speculative_num_draft_tokens": s.speculative_num_draft_tokens,
@@ -109,7 +120,7 @@ class SGLangBackend:
         return server_cli_args(
             model_dir, host=s.host, port=int(s.port), weight_version=version, extra=list(s.launch_args),
             memory_saver=bool(s.enable_memory_saver), routed_experts=self.request_routed_experts,
-            speculative=self._speculative(),
+            speculative=self._speculative(model_dir),
         )
 
     def start(self, model_dir: str, version: int = 0) -> None:
@@ -146,6 +157,8 @@ class SGLangBackend:
         if s.url:
             self._adopt_external_server(version)
         self._version = version
+        if self.features.speculative_algorithm and drafts_from_policy(s):
+            self._draft_version = version
         if s.release_for_training:
             try:
                 self._tags(frozenset(s.release_for_training))
@@ -178,6 +191,13 @@ class SGLangBackend:
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def draft_weight_version(self) -> int | None:
+        """The weight version of the speculative draft when it is the policy's own MTP layers
+        (None without speculation or with a separate draft checkpoint, which no push updates).
+        Core compares it with the pushed version after every push."""
+        return self._draft_version
+
     def set_weight_version(self, version: int, *, draft_updated: bool = False) -> None:
         """Called by the sglang weight syncs once a push has landed (SGLang was told the same
         version on the push's last request); ``draft_updated``: the push reached the speculative
@@ -185,6 +205,8 @@ class SGLangBackend:
         self._version = int(version)
         if draft_updated:
             self._draft_discarded = False
+            if self._draft_version is not None:
+                self._draft_version = int(version)
 
     # ------------------------------------------------------------------- control ---------
 
@@ -309,8 +331,10 @@ class SGLangBackend:
         self._rollout_metrics["rollout/training_resume_seconds"] = time.perf_counter() - t0
 
     def rollout_metrics(self) -> dict[str, float]:
-        """The memory released for training after the last rollout (sglang.release_for_training)."""
-        return dict(self._rollout_metrics)
+        """The last rollout's speculative acceptance (per draft position, see
+        :func:`rlcore_sglang.protocol.acceptance_metrics`) and the memory released for training
+        after it (sglang.release_for_training)."""
+        return {**self._rollout_metrics, **self._spec_metrics}
 
     def memory_metrics(self) -> dict[str, float]:
         """The device memory the last release freed, when the server shares this process's GPU
@@ -369,6 +393,13 @@ class SGLangBackend:
         if params.return_routed_experts and Cap.ROUTED_EXPERTS not in self.capabilities():
             raise RolloutError("routed experts were asked for, but the SGLang server runs without "
                                "--enable-return-routed-experts")
+        if protocol.truncates_distribution(params.top_p, params.top_k) and not self.features.sampling_logprobs:
+            raise RolloutError(
+                f"top_p={params.top_p} / top_k={params.top_k} need the behaviour log-probs of the truncated "
+                f"distribution, which SGLang {version_text(self.features.version)} does not return (its "
+                f"return_sampling_mask gives the mask only; sampling_logprobs_mode is read from "
+                f"{version_text(protocol.SAMPLING_LOGPROBS_VERSION)} on): sample with top_p 1 and top_k 0, or "
+                "use a newer SGLang")
         if not prompts:
             return []
         body, seqs = self.generate_request(prompts, params)
@@ -380,8 +411,10 @@ class SGLangBackend:
         if len(items) != len(seqs):
             raise RolloutError(f"SGLang answered {len(items)} samples for {len(seqs)} requests")
         processed = protocol.truncates_distribution(params.top_p, params.top_k)
-        samples = [self._sample(p, item, processed, bool(params.return_routed_experts))
-                   for p, item in zip(seqs, items, strict=True)]
+        parsed = [self._parse(p, item, processed) for p, item in zip(seqs, items, strict=True)]
+        samples = [self._sample(p, out, bool(params.return_routed_experts))
+                   for p, out in zip(seqs, parsed, strict=True)]
+        self._measure_acceptance([out.spec for out in parsed if out.spec is not None])
         if self.settings.release_for_training:
             self._release_for_training()
         return samples
@@ -397,11 +430,19 @@ class SGLangBackend:
                 "versions); is another client updating this server?"
             ) from None
 
-    def _sample(self, prompt: Prompt, item: dict[str, Any], processed: bool, routed: bool) -> Sample:
+    def _measure_acceptance(self, counts: list[protocol.SpecCounts]) -> None:
+        positions = max(0, self.features.speculative_num_draft_tokens - 1) if self.features else 0
+        self._spec_metrics = protocol.acceptance_metrics(counts, positions)
+        if self._draft_version is not None:
+            self._spec_metrics["rollout/spec/draft_lag"] = float(self._version - self._draft_version)
+
+    def _parse(self, prompt: Prompt, item: dict[str, Any], processed: bool) -> protocol.GeneratedSample:
         try:
-            out = protocol.parse_generate_item(item, processed_logprobs=processed)
+            return protocol.parse_generate_item(item, processed_logprobs=processed)
         except ValueError as exc:
             raise RolloutError(f"cannot read SGLang's answer for prompt {prompt.index}: {exc}") from exc
+
+    def _sample(self, prompt: Prompt, out: protocol.GeneratedSample, routed: bool) -> Sample:
         routes = None
         if routed:
             if self._moe is None:

@@ -16,6 +16,21 @@ Version notes, read from the 0.5.16, 0.5.20, 0.5.21, 0.5.22 and 0.5.23 wheels:
 * ``/weights_checker`` (snapshot / reset_tensors / compare / checksum), ``/server_info``,
   ``/pause_generation``, routed experts and ``flattened_bucket`` for both the tensor and the
   distributed path exist in every version from 0.5.16 on.
+* Routed experts are the same on 0.5.17 and 0.5.23 (read from both wheels): asked for with
+  ``return_routed_experts`` / ``routed_experts_start_len`` on ``GenerateReqInput``, captured for
+  ``[start_len, prompt + output - 1)`` of ``hf_text_config.num_hidden_layers`` layers and
+  ``num_experts_per_tok`` experts (``RoutedExpertsCapturer``), returned in
+  ``meta_info["routed_experts"]`` as base64 of the int32 array's bytes (the detokenizer's
+  ``_b64_encode_per_request``, or the tokenizer manager's own encoding with
+  ``--skip-tokenizer-init``).
+* Speculative decoding's per-request counters are the same on 0.5.17 and 0.5.23:
+  ``meta_info.spec_verify_ct`` (verify steps), ``spec_num_correct_drafts``,
+  ``spec_correct_drafts_histogram`` (entry k: verify steps that accepted k draft tokens) and
+  ``completion_tokens``.
+* ``sampling_logprobs_mode`` (the behaviour log-probs of a top-p/top-k distribution, in
+  ``output_token_sampling_logprobs``) is absent from 0.5.17 and 0.5.20 (their ``return_sampling_mask``
+  returns the mask only) and present in 0.5.23; 0.5.21 and 0.5.22 were not read for it, so rlcore
+  asks for it from 0.5.23 on only.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from typing import Any
 from rlcore.serving import answer_message
 
 SESSION_VERSION = (0, 5, 21)
+SAMPLING_LOGPROBS_VERSION = (0, 5, 23)
 OLDEST_SUPPORTED = (0, 5, 16)
 
 #: the request struct SGLang parses each route's body into (``sglang.srt.managers.io_struct``)
@@ -71,6 +87,8 @@ class ServerFeatures:
     memory_saver: bool = False
     routed_experts: bool = False
     speculative_algorithm: str | None = None
+    #: tokens per verify step (drafts + 1); ``num_draft_tokens - 1`` draft positions
+    speculative_num_draft_tokens: int = 0
     weight_cache_mode: str = "off"
     #: ``--enable-weights-cpu-backup``: released weights come back with their contents
     weights_cpu_backup: bool = False
@@ -96,6 +114,11 @@ class ServerFeatures:
     def checker_skip_list(self) -> bool:
         return self.version >= SESSION_VERSION
 
+    @property
+    def sampling_logprobs(self) -> bool:
+        """Whether ``/generate`` takes ``sampling_logprobs_mode`` (top-p/top-k behaviour log-probs)."""
+        return self.version >= SAMPLING_LOGPROBS_VERSION
+
     @classmethod
     def from_server_info(cls, info: Mapping[str, Any], version: str | None = None) -> ServerFeatures:
         """From ``/server_info`` (or ``Engine.get_server_info()``): the ``version`` key and the
@@ -110,6 +133,7 @@ class ServerFeatures:
             memory_saver=bool(info.get("enable_memory_saver", False)),
             routed_experts=bool(info.get("enable_return_routed_experts", False)),
             speculative_algorithm=str(spec) if spec else None,
+            speculative_num_draft_tokens=int(info.get("speculative_num_draft_tokens") or 0) if spec else 0,
             weight_cache_mode=str(info.get("weight_cache_mode") or "off"),
             weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
             base_gpu_id=int(info.get("base_gpu_id") or 0),
@@ -307,6 +331,61 @@ class GeneratedSample:
     weight_version: str | None
     weight_versions: list[tuple[str, int]] | None
     routed_experts_b64: str | None
+    #: speculative decoding's counters for this sample (None when the server did not draft)
+    spec: SpecCounts | None = None
+
+
+@dataclass
+class SpecCounts:
+    """One sample's speculative-decoding counters from ``meta_info``."""
+
+    verify_steps: int
+    correct_drafts: int
+    completion_tokens: int
+    #: entry k: verify steps that accepted exactly k draft tokens
+    histogram: list[int]
+
+
+def spec_counts(meta: Mapping[str, Any]) -> SpecCounts | None:
+    """The speculative counters of one answer's ``meta_info`` (SGLang adds them only when the
+    request had at least one verify step)."""
+    verify = int(meta.get("spec_verify_ct") or 0)
+    if verify <= 0:
+        return None
+    hist = [int(x) for x in (meta.get("spec_correct_drafts_histogram") or [])]
+    if hist and sum(hist) != verify:
+        raise ValueError(f"spec_correct_drafts_histogram counts {sum(hist)} verify steps, spec_verify_ct {verify}")
+    return SpecCounts(verify_steps=verify, correct_drafts=int(meta.get("spec_num_correct_drafts") or 0),
+                      completion_tokens=int(meta.get("completion_tokens") or 0), histogram=hist)
+
+
+def acceptance_metrics(samples: Sequence[SpecCounts], draft_positions: int) -> dict[str, float]:
+    """Acceptance over a rollout's samples, named as rlcore-vllm names them:
+    ``rollout/spec/acceptance_pos{i}`` (the share of verify steps whose first ``i`` draft tokens
+    were all accepted: histogram entries >= i), ``rollout/acceptance_d{i}`` (the same given that
+    position ``i - 1`` was reached), ``rollout/accept_length`` (SGLang's: output tokens per verify
+    step, the bonus token included), ``rollout/spec/acceptance_rate`` (correct ÷ proposed drafts),
+    ``rollout/spec/drafts`` (verify steps), ``…/draft_tokens``, ``…/accepted_tokens``."""
+    steps = sum(s.verify_steps for s in samples)
+    if not steps:
+        return {}
+    positions = max(draft_positions, max((len(s.histogram) - 1 for s in samples), default=0))
+    hist = [0] * (positions + 1)
+    for s in samples:
+        for k, n in enumerate(s.histogram):
+            hist[k] += n
+    correct = sum(s.correct_drafts for s in samples)
+    out = {"rollout/spec/drafts": float(steps), "rollout/spec/draft_tokens": float(steps * positions),
+           "rollout/spec/accepted_tokens": float(correct),
+           "rollout/spec/acceptance_rate": correct / (steps * positions) if positions else 0.0,
+           "rollout/accept_length": sum(s.completion_tokens for s in samples) / steps}
+    reached = steps
+    for i in range(1, positions + 1):
+        accepted = sum(hist[i:])
+        out[f"rollout/spec/acceptance_pos{i}"] = accepted / steps
+        out[f"rollout/acceptance_d{i}"] = accepted / reached if reached else 0.0
+        reached = accepted
+    return out
 
 
 def parse_generate_item(item: Mapping[str, Any], *, processed_logprobs: bool) -> GeneratedSample:
@@ -353,6 +432,7 @@ def parse_generate_item(item: Mapping[str, Any], *, processed_logprobs: bool) ->
         weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
         weight_versions=[(str(s["version"]), int(s["start"])) for s in spans] if spans else None,
         routed_experts_b64=meta.get("routed_experts"),
+        spec=spec_counts(meta),
     )
 
 
