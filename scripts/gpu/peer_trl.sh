@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# rlcore against TRL's GRPOTrainer (vLLM colocated, sleep mode on) on the same work, one GPU, one
+# call (issue 25 item 4). Both read examples/gpu_peer_rlcore.yaml (CONFIG): same model directory
+# (saved once by rlcore's save_tiny), batch, max new tokens, sampling, AdamW, bf16, steps, TIS cap.
+#
+# Needs on the machine: the tworay wheels of scripts/gpu/two_gpu_ray_fetch.sh (vLLM 0.26.0 ...)
+# either installed in SITE already (marker $SITE/.two-gpu-ray-wheels, left by one_gpu_vllm.sh or
+# two_gpu_ray.sh on a warm machine) or assembled in /tmp/carry by the carry calls
+# (`bash .device-carry/tworay/cNN/stash.sh`); and TRL's wheels (scripts/gpu/peer_trl_fetch.sh:
+# .device-carry/peer_trl, 1.6 MB, carried in the same call). Installs TRL's wheels and rlcore (core,
+# plugins vllm and fused, from this tree) into SITE, then, in order:
+#   d2d      the device-to-device copy bandwidth of 1 GiB (peer_trl.py d2d)
+#   model    the model directory both load (peer_trl.py model)
+#   trl      TRL's GRPO (peer_trl.py trl), limited to LIMIT_TRL seconds (default 170)
+#   rlcore   `rlcore train CONFIG engine.model.path=<the model>`, limited to LIMIT_RLCORE (170)
+#   report   $OUT/peer_summary.md (peer_trl.py report)
+# A run that reaches its limit has the stacks of its process group dumped (SIGUSR1, faulthandler)
+# 15 s before it, then is killed; whatever still holds the GPU is killed before the next run.
+# Writes $OUT/peer_summary.md, $OUT/log.txt and $OUT/parts.tar.gz (the TRL JSON, rlcore's
+# metrics.jsonl, every run's log, the card's memory every 500 ms).
+#
+# Device call (warm machine with the tworay wheels; ~6 min):
+#   bash scripts/gpu/peer_trl.sh        carry [".device-carry/peer_trl"]
+# CPU check of everything but the runs: DRY=1 bash scripts/gpu/peer_trl.sh (needs SITE ready).
+set -uo pipefail
+set -m  # every background job its own process group: a run's whole tree is signalled at once
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+OUT="$(realpath -m "${OUT:-runs/peer-trl}")"
+WORK="${WORK:-/tmp/rlcore-peer-trl}"
+SITE="${SITE:-/tmp/site}"
+CONFIG="${CONFIG:-$ROOT/examples/gpu_peer_rlcore.yaml}"
+PARTS="$WORK/parts"
+MODEL="$WORK/model"
+rm -rf "$PARTS"; mkdir -p "$OUT" "$PARTS"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export VLLM_HOST_IP="${VLLM_HOST_IP:-127.0.0.1}" VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}"
+log() { echo "$*" | tee -a "$OUT/log.txt"; }
+t0=$(date +%s)
+cd "$ROOT" || exit 1
+
+pip_target() { python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-cache-dir --upgrade \
+  --target "$SITE" "$@" 2>&1 | grep -v "already exists" | tee -a "$OUT/log.txt"; }
+if [ -z "${DRY:-}" ]; then
+  if [ ! -f "$SITE/.two-gpu-ray-wheels" ]; then
+    n=$(ls /tmp/carry/*.whl 2>/dev/null | wc -l)
+    [ "$n" -ge 70 ] || { log "only $n tworay wheels in /tmp/carry: run .device-carry/tworay/cNN/stash.sh first"; exit 1; }
+    pip_target /tmp/carry/*.whl && touch "$SITE/.two-gpu-ray-wheels"
+  fi
+  if [ ! -f "$SITE/.peer-trl-wheels" ]; then
+    bash "$ROOT/.device-carry/peer_trl/stash.sh" | tee -a "$OUT/log.txt" || exit 1
+    pip_target /tmp/carry-peer-trl/*.whl && touch "$SITE/.peer-trl-wheels"
+  fi
+  pip_target --no-build-isolation ./core ./plugins/vllm ./plugins/fused
+fi
+[ -f "$SITE/sitecustomize.py" ] || cat > "$SITE/sitecustomize.py" <<'PY'
+# scripts/gpu/peer_trl.sh: every Python process of a run (vLLM's engine core too) dumps its stacks on SIGUSR1
+import faulthandler
+import signal
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+PY
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+{ date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
+} 2>&1 | tee -a "$OUT/log.txt"
+log "install: $(( $(date +%s) - t0 )) s"
+
+free_gpu() {  # nothing of a run outlives it (this machine runs only this script)
+  command -v nvidia-smi > /dev/null || return 0
+  local p; for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+  sleep 2
+}
+limited() {  # name limit command...: its own process group, stacks dumped 15 s before the limit, then killed
+  local name=$1 limit=$2 pid smi dog rc p0; shift 2
+  p0=$(date +%s)
+  log "=== $name (limit $limit s): $*"
+  nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 500 \
+    > "$PARTS/$name.gpumem.csv" 2>/dev/null < /dev/null &
+  smi=$!
+  "$@" > "$PARTS/$name.log" 2>&1 < /dev/null &
+  pid=$!
+  ( sleep $((limit - 15)); kill -0 "$pid" 2>/dev/null || exit 0
+    echo "[peer_trl] $name reached its limit: the stacks of its processes follow" >> "$PARTS/$name.log"
+    kill -USR1 -- "-$pid" 2>/dev/null; sleep 12; kill -9 -- "-$pid" 2>/dev/null ) &
+  dog=$!
+  wait "$pid"; rc=$?
+  kill -- "-$dog" "$smi" 2>/dev/null; wait "$dog" "$smi" 2>/dev/null
+  free_gpu
+  log "=== $name rc=$rc in $(( $(date +%s) - p0 )) s"
+  tail -n 4 "$PARTS/$name.log" | sed "s/^/[$name] /" | tee -a "$OUT/log.txt"
+}
+report() {
+  python3 "$HERE/peer_trl.py" --config "$CONFIG" report "$PARTS" "$OUT/peer_summary.md" > /dev/null 2>> "$OUT/log.txt"
+  tar -czf "$OUT/parts.tar.gz" -C "$WORK" --exclude='parts/rlcore-run/checkpoints' --exclude='parts/trl-output' parts
+}
+
+[ -n "${DRY:-}" ] && { python3 "$HERE/peer_trl.py" --config "$CONFIG" model "$MODEL" | tee -a "$OUT/log.txt"; exit; }
+free_gpu
+python3 "$HERE/peer_trl.py" d2d "$PARTS/d2d.json" 2>&1 | tee -a "$OUT/log.txt"
+python3 "$HERE/peer_trl.py" --config "$CONFIG" model "$MODEL" 2>&1 | tee -a "$OUT/log.txt"
+limited trl "${LIMIT_TRL:-170}" python3 "$HERE/peer_trl.py" --config "$CONFIG" trl "$MODEL" "$PARTS/trl.json"
+report  # a call stopped later still brings back TRL's half
+limited rlcore "${LIMIT_RLCORE:-170}" python3 -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" \
+  --output "$PARTS/rlcore-run" --overwrite
+report
+log "total: $(( $(date +%s) - t0 )) s"
+cat "$OUT/peer_summary.md"
