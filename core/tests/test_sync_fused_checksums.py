@@ -124,8 +124,9 @@ class _BucketCounter(LocalRollout):
 def test_pending_checksums_keep_no_bucket_alive(dirs):
     """The reverted change kept every bucket of a push alive until its queued checksums were read
     (1-3 GB more on the writer): here, when a bucket arrives, no earlier one is alive, so a push
-    holds the open bucket and the one being received, at most."""
-    backend = _BucketCounter(fused_checksums=True)
+    holds the open bucket and the one being received, at most (an in-place receiver, which keeps
+    nothing of a bucket; the staged one keeps them as its staging, next test)."""
+    backend = _BucketCounter(fused_checksums=True, update="in_place")
     backend.start(str(dirs["a"]), version=0)
     report = InprocSync(bucket_bytes=16 * 1024).push(hf_export(dirs["b"]), backend, 1)
     assert report.num_buckets >= 10 and report.details["level"] == "coverage+exact"
@@ -164,3 +165,55 @@ print(sorted(warmed_devices()))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "['cpu']"
+
+
+class _StagingWatcher(_BucketCounter):
+    """Also records whether each staged tensor is a view of its bucket's buffer."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.kept: list[bool] = []
+
+    def receive_bucket(self, bucket: Bucket) -> None:
+        super().receive_bucket(bucket)
+        buffer = bucket.buffer.untyped_storage().data_ptr()
+        self.kept += [self._staging[n].untyped_storage().data_ptr() == buffer for n in bucket.names]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_staged_update_keeps_fresh_buckets_instead_of_copying_them(dirs, fused):
+    """The staged local rollout lands a push with one copy after the bucket fill (the commit), not
+    two: each bucket of the sync's own allocation becomes the staging as it is. The push is still
+    verified, the weights are the pushed ones, and no bucket outlives the push."""
+    backend = _StagingWatcher(fused_checksums=fused)
+    backend.start(str(dirs["a"]), version=0)
+    report = InprocSync(bucket_bytes=16 * 1024).push(hf_export(dirs["b"]), backend, 1)
+    assert report.num_buckets >= 10 and report.details["level"] == "coverage+exact"
+    assert len(backend.kept) == report.num_tensors and all(backend.kept)
+    assert backend.alive_max > 0  # earlier buckets are alive while later ones arrive: they are the staging
+    assert all(r() is None and s.expired() for r, s in backend.seen)
+    assert backend.weight_checksums() == {n: tensor_checksum(t) for n, t in hf_export(dirs["b"])}
+
+
+def test_buckets_of_a_reused_buffer_are_copied_out(dirs):
+    """A sender with its own allocator may write the buffer again (here one buffer for every
+    bucket, as a fixed pool does): the staged receiver copies each bucket out, so the commit lands
+    every tensor as it was sent, not the last bucket's bytes."""
+    pool: list[torch.Tensor] = []
+
+    def one_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+        if not pool or pool[0].numel() < nbytes:
+            pool[:] = [torch.empty(max(nbytes, 16 * 1024), dtype=torch.uint8, device=device)]
+        return pool[0][:nbytes]
+
+    backend = _StagingWatcher()
+    backend.start(str(dirs["a"]), version=0)
+    backend.begin_update(1)
+    buckets = 0
+    for bucket in iter_buckets(hf_export(dirs["b"]), 16 * 1024, allocator=one_buffer, group_by_dtype=False):
+        assert not bucket.receiver_may_keep
+        backend.receive_bucket(bucket)
+        buckets += 1
+    backend.commit_update(1)
+    assert buckets >= 10 and not any(backend.kept)
+    assert backend.weight_checksums() == {n: tensor_checksum(t) for n, t in hf_export(dirs["b"])}

@@ -8,7 +8,8 @@ MoE models also return the experts every router chose (R3), through the same rou
 the ``hf`` engine.
 
 It is a weight-sync receiver of both kinds: :class:`~rlcore.types.BucketReceiver` (stage
-buckets, swap on commit; ``inproc``) and :class:`~rlcore.types.DiskReceiver` (``disk``). Where
+buckets, swap on commit; ``inproc``: a bucket its sender never writes again is kept as the staging,
+not copied out) and :class:`~rlcore.types.DiskReceiver` (``disk``). Where
 the checksum kernel runs (a GPU with Triton; ``fused_checksums``), a push lands with copies that
 checksum what they write (:meth:`~rlcore.checksums.ChecksumSlots.copy`: the staged commit, or
 each in-place bucket), so ``weight_checksums()`` after it reads those sums instead of the weights
@@ -470,7 +471,10 @@ class LocalRollout:
                     self._staging[name] = self._views[name]  # landed: the live weight holds it
         else:
             for name, view in tensors:
-                self._staging[name] = view.to(self.device, copy=True)
+                # a bucket its sender never writes again is the staging itself (no copy here; the
+                # commit's copy is the only one after the bucket fill); otherwise copy it out
+                keep = bucket.receiver_may_keep and view.device == self.device
+                self._staging[name] = view if keep else view.to(self.device, copy=True)
 
     def commit_update(self, version: int) -> None:
         if self._staging is None or self._staging_version != version:

@@ -64,6 +64,10 @@ class Bucket:
     metas: list[TensorMeta] = field(default_factory=list)
     #: the slot of each tensor's checksum in the ``checksums`` given to :func:`iter_buckets` (None without)
     slots: list[int] | None = None
+    #: the buffer was allocated for this bucket alone and its sender never writes it again
+    #: (:func:`iter_buckets` without an ``allocator``): a receiver may keep views of it instead of
+    #: copying them out (the local rollout's staged update does: one copy fewer per push)
+    receiver_may_keep: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -160,7 +164,7 @@ def iter_buckets(
     :param device: where buckets live (default: each tensor's device).
     :param allocator: ``(nbytes, device) -> uint8 tensor`` to place buckets in, e.g. shared
         memory for another process; the default allocates a fresh buffer per bucket, so a
-        consumer may keep a bucket while the next one is built.
+        consumer may keep a bucket while the next one is built (``Bucket.receiver_may_keep``).
     :param group_by_dtype: one open bucket per dtype (the default, SGLang's flattened layout);
         ``False`` keeps a single open bucket for all dtypes (each offset still aligned to its
         tensor's item size, ``Bucket.dtype`` is then the first tensor's), so at most one buffer
@@ -189,7 +193,7 @@ def iter_buckets(
     def emit(ob: _OpenBucket) -> Bucket:
         nonlocal counter
         ob.flush()
-        b = Bucket(counter, ob.dtype, ob.buffer[: ob.used], ob.metas, ob.slots)
+        b = Bucket(counter, ob.dtype, ob.buffer[: ob.used], ob.metas, ob.slots, receiver_may_keep=allocator is None)
         counter += 1
         return b
 

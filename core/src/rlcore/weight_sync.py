@@ -99,7 +99,7 @@ class InprocSync:
             for bucket in tally.buckets(weights, self.bucket_bytes):
                 with phases("copy"):
                     target.receive_bucket(bucket)
-                del bucket  # the receiver copied it: nothing here keeps it alive
+                del bucket  # the receiver copied it or keeps it: nothing here holds it
             with phases("commit"):
                 target.commit_update(version)
         except Exception as exc:
