@@ -7,13 +7,21 @@
 # tokens/s and peak memory per path, log-prob and gradient equality (fp32 and bf16), the varlen
 # backend that ran. Writes $OUT/results.json, $OUT/results.md and $OUT/log.txt.
 # CPU check of the script (tiny sizes): SIZE=tiny DEVICE=cpu bash scripts/gpu/packed_attention.sh
+# PARTS=megatron (or hf; default hf,megatron) runs one engine's part alone: megatron alone takes about
+# 2 minutes on a warm H100/H200 (carry [".whl/megatron"]). ITERS (timed passes per path, default 2) and
+# LAYERS (decoder layers, default the size's 24) shorten a run; the results say which ran.
 set -euo pipefail
 OUT="${OUT:-runs/gpu-packed-attention}"
 mkdir -p "$OUT"
 SITE="${SITE:-/tmp/site}"
+PARTS="${PARTS:-hf,megatron}"
 if [ "${DEVICE:-cuda}" = cuda ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/megatron/*.whl
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" ./core ./plugins/megatron
+  if [[ ",$PARTS," == *,megatron,* ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/megatron/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" ./core ./plugins/megatron
+  else
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" ./core
+  fi
   export PYTHONPATH="$SITE"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/log.txt"
 fi
@@ -22,10 +30,12 @@ PY="${PYTHON:-python3}"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/log.txt"
 "$PY" -c "import inspect; from torch.nn.attention.varlen import varlen_attn; print('varlen_attn', inspect.signature(varlen_attn))" 2>&1 | tee -a "$OUT/log.txt" || true
 if [ "${SIZE:-qwen0.5b}" = tiny ]; then
-  ARGS=(--size tiny --seqs 8 --check-seqs 4 --min-len 4 --max-len 64 --mb-tokens 128 --check-mb-tokens 64 --iters 1)
+  ARGS=(--size tiny --seqs 8 --check-seqs 4 --min-len 4 --max-len 64 --mb-tokens 128 --check-mb-tokens 128 --iters "${ITERS:-1}")
 else
-  ARGS=(--size qwen0.5b --seqs 64 --check-seqs 8 --min-len 64 --max-len 4096 --mb-tokens 8192 --check-mb-tokens 4096 --iters 2)
+  ARGS=(--size qwen0.5b --seqs 64 --check-seqs 8 --min-len 64 --max-len 4096 --mb-tokens 8192 --check-mb-tokens 4096 --iters "${ITERS:-2}")
 fi
+ARGS+=(--engines "$PARTS")
+if [ -n "${LAYERS:-}" ]; then ARGS+=(--layers "$LAYERS"); fi
 set +e
 "$PY" scripts/gpu/packed_attention_bench.py --out "$OUT" --device "${DEVICE:-cuda}" "${ARGS[@]}" 2>&1 | tee -a "$OUT/log.txt"
 rc=${PIPESTATUS[0]}

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Packed (no padding) vs padded attention on the hf and megatron engines (issue 31 item 4).
 
-A Qwen2.5-0.5B-shaped model (random weights from a config) trains forward + backward over
+A Qwen2.5-0.5B-shaped model (random fp32 weights from a config, drawn once on the device; the
+bf16 model is those weights rounded, so the fp32 reference is the same model) trains forward + backward over
 ``--seqs`` sequences whose lengths spread evenly over ``[--min-len, --max-len]`` (shuffled), split
 into micro-batches of at most ``--mb-tokens`` real tokens (the same split for both paths, as
 ``training.micro_batch_tokens`` does), log-probs from core's reference head (chunked fp32 softmax).
@@ -48,6 +49,9 @@ FP32_GRAD_TOL = 1e-3
 BF16_RATIO = 1.5
 BF16_SLACK = 1e-3
 PATHS = ("padded", "packed")
+#: prefix of the record_function ranges that name a phase (scripts/gpu/profile_phases.py)
+PHASE = "phase:"
+PHASE_BACKWARD = "backward"
 
 
 def spread_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -71,12 +75,17 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return out
 
 
-def hf_model(size: str, dtype: torch.dtype, device: str):
+def hf_model(size: str, dtype: torch.dtype, device: str, layers: int | None = None):
+    """The HF model of ``size`` (``layers`` decoder layers instead of the size's, if given),
+    random weights initialised on ``device`` (the GPU draws 0.5B normals in well under a second;
+    the CPU took 12 s on two cores)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(**SIZES[size], attn_implementation="sdpa", use_cache=False)
+    shape = dict(SIZES[size], **({"num_hidden_layers": layers} if layers else {}))
+    cfg = Qwen2Config(**shape, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 def run_pass(forward, head, seqs: list[torch.Tensor], groups: list[list[int]], params: list[torch.Tensor]):
@@ -84,17 +93,24 @@ def run_pass(forward, head, seqs: list[torch.Tensor], groups: list[list[int]], p
     from rlcore.batch import PackedBatch
     from rlcore.heads import reference_logprobs
     from rlcore.types import HeadInput
+    from torch.profiler import record_function
 
     total = sum(s.numel() - 1 for s in seqs)
     out: list[torch.Tensor | None] = [None] * len(seqs)
     for group in groups:
-        batch = PackedBatch.pack([seqs[i] for i in group], [1] * len(group))
-        hidden = forward(batch)
-        weight, vocab = head()
-        dev = hidden.device
-        lp = reference_logprobs(HeadInput(hidden=hidden, weight=weight, labels=batch.labels().to(dev), vocab=vocab,
-                                          loss_mask=batch.loss_mask.to(dev))).logprobs
-        (-lp.sum() / total).backward()
+        # the phase ranges scripts/gpu/profile_phases.py groups the profile by (free when not profiling)
+        with record_function(PHASE + "pack"):
+            batch = PackedBatch.pack([seqs[i] for i in group], [1] * len(group))
+        with record_function(PHASE + "engine forward"):
+            hidden = forward(batch)
+        with record_function(PHASE + "head (reference, fp32)"):
+            weight, vocab = head()
+            dev = hidden.device
+            lp = reference_logprobs(HeadInput(hidden=hidden, weight=weight, labels=batch.labels().to(dev),
+                                              vocab=vocab, loss_mask=batch.loss_mask.to(dev))).logprobs
+            loss = -lp.sum() / total
+        with record_function(PHASE + PHASE_BACKWARD):
+            loss.backward()
         starts = batch.layout.starts.tolist()
         for i, start in zip(group, starts, strict=True):
             out[i] = lp[start:start + seqs[i].numel() - 1].detach().float().cpu()
@@ -164,19 +180,32 @@ def kernel_check(lengths: list[int], device: str, heads: int, kv_heads: int, hea
 # ------------------------------------------------------------------ engines -----------------
 
 
+class SourceModels:
+    """The HF model every engine and path starts from, kept on the CPU (so that no copy of it
+    counts in a path's GPU memory): fp32 weights drawn once on the device, the other dtypes
+    rounded from them, so the fp32 reference and the bf16 runs are the same model."""
+
+    def __init__(self, size, device, layers=None):
+        self.size, self.device, self.layers = size, device, layers
+        self._cpu: dict = {}
+
+    def __call__(self, dtype):
+        import copy
+
+        if torch.float32 not in self._cpu:
+            self._cpu[torch.float32] = hf_model(self.size, torch.float32, self.device, self.layers).to("cpu")
+        if dtype not in self._cpu:
+            self._cpu[dtype] = copy.deepcopy(self._cpu[torch.float32]).to(dtype)
+        return self._cpu[dtype]
+
+
 class HFFamily:
     """Engines of one path at a time (one model on the GPU at a time), all from the same weights."""
 
     name = "hf"
 
-    def __init__(self, size, device):
-        self.size, self.device = size, device
-        self._cpu: dict = {}
-
-    def cpu_model(self, dtype):
-        if dtype not in self._cpu:
-            self._cpu[dtype] = hf_model(self.size, dtype, "cpu")
-        return self._cpu[dtype]
+    def __init__(self, sources: SourceModels, device):
+        self.cpu_model, self.device = sources, device
 
     def engine(self, dtype, path):
         import copy
@@ -251,15 +280,23 @@ def fwd_of(engine):
     return lambda batch: engine.forward(batch).hidden
 
 
-def bench_family(family, args, lens, check_lens) -> dict:
+def bench_family(family, args, lens, check_lens, res: dict, save) -> None:
+    """Fills ``res`` (and calls ``save()`` after each stage, so that a run cut short by its time
+    limit still leaves what it measured); prints each stage's elapsed seconds."""
     device = args.device
+    t0 = time.perf_counter()
+
+    def stage(what: str) -> None:
+        res.setdefault("stage_s", {})[what] = round(time.perf_counter() - t0, 2)
+        print(f"[{family.name}] {time.perf_counter() - t0:7.1f} s  {what}", flush=True)
+        save()
     g = torch.Generator().manual_seed(1)
     vocab = SIZES[args.size]["vocab_size"]
     seqs = [torch.randint(0, vocab, (n,), generator=g) for n in lens]
     check = [torch.randint(0, vocab, (n,), generator=g) for n in check_lens]
     groups = micro_batches(lens, args.mb_tokens)
     check_groups = micro_batches(check_lens, args.check_mb_tokens)
-    res: dict = {"micro_batches": len(groups), "padded_tokens": sum(len(gr) * max(lens[i] for i in gr) for gr in groups)}
+    res.update(micro_batches=len(groups), padded_tokens=sum(len(gr) * max(lens[i] for i in gr) for gr in groups))
     equality: dict = {}
 
     def free():
@@ -273,7 +310,9 @@ def bench_family(family, args, lens, check_lens) -> dict:
     fp32 = {}
     for path in PATHS:
         eng = family.engine(torch.float32, path)
+        stage(f"fp32 {path} built")
         fp32[path] = run_pass(fwd_of(eng), head_of(eng), check, check_groups, family.params(eng))
+        stage(f"fp32 {path} equality pass")
         if path == "packed":
             equality["fp32_backend_packed"] = backend_of(family, eng, torch.float32, device)
         del eng
@@ -286,7 +325,9 @@ def bench_family(family, args, lens, check_lens) -> dict:
     res["paths"] = {}
     for path in PATHS:
         eng = family.engine(torch.bfloat16, path)
+        stage(f"bf16 {path} built")
         bf16[path] = run_pass(fwd_of(eng), head_of(eng), check, check_groups, family.params(eng))
+        stage(f"bf16 {path} equality pass")
         for p in family.params(eng):
             p.grad = None
         free()
@@ -300,6 +341,7 @@ def bench_family(family, args, lens, check_lens) -> dict:
         r["backend"] = backend_of(family, eng, torch.bfloat16, device)
         res["paths"][path] = r
         print(f"[{family.name}] {path}: {r}", flush=True)
+        stage(f"bf16 {path} timed (warm-up + {args.iters})")
         del eng
         free()
     equality["bf16_packed_vs_padded"] = compare(*bf16["packed"], *bf16["padded"])
@@ -311,7 +353,7 @@ def bench_family(family, args, lens, check_lens) -> dict:
     equality["bf16_pass"] = (pk["mean_abs_logprob"] <= BF16_RATIO * pd["mean_abs_logprob"] + BF16_SLACK
                              and pk["grad_rel"] <= BF16_RATIO * pd["grad_rel"] + BF16_SLACK)
     res["equality"] = equality
-    return res
+    stage("done")
 
 
 def markdown(results: dict) -> str:
@@ -320,7 +362,7 @@ def markdown(results: dict) -> str:
     lines = [f"# Packed vs padded attention ({m['device_name']}, {m['date']})", "",
              f"Kernel check (varlen_attention in bf16, backend `{kc['backend_bf16']}`, vs SDPA per sequence in fp32): "
              f"max |d out| {kc['max_abs_out_vs_fp32']:.2e}, query-gradient rel {kc['grad_rel_vs_fp32']:.2e}.", "",
-             f"Model: {m['size']} (random weights), bf16; {m['seqs']} sequences, lengths {m['min_len']}-{m['max_len']} "
+             f"Model: {m['size']}, {m['layers']} layers (random weights), bf16; {m['seqs']} sequences, lengths {m['min_len']}-{m['max_len']} "
              f"(evenly spread, {m['real_tokens']} real tokens), micro-batches of consecutive sequences with padded "
              f"rows (count x longest) <= {m['mb_tokens']} tokens, the same for both paths; "
              f"forward + backward, mean of {m['iters']} passes after a warm-up. torch {m['torch']}, "
@@ -371,6 +413,8 @@ def main() -> int:
     ap.add_argument("--mb-tokens", type=int, default=8192)
     ap.add_argument("--check-mb-tokens", type=int, default=4096, help="the equality check's (fp32) micro-batch bound")
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers instead of the size's (a shorter run; the head's share of the time grows)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -386,6 +430,7 @@ def main() -> int:
     check_lens = spread_lengths(args.check_seqs, args.min_len, args.max_len, seed=1)
     meta = {"size": args.size, "seqs": args.seqs, "check_seqs": args.check_seqs, "min_len": args.min_len,
             "max_len": args.max_len, "mb_tokens": args.mb_tokens, "iters": args.iters, "real_tokens": sum(lens),
+            "layers": args.layers or SIZES[args.size]["num_hidden_layers"],
             "torch": torch.__version__, "transformers": transformers.__version__, "megatron_core": mcore,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
@@ -395,19 +440,26 @@ def main() -> int:
                                            sz["num_key_value_heads"])
     print("kernel check:", results["kernel_check"], flush=True)
     families = {"hf": HFFamily, "megatron": MegatronFamily}
+    sources = SourceModels(args.size, args.device, args.layers)  # shared: drawn once for both engines
+
+    def save():
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+
     rc = 0
     for name in args.engines.split(","):
         t0 = time.perf_counter()
+        res = results["engines"][name] = {}
         try:
-            results["engines"][name] = bench_family(families[name](args.size, args.device), args, lens, check_lens)
+            bench_family(families[name](sources, args.device), args, lens, check_lens, res, save)
         except Exception as exc:  # noqa: BLE001 - one engine's failure is reported, the other still runs
             import traceback
 
             traceback.print_exc()
-            results["engines"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            res.clear()
+            res["error"] = f"{type(exc).__name__}: {exc}"
             rc = 1
-        results["engines"][name]["wall_s"] = time.perf_counter() - t0
-        (out / "results.json").write_text(json.dumps(results, indent=2))
+        res["wall_s"] = time.perf_counter() - t0
+        save()
     (out / "results.md").write_text(markdown(results))
     print(markdown(results))
     ok = all(r.get("equality", {}).get("fp32_pass") and r["equality"].get("bf16_pass")
