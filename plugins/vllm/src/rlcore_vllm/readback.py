@@ -10,7 +10,9 @@ leaves the parameter empty. What is compared, per HF tensor:
   vocabulary rows vLLM pads to a multiple of 64, narrowed to the HF shape);
 * a fused parameter: the tensor's own slice, where the layer's loader put it: ``q``/``k``/``v``
   of ``qkv_proj`` (the layer's shard offsets), ``gate``/``up`` of ``gate_up_proj`` (its
-  ``output_sizes``), an expert's ``w1``/``w3`` halves of ``w13_weight`` and its ``w2_weight``.
+  ``output_sizes``), an expert's ``w1``/``w3`` halves of ``w13_weight`` and its ``w2_weight``
+  (held by the fused-MoE layer, or from vLLM 0.26 on by its ``routed_experts`` child: the layer
+  whose loaders ran is the one read, whichever it is).
 
 A tensor the worker cannot locate this way (tensor-parallel shards, a loader that reshaped or cast
 it) is reported as not readable with the reason; the push then does not claim ``exact``. A tensor
@@ -168,7 +170,8 @@ def loaded_region(layer: torch.nn.Module, param: Any, args: dict[str, Any],
     shard = args.get("loaded_shard_id", args.get("shard_id"))
     expert = args.get("expert_id")
     dim = int(getattr(param, "output_dim", 0) or 0)
-    tp = int(getattr(layer, "tp_size", 1) or 1)
+    # a fused-MoE layer of vLLM >= 0.26 (RoutedExperts) has no tp_size of its own: its moe_config does
+    tp = int(getattr(layer, "tp_size", None) or getattr(getattr(layer, "moe_config", None), "tp_size", 1) or 1)
     if tp != 1:
         return None, f"tensor parallel size {tp}: the worker holds a shard"
     if expert is not None:  # FusedMoE: [experts, ...] per parameter

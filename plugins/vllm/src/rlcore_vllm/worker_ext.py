@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -178,6 +179,59 @@ def _refresh_shared_modules(model: torch.nn.Module, loaded: set[str]) -> list[st
     return refreshed
 
 
+class ParameterCoverage:
+    """Which of ``model``'s parameters one push reached, from the names its ``load_weights``
+    returned, normalised here (once) to the model's own parameter names.
+
+    vLLM qualifies what a submodule's ``load_weights`` returns with the submodule's prefix
+    (``AutoWeightsLoader._load_module``), right only if the submodule reports names relative to
+    itself. vLLM 0.26's fused-MoE ``MoERunner.load_weights`` instead passes on what its child
+    ``routed_experts`` returns (``w13_weight``, ``w2_weight``), so experts loaded into
+    ``...mlp.experts.routed_experts.w13_weight`` come back as ``...mlp.experts.w13_weight``, a
+    name no parameter has (vLLM 0.32's runner adds ``routed_experts.``; vLLM's own start-up check
+    counts every parameter of a layer with a quant method as loaded, so it never saw this).
+
+    Such a short name is mapped to the one parameter it can mean, found from the model's
+    structure rather than its version: a module with ``load_weights`` whose child has
+    ``load_weights`` too. A returned name that is a parameter's own is taken as it is; one that
+    is no parameter's, or that two children could mean, counts for nothing, so those parameters
+    stay missing and the push fails: no parameter is ever dropped from coverage.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.expected = {name for name, _ in model.named_parameters()}
+        self.reached: set[str] = set()
+        self._delegated = _delegated_parameter_names(model, self.expected)
+
+    def record(self, returned: Iterable[str]) -> None:
+        """Count the names one ``load_weights`` call returned."""
+        for name in returned:
+            name = self._delegated.get(name, name)
+            if name in self.expected:
+                self.reached.add(name)
+
+    def missing(self) -> list[str]:
+        return sorted(self.expected - self.reached)
+
+
+def _delegated_parameter_names(model: torch.nn.Module, parameters: set[str]) -> dict[str, str]:
+    """``{short name: parameter name}`` for every parameter held by a child ``C`` (with its own
+    ``load_weights``) of a submodule ``M`` (with ``load_weights``): ``M.p`` for ``M.C.p``, unless
+    ``M.p`` is a parameter itself or two children hold a ``p`` (then it is left out)."""
+    short_names: dict[str, str | None] = {}
+    for prefix, module in model.named_modules():
+        if not prefix or not callable(getattr(module, "load_weights", None)):
+            continue  # the model's own load_weights returns full names
+        for child_name, child in module.named_children():
+            if not callable(getattr(child, "load_weights", None)):
+                continue
+            for name, _ in child.named_parameters():
+                short, full = f"{prefix}.{name}", f"{prefix}.{child_name}.{name}"
+                if short not in parameters:
+                    short_names[short] = full if short_names.get(short, full) == full else None
+    return {short: full for short, full in short_names.items() if full is not None}
+
+
 def _named_loader_error(exc: Exception, name: str | None, shape: Any) -> RuntimeError:
     what = f"at weight {name!r} {tuple(shape)}" if name is not None else "before its first weight"
     detail = str(exc) or repr(exc)
@@ -190,8 +244,7 @@ class RLCoreWorkerExtension:
     def _rlcore_state(self) -> dict[str, Any]:
         state = getattr(self, "_rlcore", None)
         if state is None:
-            state = {"active": False, "segments": {}, "expected": set(), "loaded": set(), "version": None,
-                     "moe_fix": False}
+            state = {"active": False, "segments": {}, "coverage": None, "version": None, "moe_fix": False}
             self._rlcore = state
         return state
 
@@ -218,8 +271,7 @@ class RLCoreWorkerExtension:
         state["moe_fix"] = install_cpu_moe_update_fix()
         model = self._rlcore_model()
         self._rlcore_end_read_back()
-        state["expected"] = {name for name, _ in model.named_parameters()}
-        state["loaded"] = set()
+        state["coverage"] = ParameterCoverage(model)
         state["received"] = set()
         state["manifest"] = _manifest_of(str(self.vllm_config.model_config.model))
         draft = DraftUpdate(self.model_runner, model, skip=bool(req.get("skip_draft", False)))
@@ -311,8 +363,7 @@ class RLCoreWorkerExtension:
                 draft.load(stream)
         except Exception as exc:  # noqa: BLE001 - re-raised with the tensor's name
             raise _named_loader_error(exc, current[0], current[1]) from exc
-        if loaded:
-            state["loaded"].update(loaded)
+        state["coverage"].record(loaded or ())
         state["received"].update(name for name, _ in views)
         t3 = time.perf_counter()
         copied = _detach_pending_views(buf.data_ptr(), buf.data_ptr() + buf.numel(), read_back, buf.device.type)
@@ -333,6 +384,7 @@ class RLCoreWorkerExtension:
         model = self._rlcore_model()
         draft: DraftUpdate = state["draft"]
         read_back: ReadBack | None = state.get("read_back")
+        coverage: ParameterCoverage = state["coverage"]
         try:
             with self._rlcore_config():
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
@@ -353,15 +405,15 @@ class RLCoreWorkerExtension:
             if callable(fn):
                 fn()
         with self._rlcore_config():
-            refreshed = _refresh_shared_modules(model, state["loaded"])
-        missing = sorted(state["expected"] - state["loaded"])
+            refreshed = _refresh_shared_modules(model, coverage.reached)
+        missing = coverage.missing()
         manifest: WeightManifest | None = state["manifest"]
         not_sent = manifest.missing(state["received"]) if manifest is not None else []
         if not_sent or missing or (draft_report.get("draft_num_missing") and not draft.skip):
             self._rlcore_guard(True, f"is partial or failed: {len(not_sent)} checkpoint tensor(s) did not arrive, "
                                      f"{len(missing)} parameter(s) not reached")
         state["finished"] = state["version"]
-        return {"missing": missing[:20], "num_missing": len(missing), "num_params": len(state["expected"]),
+        return {"missing": missing[:20], "num_missing": len(missing), "num_params": len(coverage.expected),
                 "not_sent": not_sent[:20], "num_not_sent": len(not_sent),
                 "num_manifest": len(manifest.shapes) if manifest is not None else 0, "refreshed": refreshed,
                 **draft_report, "draft_version": state.get("draft_version"),
@@ -404,7 +456,8 @@ class RLCoreWorkerExtension:
         if state.get("version") is not None:  # the engine may hold a mix until a push completes
             state["finished"] = None
             self._rlcore_guard(True, f"is partial or failed: {reason}")
-        return {"was_active": was_active, "loaded": len(state["loaded"])}
+        coverage: ParameterCoverage | None = state["coverage"]
+        return {"was_active": was_active, "loaded": len(coverage.reached) if coverage is not None else 0}
 
     def rlcore_close_segments(self, request: str) -> dict:
         paths = json.loads(request)["paths"]
