@@ -350,23 +350,6 @@ def test_launch_flags_parse_with_sglangs_server_args(sglang):
         server_cli_args("/m", host="h", port=1, weight_version=0, extra=["--port", "2"])
 
 
-def test_a_draft_from_the_policy_is_read_from_the_policy_directory(sglang):
-    """SGLang fills --speculative-draft-model-path in itself only for a few architectures (not
-    MiMo): a draft made of the policy's MTP layers is pointed at the policy directory; a separate
-    draft checkpoint keeps its own path."""
-    from rlcore_sglang.backend import SGLangBackend
-    from rlcore_sglang.settings import SGLangSettings
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    policy = SGLangBackend(SGLangSettings(speculative_algorithm="EAGLE", speculative_num_steps=2))
-    ns = parser.parse_args(policy.launch_args("/runs/policy_hf", 0))
-    assert (ns.speculative_algorithm, ns.speculative_draft_model_path) == ("EAGLE", "/runs/policy_hf")
-    separate = SGLangBackend(SGLangSettings(speculative_algorithm="EAGLE3", speculative_draft_model_path="/d"))
-    assert parser.parse_args(separate.launch_args("/runs/policy_hf", 0)).speculative_draft_model_path == "/d"
-    assert parser.parse_args(SGLangBackend(SGLangSettings()).launch_args("/p", 0)).speculative_draft_model_path is None
-
 
 # ------------------------------------------------------------ the CUDA-IPC handle --------
 

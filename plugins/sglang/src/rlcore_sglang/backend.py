@@ -102,14 +102,13 @@ class SGLangBackend:
             caps.add(Cap.SPECULATIVE)
         return frozenset(caps)
 
-    def _speculative(self, model_dir: str) -> dict[str, Any]:
+    def _speculative(self) -> dict[str, Any]:
         s = self.settings
-        # a draft made of the policy's MTP layers is read from the policy directory; SGLang fills
-        # that path in itself for a few architectures only (DeepSeek-V3, GLM-4 MoE, ...: not MiMo)
-        draft_path = model_dir if drafts_from_policy(s) else s.speculative_draft_model_path
+        # no draft path: SGLang's draft worker then reads the target's directory (ModelConfig's
+        # fallback to --model-path), as a draft made of the policy's MTP layers needs
         return {
             "speculative_algorithm": s.speculative_algorithm,
-            "speculative_draft_model_path": draft_path,
+            "speculative_draft_model_path": s.speculative_draft_model_path,
             "speculative_num_steps": s.speculative_num_steps,
             "speculative_eagle_topk": s.speculative_eagle_topk,
             "speculative_num_draft_tokens": s.speculative_num_draft_tokens,
@@ -120,7 +119,7 @@ class SGLangBackend:
         return server_cli_args(
             model_dir, host=s.host, port=int(s.port), weight_version=version, extra=list(s.launch_args),
             memory_saver=bool(s.enable_memory_saver), routed_experts=self.request_routed_experts,
-            speculative=self._speculative(model_dir),
+            speculative=self._speculative(),
         )
 
     def start(self, model_dir: str, version: int = 0) -> None:
