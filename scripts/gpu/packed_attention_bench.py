@@ -194,8 +194,8 @@ class SourceModels:
 
         if torch.float32 not in self._cpu:
             self._cpu[torch.float32] = hf_model(self.size, torch.float32, self.device, self.layers).to("cpu")
-        if dtype not in self._cpu:
-            self._cpu[dtype] = copy.deepcopy(self._cpu[torch.float32]).to(dtype)
+        if dtype not in self._cpu:  # rounded on the device too (a loaded CPU took 16 s for it)
+            self._cpu[dtype] = copy.deepcopy(self._cpu[torch.float32]).to(self.device, dtype).to("cpu")
         return self._cpu[dtype]
 
 

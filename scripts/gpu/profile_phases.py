@@ -102,9 +102,13 @@ class ModuleRanges:
 def kernel_kind(name: str) -> str:
     """What launched a kernel, from its name: cuBLAS/CUTLASS GEMMs, a Triton kernel (its function
     name), or one of torch's own kernels."""
+    if name.startswith("triton_"):  # Inductor's names: torch.compile'd code (the loss objective)
+        return "Triton, torch.compile'd"
+    if "flash" in name.lower() or "fmha" in name.lower():
+        return "attention kernel (flash / fused)"
     if GEMM.search(name) and not name.startswith(("void at::", "at::")):
         return "GEMM (cuBLAS)"
-    if "_kernel" in name and not name.startswith(("void ", "at::")):
+    if name.endswith("_kernel") and not name.startswith(("void ", "at::")):
         return f"Triton {name}"
     return "torch kernels (elementwise, reductions, copies)"
 
@@ -141,8 +145,8 @@ def _backward_node(evt):
 
 
 def device_times(prof, on_cuda: bool) -> list[tuple[str, str, float]]:
-    """``(phase, kernel name, microseconds)`` per kernel the profile holds (CPU: per leaf op,
-    its self time). Forward kernels get the innermost phase range around the op that launched
+    """``(phase, kernel name, microseconds)`` per kernel the profile holds (CPU: per op, its
+    self time). Forward kernels get the innermost phase range around the op that launched
     them; backward kernels ``backward: <phase>`` of the forward op with the node's sequence number."""
     events = prof.events()
     forward_phase: dict[tuple[int, int], tuple[int, str]] = {}
@@ -156,24 +160,27 @@ def device_times(prof, on_cuda: bool) -> list[tuple[str, str, float]]:
         start = e.time_range.start
         if phase is not None and (key not in forward_phase or start >= forward_phase[key][0]):
             forward_phase[key] = (start, phase)
-    rows = []
-    for e in events:
-        if e.device_type.name != "CPU":
-            continue
-        if on_cuda:
-            launched = [(k.name, k.duration) for k in e.kernels]
-        else:
-            launched = [] if e.cpu_children or e.name.startswith(PHASE) else [(e.name, e.self_cpu_time_total)]
-        if not launched:
-            continue
+    def phase_of(e) -> str:
         node = _backward_node(e)
         if node is None:
-            phase = _own_phase(e) or "other"
-        else:
-            seq, thread, name = node
-            fwd = forward_phase.get((seq, thread))
-            phase = "backward: " + (fwd[1] if fwd else name)
-        rows += [(phase, name, float(us)) for name, us in launched]
+            return _own_phase(e) or "other"
+        seq, thread, node_name = node
+        fwd = forward_phase.get((seq, thread))
+        return "backward: " + (fwd[1] if fwd else node_name)
+
+    if not on_cuda:
+        return [(phase_of(e), e.name, float(e.self_cpu_time_total)) for e in events
+                if e.device_type.name == "CPU" and not e.name.startswith(PHASE)]
+    # every device event (kernel, memcpy, memset) once, charged to the CPU op that launched it
+    # (the profiler's linked correlation id); one launched outside any op is "other"
+    launchers = {e.id: e for e in events if e.device_type.name == "CPU"}
+    rows = []
+    for d in events:
+        if d.device_type.name != "CUDA":
+            continue
+        op = launchers.get(d.linked_correlation_id)
+        rows.append((phase_of(op) if op is not None else "other", d.name,
+                     float(d.time_range.end - d.time_range.start)))
     return rows
 
 
@@ -189,14 +196,21 @@ def profiled(fn, device: str) -> tuple[list[tuple[str, str, float]], float]:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
         t0 = time.perf_counter()
-        fn()
+        with record_function(PHASE + "other"):  # a range for launches outside any op (Triton's)
+            fn()
         if on_cuda:
             b.record()
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
+    rows = device_times(prof, on_cuda)
     if on_cuda:
         wall = a.elapsed_time(b)
-    return device_times(prof, on_cuda), wall
+        # a cross-check of the linking: the kernel time torch's own tables attach to ops
+        linked = sum(k.duration for e in prof.events() for k in e.kernels) / 1e3
+        other = sum(us for phase, _, us in rows if phase == "other") / 1e3
+        print(f"  profiled: {sum(us for _, _, us in rows) / 1e3:.1f} ms of device time, {other:.1f} ms of it "
+              f"outside any phase; torch attaches {linked:.1f} ms to ops", flush=True)
+    return rows, wall
 
 
 def summarise(rows: list[tuple[str, str, float]], wall_ms: float, top: int) -> dict:
