@@ -7,7 +7,7 @@
 ``run``: one rlcore run's step table from its metrics.jsonl: the phases core times (generate,
 old-log-prob recomputation, train, weight sync with bytes, GB/s and verification level, vLLM's
 sleep and wake, whole step), tokens/s, the trainer-vLLM log-prob mismatch and TIS metrics, R3's
-replay coverage and agreement, MTP acceptance per draft position, the medians of the steps after
+replay coverage and agreement (first and last step in the table, every step on a line of its own), MTP acceptance per draft position, the medians of the steps after
 the first, the peak GPU memory (whole card, from nvidia-smi every 500 ms), the end of the log when
 the run failed.
 
@@ -160,6 +160,14 @@ def summary(parts_dir: str, out: str) -> None:
                      f"{_fmt(m.get('tokens_per_second'))} | {_fmt(peak / 1024 if peak else None)} | {_fmt(mismatch)} | "
                      f"{_fmt(tis)} | {','.join(r.get('sync_levels', []))} {r.get('every_push_verified', '')} | "
                      f"{first_last} |")
+    for f in sorted(Path(parts_dir).glob("*.json")):  # R3/R2: replay coverage and agreement of every step
+        r = json.loads(f.read_text())
+        replay_rows = [row for row in r.get("table", []) if "replay/coverage" in row or "replay/agreement" in row]
+        if replay_rows:
+            lines += ["", f"{r['run']} replay per step (coverage / agreement / samples without routes): "
+                      + ", ".join(f"{row.get('step')}: {_fmt(row.get('replay/coverage'))} / "
+                                  f"{_fmt(row.get('replay/agreement'))} / {_fmt(row.get('replay/missing_samples'))}"
+                                  for row in replay_rows)]
     for f in sorted(Path(parts_dir).glob("*.json")):  # why a run failed: the last line of its log
         r = json.loads(f.read_text())
         if r.get("rc") and r.get("log_tail"):

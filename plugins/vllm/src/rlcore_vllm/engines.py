@@ -110,7 +110,9 @@ def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, ro
     if settings.enable_sleep_mode and not is_cpu:
         kw["enable_sleep_mode"] = True  # the CPU platform rejects it at config validation
     if routed_experts and not is_cpu:
-        kw["enable_return_routed_experts"] = True  # needs Model Runner V2 (Triton): GPUs only
+        # GPUs only: 0.26 captures routes in the V1 model runner (it picks V1 when this is on; with
+        # VLLM_USE_V2_MODEL_RUNNER=1 it refuses), 0.32 in Model Runner V2, which needs Triton
+        kw["enable_return_routed_experts"] = True
     if transport in ("nccl", "ipc"):
         kw["weight_transfer_config"] = {"backend": transport}
     if ray_replica:
