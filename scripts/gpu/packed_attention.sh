@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Packed (no padding) vs padded attention on the GPU, hf and megatron engines (issue 31 item 4;
-# docs/benchmarks/packed_attention.md). One call, one GPU, about 3 minutes:
+# docs/benchmarks/packed_attention.md). One call, one GPU, 4-5 minutes for both engines (the hf part
+# alone took most of the 230 s the first GPU run had):
 #   bash scripts/gpu/packed_attention.sh        with carry [".whl/megatron"] (megatron-core 0.19.2 and
 #                                               omegaconf wheels, fetched as scripts/gpu/megatron_019.sh says)
 # A Qwen2.5-0.5B-shaped model (random weights), 64 sequences of 64-4096 tokens, forward + backward:
 # tokens/s and peak memory per path, log-prob and gradient equality (fp32 and bf16), the varlen
 # backend that ran. Writes $OUT/results.json, $OUT/results.md and $OUT/log.txt.
 # CPU check of the script (tiny sizes): SIZE=tiny DEVICE=cpu bash scripts/gpu/packed_attention.sh
-# PARTS=megatron (or hf; default hf,megatron) runs one engine's part alone: megatron alone takes about
-# 2 minutes on a warm H100/H200 (carry [".whl/megatron"]). ITERS (timed passes per path, default 2) and
+# PARTS=megatron (or hf; default hf,megatron) runs one engine's part alone: megatron alone is estimated
+# at 1.5-3 minutes on a warm H100/H200 (carry [".whl/megatron"]; not yet timed on a GPU). ITERS (timed passes per path, default 2) and
 # LAYERS (decoder layers, default the size's 24) shorten a run; the results say which ran.
 set -euo pipefail
 OUT="${OUT:-runs/gpu-packed-attention}"
@@ -18,9 +19,9 @@ PARTS="${PARTS:-hf,megatron}"
 if [ "${DEVICE:-cuda}" = cuda ]; then
   if [[ ",$PARTS," == *,megatron,* ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/megatron/*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" ./core ./plugins/megatron
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" ./core ./plugins/megatron
   else
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" ./core
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" ./core
   fi
   export PYTHONPATH="$SITE"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/log.txt"
