@@ -173,11 +173,14 @@ def device_times(prof, on_cuda: bool) -> list[tuple[str, str, float]]:
                 if e.device_type.name == "CPU" and not e.name.startswith(PHASE)]
     # every device event (kernel, memcpy, memset) once, charged to the CPU op that launched it
     # (the profiler's linked correlation id); one launched outside any op is "other"
+    device = [d for d in events if d.device_type.name == "CUDA"]
+    if not any(getattr(d, "linked_correlation_id", 0) for d in device):
+        # a torch whose events carry no link: the kernels torch itself attached to each op
+        return [(phase_of(e), k.name, float(k.duration)) for e in events if e.device_type.name == "CPU"
+                for k in e.kernels]
     launchers = {e.id: e for e in events if e.device_type.name == "CPU"}
     rows = []
-    for d in events:
-        if d.device_type.name != "CUDA":
-            continue
+    for d in device:
         op = launchers.get(d.linked_correlation_id)
         rows.append((phase_of(op) if op is not None else "other", d.name,
                      float(d.time_range.end - d.time_range.start)))
