@@ -37,5 +37,7 @@ import rlcore_sglang.sync  # noqa: F401
 print("[install] torch", torch.__version__, "transformers", transformers.__version__, "sglang", sglang.__version__,
       "sglang-kernel", md.version("sglang-kernel"), "flashinfer", md.version("flashinfer-python"),
       "rlcore", md.version("rlcore"), "rlcore-sglang", md.version("rlcore-sglang"),
+      *[f"{d} {md.version(d)}" for d in ("rlcore-replay", "rlcore-mtp")
+        if any(x.metadata["Name"] == d for x in md.distributions())],
       "gpu", torch.cuda.get_device_name(0), f"(imports {time.perf_counter() - t:.1f} s)")
 EOF

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # rlcore GRPO with SGLang 0.5.17 generating on the same GPU (examples/gpu_sglang.yaml) and the seed's
 # MoE measurement (plugins/sglang/benchmarks/engine_moe_sync.py), for docs/benchmarks/weight_sync_sglang.md.
-# Installs first unless already installed in this machine's /tmp/site (scripts/gpu/sglang_0517_install.sh;
-# the wheels in WHEEL_DIR, default /tmp/carry), then runs each entry of RUNS ("name|overrides ...",
-# default: the 0.5 B model through sglang-tensor), sampling the card's memory every 200 ms, then (MOE=1)
-# the MoE measurement. Everything lands in $OUT (default runs/gpu-sglang): log.txt, metrics.jsonl
-# (every run's steps, each line tagged with its run), <name>.json per MoE measurement (MOE_RUNS); at most
-# 8 files, as the device tool returns. RUNS="" skips the training runs, MOE=0 the measurements.
-#   bash scripts/gpu/sglang_0517_run.sh
+# Installs first unless already installed in this machine's $SITE (default /tmp/site; scripts/gpu/sglang_0517_install.sh;
+# the wheels in WHEEL_DIR, default /tmp/carry), then runs each entry of RUNS, one per line:
+#   name|[config.yaml] overrides ...|[limit seconds]
+# (default config examples/gpu_sglang.yaml, default limit RUN_LIMIT; default RUNS: the 0.5 B model through
+# sglang-tensor), sampling the card's memory every 200 ms, then (MOE=1) the MoE measurement. A run past its
+# limit gets its stacks dumped (SIGUSR1) and is stopped, with the SGLang server it launched (by process
+# group), so the next run starts on a free card. Everything lands in $OUT (default runs/gpu-sglang):
+# log.txt, metrics.jsonl (every run's steps, each line tagged with its run), summary.txt (one table per
+# run: scripts/gpu/sglang_0517_summary.py), <name>.json per MoE measurement (MOE_RUNS); at most 8 files,
+# as the device tool returns. RUNS="" skips the training runs, MOE=0 the measurements.
+#   bash scripts/gpu/sglang_0517_run.sh        (R3 and MTP: scripts/gpu/sglang_0517_r3_mtp.sh)
 set -uo pipefail
 OUT="${OUT:-runs/gpu-sglang}"
 WORK="${WORK:-/tmp/rlcore-gpu-sglang}"
@@ -15,32 +19,50 @@ mkdir -p "$OUT" "$WORK"; export OUT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false SGLANG_DISABLE_REQUEST_LOGGING=1
 log() { echo "$*" | tee -a "$OUT/log.txt"; }
-if [ ! -f /tmp/site/.rlcore-sglang-installed ] || [ "${INSTALL:-0}" = 1 ]; then
+SITE="${SITE:-/tmp/site}"; export SITE
+if [ ! -f "$SITE/.rlcore-sglang-installed" ] || [ "${INSTALL:-0}" = 1 ]; then
   bash scripts/gpu/sglang_0517_install.sh "${WHEEL_DIR:-/tmp/carry}" 2>&1 | tee -a "$OUT/log.txt"
-  [ "${PIPESTATUS[0]}" = 0 ] && touch /tmp/site/.rlcore-sglang-installed
+  [ "${PIPESTATUS[0]}" = 0 ] && touch "$SITE/.rlcore-sglang-installed"
 elif [ -d .device-carry/sglang0517/rlcore ]; then  # a newer rlcore build travelled with this call
-  python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+  python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --upgrade --target "$SITE" \
     .device-carry/sglang0517/rlcore/*.whl 2>&1 | grep -v "already exists" | tee -a "$OUT/log.txt"
 fi
-export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } | tee -a "$OUT/log.txt"
 
 SMALL="engine.model.tiny.hidden_size=256 engine.model.tiny.num_layers=4 engine.model.tiny.num_heads=4 \
 engine.model.tiny.num_kv_heads=2 engine.model.tiny.intermediate_size=512 engine.model.tiny.vocab_size=0 \
 engine.model.tiny.tie_word_embeddings=false engine.model.tiny.init_std=0.08 training.lr=0.001"
 RUNS="${RUNS-qwen05b-tensor|training.steps=3}"
-run_one() {  # name overrides...: one rlcore run; its stacks are dumped if it outlives RUN_LIMIT
-  local name=$1; shift
-  log "=== run $name: rlcore train examples/gpu_sglang.yaml $* ${EXTRA:-}"
+stop_run() {  # pid: dump its stacks, stop the SGLang server it launched (its own process group), then it
+  local pid=$1 child children
+  children=$(pgrep -P "$pid")  # before anything can orphan them
+  kill -USR1 "$pid" 2>/dev/null; sleep 2
+  for child in $children; do kill -TERM -- "-$child" 2>/dev/null; done
+  kill -TERM "$pid" 2>/dev/null; sleep 5
+  for child in $children; do kill -KILL -- "-$child" 2>/dev/null; done
+  kill -KILL "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+}
+run_one() {  # name limit config overrides...: one rlcore run, stopped with its server past its limit
+  local name=$1 limit=$2 config=$3; shift 3
+  log "=== run $name (limit $limit s): rlcore train $config $* ${EXTRA:-}"
   nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 200 > "$WORK/$name.gpumem.csv" < /dev/null &
-  local smi=$! t0 rc
+  local smi=$! t0 rc pid
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout -s USR1 -k 15 "${RUN_LIMIT:-300}" python3 -c 'import faulthandler, signal, sys
+  python3 -c 'import faulthandler, signal, sys
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 from rlcore.cli import main
-sys.exit(main())' train examples/gpu_sglang.yaml "$@" ${EXTRA:-} --output "$WORK/$name" --overwrite < /dev/null > "$WORK/$name.log" 2>&1
-  rc=$?
+sys.exit(main())' train "$config" "$@" ${EXTRA:-} --output "$WORK/$name" --overwrite < /dev/null > "$WORK/$name.log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 1; done
+  if kill -0 "$pid" 2>/dev/null; then
+    log "run $name: past its $limit s limit: stacks dumped (end of its log), stopped with its SGLang server"
+    stop_run "$pid"; rc=124
+  else
+    wait "$pid"; rc=$?
+  fi
   kill "$smi" 2>/dev/null
   tail -n 60 "$WORK/$name.log" | tee -a "$OUT/log.txt"
   if [ "$rc" != 0 ] && [ -f "$WORK/$name/sglang_server.log" ]; then
@@ -61,11 +83,15 @@ for l in open(sys.argv[1]):
   fi
   return "$rc"
 }
-while IFS='|' read -r name overrides; do
+while IFS='|' read -r name overrides limit; do
   [ -z "$name" ] && continue
+  config=examples/gpu_sglang.yaml
   # shellcheck disable=SC2086
-  run_one "$name" $overrides
+  set -- $overrides
+  case "${1:-}" in *.yaml) config=$1; shift ;; esac
+  run_one "$name" "${limit:-${RUN_LIMIT:-300}}" "$config" "$@"
 done <<< "$RUNS"
+[ -n "$RUNS" ] && python3 scripts/gpu/sglang_0517_summary.py "$OUT" > /dev/null
 
 # the MoE measurements: "name|benchmark args" per line, each into $OUT/<name>.json
 MOE_RUNS="${MOE_RUNS:-moe|--verify-once}"

@@ -61,7 +61,10 @@ def test_critic_under_pipeline_stages_matches_a_single_rank(megatron_dirs, run_w
     assert one["metrics"]["critic/grad_norm"] > 1.0, "the critic's clip (1.0) acted on the pipelined norm"
 
 
-# ------------------------------------------------ the trainer: learning, kill and resume ------
+# ------------------------------------------------ the trainer: kill and resume ------
+# (no PPO learning run under PP=2: the test above holds PP=2 equal to one rank in values, returns,
+# losses and gradients, so learning follows from one rank's: core/tests/test_ppo_critic.py learns,
+# test_megatron_critic.py trains PPO on the megatron engine; the run below is PPO under PP=2 in the trainer)
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "megatron_tiny.yaml"
 PPO_PP2 = ["algorithm.name=ppo", "megatron.pipeline_parallel_size=2", "output.progress=false",
@@ -116,28 +119,6 @@ def _train_ranks(out: Path, overrides: list[str], resume: bool = False, fault_on
     while not errors.empty():
         msgs.append(errors.get())
     return [p.exitcode for p in procs], msgs
-
-
-def _mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs)
-
-
-def test_ppo_under_pipeline_stages_learns_the_embedded_default(tmp_path, figures, combinations_only_on_newest):
-    """examples/megatron_tiny.yaml (the embedded default's model and task) with ``algorithm.name=ppo``
-    on two pipeline stages (one decoder layer each): the reward rises from chance and the critic
-    reports its metrics every step (~1 s a step on an idle 2-core machine)."""
-    combinations_only_on_newest("PPO learning under PP=2")
-    from rlcore.run_output import read_metrics
-
-    codes, msgs = _train_ranks(tmp_path, PPO_PP2 + ["training.steps=30", "output.checkpoint_every=0"])
-    assert codes == [0, 0] and not msgs, msgs
-    rows = read_metrics(tmp_path)
-    assert len(rows) == 30
-    assert all(r["critic/grad_norm"] > 0 and "critic/explained_variance" in r for r in rows)
-    start, end = _mean(r["reward_mean"] for r in rows[:5]), _mean(r["reward_mean"] for r in rows[-8:])
-    figures("PPO under PP=2 on the embedded default: reward (first 5 steps -> last 8)", f"{start:.3f} -> {end:.3f}")
-    assert start < 0.2 and end > start + 0.15
 
 
 # Failed once, in a fresh-clone CI run on the loaded 2-core machine (2026-11-27): in the resumed run rank 0
