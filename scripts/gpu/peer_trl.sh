@@ -21,7 +21,8 @@
 #
 # Device call (warm machine with the tworay wheels; ~6 min):
 #   bash scripts/gpu/peer_trl.sh        carry [".device-carry/peer_trl"]
-# CPU check of everything but the runs: DRY=1 bash scripts/gpu/peer_trl.sh (needs SITE ready).
+# OVERRIDES="key=value ..." changes the config for both sides; PYTHON (default python3) and
+# NO_INSTALL=1 (use PYTHON's own packages) serve the CPU check, scripts/gpu/peer_trl_dry.sh.
 set -uo pipefail
 set -m  # every background job its own process group: a run's whole tree is signalled at once
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -42,7 +43,10 @@ cd "$ROOT" || exit 1
 
 pip_target() { python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-cache-dir --upgrade \
   --target "$SITE" "$@" 2>&1 | grep -v "already exists" | tee -a "$OUT/log.txt"; }
-if [ -z "${DRY:-}" ]; then
+PY="${PYTHON:-python3}"
+read -r -a OVR <<< "${OVERRIDES:-}"
+peer() { "$PY" "$HERE/peer_trl.py" --config "$CONFIG" "${OVR[@]/#/--override=}" "$@"; }
+if [ -z "${NO_INSTALL:-}" ]; then
   if [ ! -f "$SITE/.two-gpu-ray-wheels" ]; then
     n=$(ls /tmp/carry/*.whl 2>/dev/null | wc -l)
     [ "$n" -ge 70 ] || { log "only $n tworay wheels in /tmp/carry: run .device-carry/tworay/cNN/stash.sh first"; exit 1; }
@@ -53,17 +57,17 @@ if [ -z "${DRY:-}" ]; then
     pip_target /tmp/carry-peer-trl/*.whl && touch "$SITE/.peer-trl-wheels"
   fi
   pip_target --no-build-isolation ./core ./plugins/vllm ./plugins/fused
-fi
-[ -f "$SITE/sitecustomize.py" ] || cat > "$SITE/sitecustomize.py" <<'PY'
+  [ -f "$SITE/sitecustomize.py" ] || cat > "$SITE/sitecustomize.py" <<'PY'
 # scripts/gpu/peer_trl.sh: every Python process of a run (vLLM's engine core too) dumps its stacks on SIGUSR1
 import faulthandler
 import signal
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 PY
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee -a "$OUT/log.txt"
 log "install: $(( $(date +%s) - t0 )) s"
 
@@ -92,17 +96,17 @@ limited() {  # name limit command...: its own process group, stacks dumped 15 s 
   tail -n 4 "$PARTS/$name.log" | sed "s/^/[$name] /" | tee -a "$OUT/log.txt"
 }
 report() {
-  python3 "$HERE/peer_trl.py" --config "$CONFIG" report "$PARTS" "$OUT/peer_summary.md" > /dev/null 2>> "$OUT/log.txt"
-  tar -czf "$OUT/parts.tar.gz" -C "$WORK" --exclude='parts/rlcore-run/checkpoints' --exclude='parts/trl-output' parts
+  peer report "$PARTS" "$OUT/peer_summary.md" > /dev/null 2>> "$OUT/log.txt"
+  tar -czf "$OUT/parts.tar.gz" -C "$WORK" --exclude='parts/rlcore-run/checkpoints' --exclude='parts/trl-output' \
+    --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' parts  # logs, JSON and metrics only
 }
 
-[ -n "${DRY:-}" ] && { python3 "$HERE/peer_trl.py" --config "$CONFIG" model "$MODEL" | tee -a "$OUT/log.txt"; exit; }
 free_gpu
-python3 "$HERE/peer_trl.py" d2d "$PARTS/d2d.json" 2>&1 | tee -a "$OUT/log.txt"
-python3 "$HERE/peer_trl.py" --config "$CONFIG" model "$MODEL" 2>&1 | tee -a "$OUT/log.txt"
-limited trl "${LIMIT_TRL:-170}" python3 "$HERE/peer_trl.py" --config "$CONFIG" trl "$MODEL" "$PARTS/trl.json"
+peer d2d "$PARTS/d2d.json" ${D2D_BYTES:+--bytes "$D2D_BYTES"} 2>&1 | tee -a "$OUT/log.txt"
+peer model "$MODEL" 2>&1 | tee -a "$OUT/log.txt"
+limited trl "${LIMIT_TRL:-170}" peer trl "$MODEL" "$PARTS/trl.json"
 report  # a call stopped later still brings back TRL's half
-limited rlcore "${LIMIT_RLCORE:-170}" python3 -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" \
+limited rlcore "${LIMIT_RLCORE:-170}" "$PY" -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" "${OVR[@]}" \
   --output "$PARTS/rlcore-run" --overwrite
 report
 log "total: $(( $(date +%s) - t0 )) s"
