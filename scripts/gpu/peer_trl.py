@@ -48,8 +48,10 @@ config gives its own vLLM: ``enforce_eager`` and ``kv_cache_memory_bytes``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -212,6 +214,8 @@ def trl_config(s: dict[str, Any], out_dir: str, cuda: bool) -> Any:
         vllm_max_model_length=s["max_model_len"], vllm_importance_sampling_correction=s["tis_cap"] > 0,
         vllm_importance_sampling_mode=f"{s['tis_level']}_truncate", vllm_importance_sampling_clip_max=s["tis_cap"] or 3.0,
         shuffle_dataset=False, dataloader_num_workers=0, log_completions=False, disable_dropout=True,
+        # TRL decodes the completion ids itself; vLLM's text is never read (rlcore's vLLM skips it too)
+        generation_kwargs={"detokenize": False},
     )
 
 
@@ -273,6 +277,14 @@ def cmd_trl(args: argparse.Namespace) -> None:
     clock.wrap(trainer, "_generate_and_score_completions", "prep")
     clock.wrap(trainer, "_prepare_inputs", "prep")
     steps: list[dict[str, Any]] = []
+    result = {"side": "trl", "setup_s": round(setup_s, 2), "steps": steps,
+              "micro_batch": config.per_device_train_batch_size, "grad_accum": config.gradient_accumulation_steps,
+              "generation_kwargs": config.generation_kwargs, "versions": versions(), "monkeypatch":
+              "trl.generation.vllm_generation.LLM += enforce_eager, kv_cache_memory_bytes (llm_with_rlcore_engine_args)"}
+
+    def save() -> None:  # after every step: a run stopped at its limit still leaves its steps
+        result["trl_logs"] = [h for h in trainer.state.log_history if "reward" in h or "loss" in h]
+        Path(args.out).write_text(json.dumps(result, indent=1))
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_: Any, **__: Any) -> None:
@@ -289,16 +301,12 @@ def cmd_trl(args: argparse.Namespace) -> None:
             if cuda:
                 row["max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             steps.append(row)
+            save()
             print(f"[peer_trl] TRL step {len(steps) - 1}: {json.dumps(row)}", flush=True)
 
     trainer.add_callback(StepTimer())
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "reward" in h or "loss" in h]
-    result = {"side": "trl", "setup_s": round(setup_s, 2), "steps": steps, "trl_logs": logs,
-              "micro_batch": config.per_device_train_batch_size, "grad_accum": config.gradient_accumulation_steps,
-              "versions": versions(), "monkeypatch": "trl.generation.vllm_generation.LLM += enforce_eager, "
-              "kv_cache_memory_bytes (llm_with_rlcore_engine_args)"}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    save()
     print(f"[peer_trl] TRL done: {len(steps)} steps, setup {setup_s:.1f} s -> {args.out}")
 
 
@@ -401,7 +409,8 @@ def cmd_report(args: argparse.Namespace) -> None:
              f"(rlcore {len(rl_steady)}, TRL {len(trl_steady)} steps)", "",
              f"device: {d2d.get('device', '?')}; versions: {json.dumps(trl.get('versions', {}))}",
              f"TRL: micro-batch {trl.get('micro_batch')} sequences x {trl.get('grad_accum')} accumulation steps, "
-             f"trainer + vLLM setup {trl.get('setup_s')} s; monkeypatch: {trl.get('monkeypatch')}", "",
+             f"trainer + vLLM setup {trl.get('setup_s')} s; generation_kwargs {trl.get('generation_kwargs')}; "
+             f"monkeypatch: {trl.get('monkeypatch')}", "",
              "| phase (s) | rlcore | TRL | rlcore / TRL |", "|---|---|---|---|"]
     for p in COMMON:
         a, b = median(rl_steady, p), median(trl_steady, p)
@@ -447,6 +456,7 @@ def main() -> None:
     p.add_argument("parts")
     p.add_argument("out")
     args = ap.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # peer_trl.sh dumps the stacks at the limit
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     {"model": cmd_model, "trl": cmd_trl, "d2d": cmd_d2d, "report": cmd_report}[args.cmd](args)
 

@@ -57,15 +57,16 @@ if [ -z "${NO_INSTALL:-}" ]; then
     pip_target /tmp/carry-peer-trl/*.whl && touch "$SITE/.peer-trl-wheels"
   fi
   pip_target --no-build-isolation ./core ./plugins/vllm ./plugins/fused
-  [ -f "$SITE/sitecustomize.py" ] || cat > "$SITE/sitecustomize.py" <<'PY'
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+mkdir -p "$WORK/sitecustomize" && cat > "$WORK/sitecustomize/sitecustomize.py" <<'PY'
 # scripts/gpu/peer_trl.sh: every Python process of a run (vLLM's engine core too) dumps its stacks on SIGUSR1
 import faulthandler
 import signal
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 PY
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
+export PYTHONPATH="$WORK/sitecustomize${PYTHONPATH:+:$PYTHONPATH}"
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee -a "$OUT/log.txt"
@@ -83,7 +84,7 @@ limited() {  # name limit command...: its own process group, stacks dumped 15 s 
   nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 500 \
     > "$PARTS/$name.gpumem.csv" 2>/dev/null < /dev/null &
   smi=$!
-  "$@" > "$PARTS/$name.log" 2>&1 < /dev/null &
+  "$@" >> "$PARTS/$name.log" 2>&1 < /dev/null &  # append: the limit notice lands between the lines
   pid=$!
   ( sleep $((limit - 15)); kill -0 "$pid" 2>/dev/null || exit 0
     echo "[peer_trl] $name reached its limit: the stacks of its processes follow" >> "$PARTS/$name.log"
