@@ -7,19 +7,19 @@
 # either installed in SITE already (marker $SITE/.two-gpu-ray-wheels, left by one_gpu_vllm.sh or
 # two_gpu_ray.sh on a warm machine) or assembled in /tmp/carry by the carry calls
 # (`bash .device-carry/tworay/cNN/stash.sh`); and TRL's wheels (scripts/gpu/peer_trl_fetch.sh:
-# .device-carry/peer_trl, 1.6 MB, carried in the same call). Installs TRL's wheels and rlcore (core,
-# plugins vllm and fused, from this tree) into SITE, then, in order:
+# .device-carry/peer_trl, 1.6 MB, carried in the same call). Installs TRL's wheels and rlcore (core
+# and the plugins, from this tree) into SITE, then, in order:
 #   d2d      the device-to-device copy bandwidth of 1 GiB (peer_trl.py d2d)
 #   model    the model directory both load (peer_trl.py model)
-#   trl      TRL's GRPO (peer_trl.py trl), limited to LIMIT_TRL seconds (default 170)
-#   rlcore   `rlcore train CONFIG engine.model.path=<the model>`, limited to LIMIT_RLCORE (170)
+#   trl      TRL's GRPO (peer_trl.py trl), limited to LIMIT_TRL seconds (default 160)
+#   rlcore   `rlcore train CONFIG engine.model.path=<the model>`, limited to LIMIT_RLCORE (160)
 #   report   $OUT/peer_summary.md (peer_trl.py report)
 # A run that reaches its limit has the stacks of its process group dumped (SIGUSR1, faulthandler)
 # 15 s before it, then is killed; whatever still holds the GPU is killed before the next run.
 # Writes $OUT/peer_summary.md, $OUT/log.txt and $OUT/parts.tar.gz (the TRL JSON, rlcore's
 # metrics.jsonl, every run's log, the card's memory every 500 ms).
 #
-# Device call (warm machine with the tworay wheels; ~6 min):
+# Device call (warm machine with the tworay wheels; about 4-5 min, at most ~6.5 with both limits hit):
 #   bash scripts/gpu/peer_trl.sh        carry [".device-carry/peer_trl"]
 # OVERRIDES="key=value ..." changes the config for both sides; PYTHON (default python3) and
 # NO_INSTALL=1 (use PYTHON's own packages) serve the CPU check, scripts/gpu/peer_trl_dry.sh.
@@ -56,7 +56,9 @@ if [ -z "${NO_INSTALL:-}" ]; then
     bash "$ROOT/.device-carry/peer_trl/stash.sh" | tee -a "$OUT/log.txt" || exit 1
     pip_target /tmp/carry-peer-trl/*.whl && touch "$SITE/.peer-trl-wheels"
   fi
-  pip_target --no-build-isolation ./core ./plugins/vllm ./plugins/fused
+  # every plugin one_gpu_vllm.sh puts in SITE, from this tree: none left from another commit
+  pip_target --no-build-isolation ./core ./plugins/vllm ./plugins/fused ./plugins/ray ./plugins/megatron \
+    ./plugins/replay ./plugins/mtp
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 mkdir -p "$WORK/sitecustomize" && cat > "$WORK/sitecustomize/sitecustomize.py" <<'PY'
@@ -105,9 +107,9 @@ report() {
 free_gpu
 peer d2d "$PARTS/d2d.json" ${D2D_BYTES:+--bytes "$D2D_BYTES"} 2>&1 | tee -a "$OUT/log.txt"
 peer model "$MODEL" 2>&1 | tee -a "$OUT/log.txt"
-limited trl "${LIMIT_TRL:-170}" peer trl "$MODEL" "$PARTS/trl.json"
+limited trl "${LIMIT_TRL:-160}" peer trl "$MODEL" "$PARTS/trl.json"
 report  # a call stopped later still brings back TRL's half
-limited rlcore "${LIMIT_RLCORE:-170}" "$PY" -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" "${OVR[@]}" \
+limited rlcore "${LIMIT_RLCORE:-160}" "$PY" -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" "${OVR[@]}" \
   --output "$PARTS/rlcore-run" --overwrite
 report
 log "total: $(( $(date +%s) - t0 )) s"
