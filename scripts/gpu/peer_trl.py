@@ -415,6 +415,14 @@ def cmd_report(args: argparse.Namespace) -> None:
     for p in COMMON:
         a, b = median(rl_steady, p), median(trl_steady, p)
         lines.append(f"| {p} | {fmt(a)} | {fmt(b)} | {fmt(a / b if a is not None and b else None, 2)} |")
+    lines += ["", "What each row covers (seconds per optimizer step, CUDA synchronised at each boundary on TRL's side):",
+              "generate = vLLM's generate alone (rlcore: `generate_seconds` minus the sleep after it; TRL: `LLM.generate`); "
+              "sleep_wake = vLLM's sleep and wake-ups (rlcore: level 1, weights back before the push, KV cache after it; "
+              "TRL: level 2, weights woken before its sync, KV cache before generating); sync = the weight push without "
+              "the wake-up (rlcore: `sync_seconds`, bucketed CUDA IPC, verified; TRL: one `load_weights` per parameter "
+              "in vLLM's in-process worker, unverified, and `reset_prefix_cache`); old_lp = the trainer's old-log-prob "
+              "pass (both: for the TIS correction); rest = the step minus those: rewards, batch preparation, forward + "
+              "backward + AdamW; step = the whole step (rlcore: `step_seconds`; TRL: HF Trainer's step begin to end)."]
     lines.append("\nTRL's rest: " + ", ".join(f"{k} {fmt(median(trl_steady, k))}" for k in ("reward", "prep", "train")))
     for label, rows in (("rlcore", rl_steady), ("TRL", trl_steady)):
         tok, gen, step = median(rows, "tokens"), median(rows, "generate"), median(rows, "step")
