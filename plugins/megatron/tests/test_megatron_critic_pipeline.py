@@ -137,15 +137,16 @@ def _train_ranks(out: Path, overrides: list[str], resume: bool = False, fault_on
     return [p.exitcode for p in procs], msgs
 
 
-def test_ppo_under_pipeline_stages_killed_and_resumed_continues_the_uninterrupted_run(tmp_path, figures,
-                                                                                      combinations_only_on_newest):
+def test_ppo_under_pipeline_stages_killed_and_resumed_continues_the_uninterrupted_run(tmp_path, figures):
     """Two stages of two virtual stages each (a four-layer model): the writer (stage 0) is
     SIGKILLed when step 2's samples come back (rlcore.faults), the run resumes from step 1's
-    per-rank shards, and its step 2 equals the uninterrupted run's exactly, critic included: each
-    rank's shard holds its own chunks of the critic's trunk, the value head and its AdamW state
-    only on the last stage. Bit for bit, as the policy's PP resume (test_model_parallel_checkpoint):
-    the same processes on the same machine repeat the same float operations from the same state."""
-    combinations_only_on_newest("PPO kill and resume under PP=2 with virtual stages")
+    per-rank shards, and its step 2 equals the uninterrupted run's exactly, policy and critic: each
+    rank's shard holds only its own chunks (decoder layers 0 and 2, or 1 and 3; the embedding only
+    on the first stage, the output layer only on the last) of the policy and of the critic's trunk,
+    the value head and its AdamW state only on the last stage; the HF export written at the end
+    (gathered from both stages by name at rank 0) holds every tensor. Bit for bit: the same
+    processes on the same machine repeat the same float operations from the same state. The pipeline
+    resume case of every megatron-core suite (PP with virtual stages is the kind each one runs)."""
     import json
 
     import torch
@@ -159,11 +160,18 @@ def test_ppo_under_pipeline_stages_killed_and_resumed_continues_the_uninterrupte
     assert codes[0] == -9, codes  # SIGKILL; the other rank fails on the broken group or is killed
     assert [r["step"] for r in read_metrics(tmp_path / "cut")] == [0, 1]
     record = json.loads((tmp_path / "cut" / "checkpoints" / "step-00000001.json").read_text())
-    assert (record["shards"]["layout"]["pp"], record["shards"]["layout"]["vpp"]) == (2, 2)
+    layout = record["shards"]["layout"]
+    assert (layout["tp"], layout["pp"], layout["vpp"], layout["dp"], layout["world"]) == (1, 2, 2, 1, 2), layout
 
     def shard(run: str, step: int, rank: int) -> dict:
         return torch.load(tmp_path / run / "checkpoints" / f"step-{step:08d}.rank_{rank}-of-2.pt", weights_only=True)
 
+    policy_first, policy_last = shard("cut", 1, 0)["engine"]["model"], shard("cut", 1, 1)["engine"]["model"]
+    assert len(policy_first) == len(policy_last) == 2, "two chunks of the policy per stage"
+    assert any(k.startswith("embedding.") for k in policy_first[0])
+    assert not any(k.startswith("output_layer.") for chunk in policy_first for k in chunk)
+    assert any(k.startswith("output_layer.") for k in policy_last[1])
+    assert not any(k.startswith("embedding.") for chunk in policy_last for k in chunk)
     first, last = shard("cut", 1, 0)["critic"], shard("cut", 1, 1)["critic"]
     assert len(first["trunk"]) == len(last["trunk"]) == 2, "two chunks of the critic's trunk per stage"
     assert first["head"] is None and last["head"] is not None, "the value head lives on the last stage"
@@ -194,3 +202,8 @@ def test_ppo_under_pipeline_stages_killed_and_resumed_continues_the_uninterrupte
             f"step-2 metrics equal {same}; max |d param| (policy, critic) {max(diffs):.1e}")
     assert all(same.values()), (resumed[2], full[2])
     assert max(diffs) == 0.0
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "cut" / "model" / "model.safetensors"))
+    assert {f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)} <= set(exported)
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(exported)

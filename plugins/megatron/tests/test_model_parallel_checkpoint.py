@@ -1,7 +1,8 @@
-"""Per-rank sharded checkpoints of rlcore-megatron's tensor-, data- and pipeline-parallel ranks (two gloo processes
+"""Per-rank sharded checkpoints of rlcore-megatron's tensor- and data-parallel ranks (two gloo processes
 started by ``torch.multiprocessing``, the worker code the Ray actors run, without Ray): a run that
 stops after step 1 and resumes takes the same step 2 as the uninterrupted run, bit for bit; each
-rank saved and loaded its own shard; a resume with another layout is refused naming the keys."""
+rank saved and loaded its own shard; a resume with another layout is refused naming the keys.
+Pipeline stages' shards (policy and critic, a kill and a resume): test_megatron_critic_pipeline.py."""
 
 from __future__ import annotations
 
@@ -126,44 +127,6 @@ def test_dp2_shards_resume_to_the_same_step(tmp_path, figures, combinations_only
                        _shard(tmp_path / "straight", 2, r)["engine"]["model"]) for r in (0, 1)]
     figures("DP=2 save at step 1 -> resume vs uninterrupted", f"step-2 metrics equal {same}; max |d param| {diffs}")
     assert diffs == [0.0, 0.0] and all(same.values()), (rows["cut"][2], rows["straight"][2])
-
-
-def test_pp2_virtual_stages_shards_resume_to_the_same_step(tmp_path, figures):
-    """Pipeline stages (two ranks, two virtual stages each, a four-layer model) under the trainer:
-    each rank's shard holds only its own chunks (decoder layers 0 and 2, or 1 and 3, no
-    output layer on the first stage, no embedding on the second), the record's layout says pp=2,
-    vpp=2, a resume after step 1 takes the uninterrupted run's step 2 exactly, and the HF export
-    written at the end (gathered from both stages by name at rank 0) holds every tensor."""
-    pp = ["megatron.pipeline_parallel_size=2", "megatron.virtual_pipeline_stages=2", "engine.model.tiny.num_layers=4"]
-    assert _ranks(tmp_path / "straight", 2, pp + ["training.steps=3"]) == []
-    assert _ranks(tmp_path / "cut", 2, pp + ["training.steps=2"]) == []
-    record = json.loads((tmp_path / "cut" / "checkpoints" / "step-00000001.json").read_text())
-    layout = record["shards"]["layout"]
-    assert (layout["tp"], layout["pp"], layout["vpp"], layout["dp"], layout["world"]) == (1, 2, 2, 1, 2), layout
-    first, second = (_shard(tmp_path / "cut", 1, r)["engine"]["model"] for r in (0, 1))
-    assert len(first) == len(second) == 2, "two chunks per rank"
-    assert any(k.startswith("embedding.") for k in first[0]) and not any(k.startswith("output_layer.") for c in first
-                                                                         for k in c)
-    assert any(k.startswith("output_layer.") for k in second[1]) and not any(k.startswith("embedding.") for c in second
-                                                                             for k in c)
-
-    assert _ranks(tmp_path / "cut", 2, pp + ["training.steps=3"], resume=True) == []
-    rows = {d: [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-            for d in ("straight", "cut")}
-    assert [r["step"] for r in rows["cut"]] == [0, 1, 2]
-    keys = ("reward_mean", "loss", "grad_norm", "entropy", "response_len")
-    same = {k: rows["cut"][2][k] == rows["straight"][2][k] for k in keys}
-    diffs = [max(_max_diff(a, b) for a, b in zip(_shard(tmp_path / "cut", 2, r)["engine"]["model"],
-                                                 _shard(tmp_path / "straight", 2, r)["engine"]["model"], strict=True))
-             for r in (0, 1)]
-    figures("PP=2 x 2 virtual stages save at step 1 -> resume vs uninterrupted",
-            f"step-2 metrics equal {same}; max |d param| {diffs}")
-    assert diffs == [0.0, 0.0] and all(same.values()), (rows["cut"][2], rows["straight"][2])
-    from safetensors.torch import load_file
-
-    exported = load_file(str(tmp_path / "cut" / "model" / "model.safetensors"))
-    assert {f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)} <= set(exported)
-    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(exported)
 
 
 def test_tp2_ppo_shards_hold_the_critic_and_resume_it(tmp_path, figures):
