@@ -74,13 +74,18 @@ def _backend(model_dir: Path) -> SGLangBackend:
     return b
 
 
+def _read(backend, prompt, item):
+    """One /generate answer item as the backend turns it into a Sample (routes asked for)."""
+    return backend._sample(prompt, backend._parse(prompt, item, processed=False), routed=True)
+
+
 def test_sglang_routes_of_a_real_model_arrive_as_the_rows_replay_uses(sglang, mixed_moe):
     model_dir, engine = mixed_moe
     backend = _backend(model_dir)
     layout = engine.info.route_layout
     for i, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
         truth, item = _answer(engine, prompt, response)
-        s = backend._sample(Prompt(ids=prompt, index=i), item, processed=False, routed=True)
+        s = _read(backend, Prompt(ids=prompt, index=i), item)
         n = len(prompt) + len(response)
         assert s.routed_experts.shape == (n - 1, layout.num_hidden_layers, layout.topk)
         packed = sample_routes(s.routed_experts, layout, n, f"sample {i}")
@@ -90,13 +95,13 @@ def test_sglang_routes_of_a_real_model_arrive_as_the_rows_replay_uses(sglang, mi
     _, item = _answer(engine, PROMPTS[0], RESPONSES[0])
     del item["meta_info"]["routed_experts"]
     with pytest.raises(RolloutError, match="prompt 0: none were returned"):
-        backend._sample(Prompt(ids=PROMPTS[0], index=0), item, processed=False, routed=True)
+        _read(backend, Prompt(ids=PROMPTS[0], index=0), item)
     # one row short (SGLang's routed_experts_start_len would cut a prefix): an error, never realigned
     _, item = _answer(engine, PROMPTS[0], RESPONSES[0][:-1])
     item["output_ids"] = RESPONSES[0]
     item["meta_info"]["output_token_logprobs"].append([-0.5, RESPONSES[0][-1], None])
     with pytest.raises(RolloutError, match="rows"):
-        backend._sample(Prompt(ids=PROMPTS[0], index=0), item, processed=False, routed=True)
+        _read(backend, Prompt(ids=PROMPTS[0], index=0), item)
 
 
 @pytest.mark.parametrize("settings,launch_args", [
