@@ -126,6 +126,23 @@ def test_parse_generate_item_refuses_inconsistent_answers():
         protocol.parse_generate_item({"output_ids": [1], "meta_info": {}}, processed_logprobs=False)
 
 
+def test_speculative_counters_and_acceptance_per_position():
+    """No verify step (a request answered by prefill alone): no counters. A histogram that does
+    not add up to the verify steps is an inconsistent answer. Acceptance per position over
+    samples: position i is reached by the verify steps that accepted >= i drafts."""
+    assert protocol.parse_generate_item(_item([4], [-0.5]), processed_logprobs=False).spec is None
+    with pytest.raises(ValueError, match="counts 3 verify steps, spec_verify_ct 4"):
+        protocol.parse_generate_item(_item([4], [-0.5], spec_verify_ct=4, spec_correct_drafts_histogram=[1, 2]),
+                                     processed_logprobs=False)
+    a = protocol.SpecCounts(verify_steps=4, correct_drafts=3, completion_tokens=8, histogram=[2, 1, 1])
+    b = protocol.SpecCounts(verify_steps=2, correct_drafts=0, completion_tokens=3, histogram=[2])
+    m = protocol.acceptance_metrics([a, b], draft_positions=2)
+    assert m["rollout/spec/acceptance_pos1"] == pytest.approx(2 / 6) and m["rollout/spec/acceptance_pos2"] == pytest.approx(1 / 6)
+    assert m["rollout/acceptance_d1"] == pytest.approx(2 / 6) and m["rollout/acceptance_d2"] == pytest.approx(1 / 2)
+    assert m["rollout/accept_length"] == pytest.approx(11 / 6) and m["rollout/spec/acceptance_rate"] == pytest.approx(3 / 12)
+    assert protocol.acceptance_metrics([], draft_positions=2) == {}
+
+
 def test_answers():
     assert protocol.is_success(None) and protocol.is_success({"success": True})
     assert not protocol.is_success({"success": False, "message": "must run between begin_weight_update()"})
