@@ -26,6 +26,7 @@ COLUMNS = [
     ("push s", "sync_seconds"),
     ("buckets", "sync_buckets"),
     ("sync level", "sync_level"),
+    ("verified", "sync_verified"),
     ("version", "weight_version"),
     ("coverage", "replay/coverage"),
     ("full coverage", lambda r: 1 - r["samples"] / r["tokens"] if "replay/coverage" in r and r.get("tokens") else None),
