@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from rlcore.checksums import ChecksumPlan, ChecksumSlots, tensor_checksum
-from rlcore.errors import WeightSyncError
+from rlcore.errors import BucketError, WeightSyncError
 from rlcore.rollout_local import LocalRollout
-from rlcore.sync import Bucket, iter_buckets
+from rlcore.sync import Bucket, SentChecksums, iter_buckets
 from rlcore.testing.conformance import hf_export
 from rlcore.testing.models import make_model_dir
 from rlcore.weight_sync import InprocSync
@@ -217,3 +217,26 @@ def test_buckets_of_a_reused_buffer_are_copied_out(dirs):
     backend.commit_update(1)
     assert buckets >= 10 and not any(backend.kept)
     assert backend.weight_checksums() == {n: tensor_checksum(t) for n, t in hf_export(dirs["b"])}
+
+
+def _no_second_read(*_args):
+    raise AssertionError("a bucket was read again after its fill: its checksums come from the fill's copies")
+
+
+def test_sent_checksums_come_from_the_fills_in_one_read(dirs, monkeypatch):
+    """``SentChecksums``: the sender's values equal each tensor's own checksum, are read once per
+    push, and no bucket is checksummed again after its fill (core's syncs use it, and so do the
+    vLLM and SGLang senders); a bucket built without its slots is refused, naming the fix."""
+    monkeypatch.setattr(Bucket, "checksums", _no_second_read)
+    named = list(hf_export(dirs["b"]))
+    sent = SentChecksums()
+    for _ in range(2):  # kept across pushes: the second starts from nothing
+        for bucket in iter_buckets(named, 16 * 1024, checksums=sent.start()):
+            sent.record(bucket)
+        assert sent.values() == {n: tensor_checksum(t) for n, t in named}
+    with pytest.raises(BucketError, match="built without checksums"):
+        sent.record(next(iter(iter_buckets(named, 16 * 1024))))
+    backend = LocalRollout(fused_checksums=False)
+    backend.start(str(dirs["a"]), version=0)
+    report = InprocSync(bucket_bytes=16 * 1024).push(hf_export(dirs["b"]), backend, 1)
+    assert report.details["level"] == "coverage+exact" and report.checked == len(named)

@@ -44,7 +44,8 @@ PUBLIC_MODULES: dict[str, str] = {
         "autograd-aware collectives for a tensor-parallel head (Megatron's conventions): `copy_to_group`, "
         "`reduce_from_group`, `gather_from_sequence_parallel`, `all_reduce_max`, `group_size`, `group_rank`"
     ),
-    "rlcore.sync": "for weight syncs: the bucket builder (`iter_buckets`) and checksums (`tensor_checksum`)",
+    "rlcore.sync": ("for weight syncs: the bucket builder (`iter_buckets`), checksums (`tensor_checksum`) and the "
+                    "sender's checksums summed by the bucket fills (`SentChecksums`)"),
     "rlcore.shared_memory": "for weight syncs: segments two processes of one host map (`shm_directory`, `map_segment`)",
     "rlcore.serving": (
         "for a rollout backend that drives an engine server: `check_bind_host` for its host setting, "

@@ -249,6 +249,47 @@ def iter_buckets(
     open_buckets.clear()
 
 
+class SentChecksums:
+    """The sender's side of ``exact`` for a bucketed push, with no read of a bucket after its fill:
+    pass :attr:`slots` to :func:`iter_buckets` (each bucket is filled by one copy-and-checksum
+    launch, :meth:`~rlcore.checksums.ChecksumSlots.copy`), :meth:`record` every bucket as it is
+    sent, and read every value at once with :meth:`values` (one wait for the device per push,
+    not one per bucket). Kept across pushes: the device slots are reused.
+
+    Example::
+
+        sent = SentChecksums()
+        for bucket in iter_buckets(weights, bucket_bytes, checksums=sent.start()):
+            sent.record(bucket)
+            send(bucket)
+        expected = sent.values()  # {name: tensor_checksum of what was sent}
+    """
+
+    def __init__(self) -> None:
+        self.slots = ChecksumSlots()
+        self._named: list[tuple[str, int]] = []
+
+    def start(self) -> ChecksumSlots:
+        """A new push: forget the last one's slots (kept on the device, zeroed); returns the slots."""
+        self.slots.reset()
+        self._named = []
+        return self.slots
+
+    def record(self, bucket: Bucket) -> None:
+        """Note ``bucket``'s tensors and their slots (it must come from ``iter_buckets(checksums=self.slots)``)."""
+        if bucket.slots is None:
+            raise BucketError(f"bucket {bucket.index} was built without checksums: pass checksums=SentChecksums.slots "
+                              f"to iter_buckets")
+        self._named += zip(bucket.names, bucket.slots, strict=True)
+
+    def values(self) -> dict[str, int]:
+        """``{name: checksum}`` of every recorded tensor (waits for the queued fills once)."""
+        if not self._named:
+            return {}
+        values = self.slots.values([slot for _, slot in self._named])
+        return dict(zip((name for name, _ in self._named), values, strict=True))
+
+
 #: the phases of a push a sync reports in ``SyncReport.details["phases"]`` (host seconds each), written
 #: to the run's metrics as ``sync/<phase>_s`` (rlcore.push): control messages and round trips, the
 #: sender's checksums (what is not fused into its copies), the copies (bucket fill and landing, or

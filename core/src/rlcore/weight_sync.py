@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from rlcore.checksums import ChecksumSlots, warm_checksum_kernels
+from rlcore.checksums import warm_checksum_kernels
 from rlcore.errors import WeightSyncError
 from rlcore.platforms import run_device
-from rlcore.sync import Bucket, Phases, check_after_push, iter_buckets, prune_versions
+from rlcore.sync import Bucket, Phases, SentChecksums, check_after_push, iter_buckets, prune_versions
 from rlcore.types import BucketReceiver, DiskReceiver, RolloutBackend, SyncReport, implements
 
 MB = 1 << 20
@@ -36,10 +36,8 @@ def _device_sync(device: torch.device | None) -> None:
 class _Tally:
     """What a push has streamed so far (and, verifying, the slots of what it sent)."""
 
-    verify: bool
     phases: Phases
-    slots: ChecksumSlots | None = None
-    sent_slots: list[tuple[str, int]] = field(default_factory=list)
+    checksums: SentChecksums | None = None  # None: not verifying
     shapes: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     nbytes: int = 0
     ntensors: int = 0
@@ -48,16 +46,15 @@ class _Tally:
     def buckets(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
         """The buckets, each filled by one copy-and-checksum launch when verifying (the sums stay
         on the device until :meth:`sent`): no wait per bucket."""
-        if self.slots is not None:
-            self.slots.reset()
-        stream = iter(iter_buckets(weights, bucket_bytes, checksums=self.slots if self.verify else None))
+        slots = self.checksums.start() if self.checksums is not None else None
+        stream = iter(iter_buckets(weights, bucket_bytes, checksums=slots))
         while True:
             with self.phases("copy"):
                 bucket = next(stream, None)
             if bucket is None:
                 return
-            if bucket.slots is not None:
-                self.sent_slots += zip(bucket.names, bucket.slots, strict=True)
+            if self.checksums is not None:
+                self.checksums.record(bucket)
             self.shapes += [(m.name, m.shape) for m in bucket.metas]
             nbytes, ntensors = bucket.nbytes, len(bucket.metas)
             yield bucket
@@ -68,13 +65,12 @@ class _Tally:
 
     def sent(self) -> dict[str, int] | None:
         """The sender's checksums (one read of the device slots), None when not verifying."""
-        if not self.verify:
+        if self.checksums is None:
             return None
         with self.phases("wait"):  # the queued copies and checksums complete
-            _device_sync(self.slots.device if self.slots is not None else None)
+            _device_sync(self.checksums.slots.device)
         with self.phases("sender_checksum"):
-            values = self.slots.values([s for _, s in self.sent_slots]) if self.sent_slots else []
-            return dict(zip((n for n, _ in self.sent_slots), values, strict=True))
+            return self.checksums.values()
 
 
 class InprocSync:
@@ -84,7 +80,7 @@ class InprocSync:
         self.bucket_bytes = int(bucket_bytes)
         self.verify = verify
         # kept across pushes: the sender's checksums, one device slot per tensor, sized by the last push
-        self._slots = ChecksumSlots() if verify else None
+        self._sent = SentChecksums() if verify else None
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: RolloutBackend, version: int) -> SyncReport:
         if not implements(target, BucketReceiver):
@@ -92,7 +88,7 @@ class InprocSync:
         t0 = time.perf_counter()
         before = target.weight_version
         phases = Phases()
-        tally = _Tally(self.verify, phases, self._slots)
+        tally = _Tally(phases, self._sent)
         with phases("control"):
             target.begin_update(version)
         try:
@@ -147,7 +143,7 @@ class DiskSync:
         tmp = self.directory / f".v{version}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        tally = _Tally(self.verify, Phases(), ChecksumSlots() if self.verify else None)
+        tally = _Tally(Phases(), SentChecksums() if self.verify else None)
         try:
             for bucket in tally.buckets(weights, self.bucket_bytes):
                 # safetensors refuses tensors that share storage: one copy per tensor

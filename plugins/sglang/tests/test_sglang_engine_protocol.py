@@ -25,7 +25,7 @@ import pytest
 import torch
 from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.push import check_draft_version, push_weights
-from rlcore.sync import tensor_checksum
+from rlcore.sync import Bucket, tensor_checksum
 from rlcore.types import Cap, Prompt, SamplingSettings
 from rlcore_sglang.backend import SGLangBackend
 from rlcore_sglang.settings import SGLangSettings
@@ -240,7 +240,12 @@ def test_speculative_acceptance_per_position_and_the_drafts_weight_version(stand
 # ------------------------------------------------------------------- sglang-tensor -------
 
 
-def test_tensor_sync_sequence_and_exact_delivery(standin, policy_dir, tmp_path):
+def _no_second_read(*_args):
+    raise AssertionError("a bucket was read again after its fill: its checksums come from the fill's copies")
+
+
+def test_tensor_sync_sequence_and_exact_delivery(standin, policy_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(Bucket, "checksums", _no_second_read)
     standin.configure(tp_size=2)
     backend = _started(standin, policy_dir, tmp_path)
     sync = SGLangTensorSync(_settings(standin), bucket_bytes=600, verify=True)
@@ -329,7 +334,8 @@ def test_failed_bucket_closes_the_session_and_says_the_versions_mix(standin, pol
     assert standin.state()["weights"] == _sent(_weights(3)) and backend.weight_version == 1
 
 
-def test_a_dropped_update_is_detected(standin, policy_dir, tmp_path):
+def test_a_dropped_update_is_detected(standin, policy_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(Bucket, "checksums", _no_second_read)  # the fingerprint comes from the fills
     standin.configure()
     backend = _started(standin, policy_dir, tmp_path)
     sync = SGLangTensorSync(_settings(standin), bucket_bytes=1 << 20, verify=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rlcore.errors import RolloutError, WeightSyncError
+from rlcore.sync import Bucket
 from rlcore.testing.conformance import PROMPTS, hf_export
 from rlcore.testing.models import hf_greedy, hf_model, make_model_dir
 from rlcore.types import Prompt, SamplingSettings
@@ -237,10 +238,16 @@ def test_a_push_refused_when_it_ends_keeps_the_engine_refusing(tiny_model_dirs):
         backend.shutdown()
 
 
-def test_exact_reads_back_what_the_loaders_stored(tiny_model_dirs):
+def _no_second_read(*_args):
+    raise AssertionError("a bucket was read again after its fill: its checksums come from the fill's copies")
+
+
+def test_exact_reads_back_what_the_loaders_stored(tiny_model_dirs, monkeypatch):
     """On main ``exact`` compared the bytes the worker received: a loader that stores nothing
     passed as verified while the layer kept older weights. The worker now checksums the loaded
-    parameters (each HF tensor's slice of a fused parameter) after vLLM's loaders ran."""
+    parameters (each HF tensor's slice of a fused parameter) after vLLM's loaders ran. The
+    sender's checksums come from the copies that filled the buckets (no bucket is read twice)."""
+    monkeypatch.setattr(Bucket, "checksums", _no_second_read)
     a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
     weights = hf_export(b)
     dropped = "model.layers.1.mlp.down_proj"

@@ -55,7 +55,15 @@ from typing import Any, TypeVar
 import torch
 from rlcore.errors import ConfigError, WeightSyncError
 from rlcore.serving import EngineServerError, answer_message
-from rlcore.sync import Bucket, WeightManifest, iter_buckets, prune_versions, verification_level
+from rlcore.sync import (
+    Bucket,
+    ChecksumSlots,
+    SentChecksums,
+    WeightManifest,
+    iter_buckets,
+    prune_versions,
+    verification_level,
+)
 from rlcore.types import SyncReport
 
 from rlcore_sglang import protocol, wire
@@ -126,6 +134,8 @@ class _SGLangSync(ABC):
         self._selftest: dict[str, Any] | None = None
         self._last_fingerprint: str | None = None
         self._last_engine_checksum: str | None = None
+        # the sender's checksums, summed by the copies that fill each bucket (kept across pushes)
+        self._sent = SentChecksums() if self.verify else None
 
     # ------------------------------------------------------------------ helpers ----------
 
@@ -318,22 +328,23 @@ class _SGLangSync(ABC):
         return SyncReport(version, stats["tensors"], stats["buckets"], stats["bytes"], time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method=self.method, details=details)
 
-    def _account(self, stats: dict[str, Any], bucket: Bucket, sent: dict[str, int] | None) -> None:
+    def _account(self, stats: dict[str, Any], bucket: Bucket) -> None:
         stats["tensors"] += len(bucket.metas)
         stats["buckets"] += 1
         stats["bytes"] += bucket.nbytes
-        if sent is not None:
-            sent.update(bucket.checksums())
+        if self._sent is not None:
+            self._sent.record(bucket)
 
-    def _new_stats(self) -> tuple[dict[str, Any], dict[str, int] | None]:
-        return {"tensors": 0, "buckets": 0, "bytes": 0}, ({} if self.verify else None)
+    def _new_stats(self) -> tuple[dict[str, Any], ChecksumSlots | None]:
+        """A push's counters, and the slots its bucket fills checksum into (None when not verifying:
+        pass them to ``iter_buckets(checksums=...)``)."""
+        return {"tensors": 0, "buckets": 0, "bytes": 0}, (self._sent.start() if self._sent is not None else None)
 
-    @staticmethod
-    def _finish_stats(stats: dict[str, Any], sent: dict[str, int] | None) -> dict[str, Any]:
+    def _finish_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         if stats["buckets"] == 0:
             raise WeightSyncError("the weight stream was empty: nothing was sent", receiver_version=None)
-        if sent is not None:
-            stats["fingerprint"] = stream_fingerprint(sent)
+        if self._sent is not None:
+            stats["fingerprint"] = stream_fingerprint(self._sent.values())  # one read for the push
         return stats
 
     def close(self) -> None:
@@ -356,10 +367,10 @@ class SGLangTensorSync(_SGLangSync):
     method = "sglang-tensor"
 
     def _send(self, backend: SGLangBackend, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
-        stats, sent = self._new_stats()
+        stats, checksums = self._new_stats()
         f = backend.features
         buckets = iter_buckets(weights, self.bucket_bytes, keep_together=self._keep_together(backend),
-                               allocator=wire.shared_memory_allocator)
+                               allocator=wire.shared_memory_allocator, checksums=checksums)
         used_cuda = False
         for bucket, last in with_last(buckets):
             used_cuda |= bucket.buffer.is_cuda
@@ -370,11 +381,11 @@ class SGLangTensorSync(_SGLangSync):
             )
             self._call(backend, "/update_weights_from_tensor", body,
                        f"bucket {bucket.index} ({len(bucket.metas)} tensors, {bucket.nbytes / MB:.1f} MiB)")
-            self._account(stats, bucket, sent)
+            self._account(stats, bucket)
             del payloads, body
         if used_cuda:
             torch.cuda.ipc_collect()  # release the IPC blocks the server has closed
-        return self._finish_stats(stats, sent)
+        return self._finish_stats(stats)
 
 
 # -------------------------------------------------------------------------- sglang-nccl ---
@@ -486,10 +497,10 @@ class SGLangNCCLSync(_SGLangSync):
 
     def _send(self, backend: SGLangBackend, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         pg = self._ensure_group(backend)
-        stats, sent = self._new_stats()
+        stats, checksums = self._new_stats()
         f = backend.features
         buckets = iter_buckets(weights, self.bucket_bytes, keep_together=self._keep_together(backend),
-                               device=self._device())
+                               device=self._device(), checksums=checksums)
         for bucket, last in with_last(buckets):
             names, dtypes, shapes = wire.nccl_bucket_metadata(bucket)
             body = protocol.update_from_distributed_body(
@@ -502,8 +513,8 @@ class SGLangNCCLSync(_SGLangSync):
                 broadcast_from_trainer(pg, bucket.buffer)
             finally:
                 announced.result(timeout=float(self.settings.request_timeout_s))
-            self._account(stats, bucket, sent)
-        return self._finish_stats(stats, sent)
+            self._account(stats, bucket)
+        return self._finish_stats(stats)
 
     def close(self) -> None:
         if self.pg is not None and self._backend_ref is not None and self._backend_ref.transport is not None:
@@ -547,17 +558,17 @@ class SGLangDiskSync(_SGLangSync):
     def _send(self, backend: SGLangBackend, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         from safetensors.torch import save_file
 
-        stats, sent = self._new_stats()
+        stats, checksums = self._new_stats()
         final = (self.directory / f"v{version}").resolve()
         tmp = self.directory / f".v{version}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            for bucket in iter_buckets(weights, self.bucket_bytes):
+            for bucket in iter_buckets(weights, self.bucket_bytes, checksums=checksums):
                 tensors = {n: t.to("cpu", copy=True) for n, t in bucket.tensors()}
                 save_file(tensors, str(tmp / f"model-{bucket.index:05d}.safetensors"),
                           metadata={"format": "pt", "rlcore_version": str(version)})
-                self._account(stats, bucket, sent)
+                self._account(stats, bucket)
             for f in Path(backend.model_dir).iterdir():
                 if f.is_file() and not f.name.endswith(_WEIGHT_FILES) and f.name not in _WEIGHT_INDEXES:
                     shutil.copy2(f, tmp / f.name)
@@ -570,7 +581,7 @@ class SGLangDiskSync(_SGLangSync):
                    protocol.update_from_disk_body(str(final), weight_version=str(version)), f"loading {final}")
         self._prune(version)
         stats["path"] = str(final)
-        return self._finish_stats(stats, sent)
+        return self._finish_stats(stats)
 
     def _prune(self, version: int) -> None:
         """Delete ``v<n>`` for every ``n <= version - keep``."""

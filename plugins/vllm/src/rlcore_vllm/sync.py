@@ -42,7 +42,14 @@ from dataclasses import replace
 from typing import Any
 
 from rlcore.errors import WeightSyncError
-from rlcore.sync import LEVEL_CHECKS, Bucket, iter_buckets, verification_level, verify_checksums
+from rlcore.sync import (
+    LEVEL_CHECKS,
+    Bucket,
+    SentChecksums,
+    iter_buckets,
+    verification_level,
+    verify_checksums,
+)
 from rlcore.types import SyncReport
 
 from rlcore_vllm import native
@@ -93,6 +100,8 @@ class VLLMWeightSync:
         self._nccl_fields: native.NCCLFields | None = None  # the installed vLLM's (read at the native init)
         self._broadcast_store: Any = None  # vllm.transport 'broadcast': the writer's rendezvous store
         self._broadcast_group: BroadcastGroup | None = None
+        # the sender's checksums, summed by the copies that fill each bucket (kept across pushes)
+        self._sent = SentChecksums() if self.verify else None
 
     # ------------------------------------------------------------------------ push -----
 
@@ -146,6 +155,10 @@ class VLLMWeightSync:
         report.checked = checked
         return report
 
+    def _sent_slots(self) -> Any:
+        """The slots a push's bucket fills checksum into (None when not verifying)."""
+        return self._sent.start() if self._sent is not None else None
+
     def _push_shm(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
         """The worker path: ``shm`` (buckets in shared host memory) or ``cuda_ipc`` (buckets on the
         trainer's GPU, opened by the worker through CUDA IPC); the checks are the same."""
@@ -157,11 +170,12 @@ class VLLMWeightSync:
                 raise RuntimeError("vllm.transport 'cuda_ipc' needs the trainer on a CUDA GPU (engine.device=cuda); "
                                    "use 'shm' otherwise")
             device = torch.device("cuda", torch.cuda.current_device())
-            buckets = iter_buckets(weights, self.bucket_bytes, device=device)
+            buckets = iter_buckets(weights, self.bucket_bytes, device=device, checksums=self._sent_slots())
         else:
             if self.pool is None:
                 self.pool = SharedBucketPool()
-            buckets = iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=self.pool.allocate)
+            buckets = iter_buckets(weights, self.bucket_bytes, device="cpu", allocator=self.pool.allocate,
+                                   checksums=self._sent_slots())
         pool = self.pool
         # seconds per phase: trainer side (fill = export + copy into shared memory, checksum,
         # rpc = each bucket's collective_rpc round trip), worker side (summed over workers' calls:
@@ -175,16 +189,14 @@ class VLLMWeightSync:
                                                      "verify": self.verify})
         phases["begin"] = time.perf_counter() - tb
         sent: dict[str, int] = {}
-        mismatched: list[str] = []
+        # (the bucket's names, a worker's checksums of them) for every bucket and worker: compared once all are sent
+        received: list[tuple[list[str], dict[str, int]]] = []
         pending_copies = 0
         t_load = 0.0
         try:
             for bucket in timed(buckets, phases, "fill"):
-                if self.verify:
-                    tc = time.perf_counter()
-                    sums = bucket.checksums()
-                    sent.update(sums)
-                    phases["checksum"] += time.perf_counter() - tc
+                if self._sent is not None:
+                    self._sent.record(bucket)
                 t1 = time.perf_counter()
                 if cuda:
                     torch.cuda.current_stream().synchronize()  # the bucket's copies are done before the worker reads
@@ -201,13 +213,18 @@ class VLLMWeightSync:
                     for k, v in res.get("seconds", {}).items():
                         worker[k] = worker.get(k, 0.0) + float(v)
                     if self.verify:
-                        mismatched += verify_checksums(sums, {k: int(v) for k, v in res["checksums"].items()})
+                        received.append((bucket.names, {k: int(v) for k, v in res["checksums"].items()}))
                 stats["bytes"] += bucket.nbytes
                 stats["tensors"] += len(bucket.metas)
                 stats["buckets"] += 1
             phases["rpc"] = t_load
             if cuda:
                 torch.cuda.ipc_collect()  # the workers closed their handles: free the buckets' memory
+            if self._sent is not None:
+                tc = time.perf_counter()
+                sent = self._sent.values()  # one read for the push
+                phases["checksum"] = time.perf_counter() - tc
+            mismatched = [n for names, got in received for n in verify_checksums({k: sent[k] for k in names}, got)]
             tfin = time.perf_counter()
             finish = target.rpc("rlcore_finish_update", {"version": version})
             phases["finish"] = time.perf_counter() - tfin
@@ -266,11 +283,10 @@ class VLLMWeightSync:
                 weights = itertools.chain([first], weights)
         fleet.begin_update(version)
         try:
-            for bucket in timed(iter_buckets(weights, self.bucket_bytes, device=device), phases, "fill"):
-                if self.verify:
-                    tc = time.perf_counter()
-                    sent.update(bucket.checksums())
-                    phases["checksum"] += time.perf_counter() - tc
+            buckets = iter_buckets(weights, self.bucket_bytes, device=device, checksums=self._sent_slots())
+            for bucket in timed(buckets, phases, "fill"):
+                if self._sent is not None:
+                    self._sent.record(bucket)
                 ts = time.perf_counter()
                 if broadcast:
                     self._broadcast_bucket(fleet, bucket)
@@ -283,6 +299,10 @@ class VLLMWeightSync:
             tc = time.perf_counter()
             fleet.commit_update(version)  # every replica staged every bucket, then all finish
             phases["commit"] = time.perf_counter() - tc
+            if self._sent is not None:
+                tc = time.perf_counter()
+                sent = self._sent.values()  # one read for the push
+                phases["checksum"] = time.perf_counter() - tc
         except Exception as exc:
             fleet.abort_update()
             raise WeightSyncError(
