@@ -11,6 +11,32 @@
 #                                and, once all arrived, reassembles and sha256-checks every wheel into
 #                                /tmp/carry. Prepare every call first: the machine keeps /tmp only
 #                                while it stays warm (~30 s after a call).
+#   stack_dump_site DIR          write DIR/sitecustomize.py: every Python process that has DIR on its
+#                                PYTHONPATH dumps all its threads' stacks (faulthandler) on SIGUSR1;
+#                                the caller puts DIR on PYTHONPATH (a part's processes inherit it)
+#   run_limited [--gpumem CSV] LIMIT LOG COMMAND...
+#                                runs COMMAND (a program or a shell function) in a process group of its
+#                                own, stdin /dev/null, stdout and stderr appended to LOG (/dev/stdout for
+#                                a pipe), and waits for it. RUN_DUMP_LEAD s before LIMIT every process
+#                                of the part that handles SIGUSR1 gets it (stacks, see stack_dump_site;
+#                                a line in LOG says so first), RUN_DUMP_WAIT s later all are killed
+#                                (SIGKILL). "The part's processes": its process group, and every
+#                                descendant whatever group or session it moved to (Ray's, an SGLang
+#                                server's), sampled every second, so one whose parent exits stays known.
+#                                When COMMAND ends (or is killed) whatever is left of them is killed:
+#                                nothing of a part outlives it, and nothing else is touched, so parts
+#                                may share a host side by side. Returns COMMAND's exit status, 124
+#                                when it was killed at its limit (as `timeout`). --gpumem CSV: GPU
+#                                memory every RUN_GPUMEM_MS ms into CSV (nvidia-smi: timestamp, index,
+#                                memory.used MiB; empty where there is no nvidia-smi).
+#                                Knobs (environment): RUN_DUMP_LEAD (default 15), RUN_DUMP_WAIT (12),
+#                                RUN_GPUMEM_MS (500); then, opt-in and only where nvidia-smi exists (the
+#                                GPU machine: on a shared CPU host they would hit others' processes):
+#                                RUN_STOP_RAY=1 stops Ray after the part (`ray stop --force`, every Ray
+#                                of the host; a failed part's LOG gets the last 60 lines of up to 4 Ray
+#                                worker logs that show an error first), RUN_FREE_GPU=1 kills every
+#                                process that holds a GPU after the part. Both assume the host runs
+#                                only this part: leave them off for parts running side by side.
 
 check_one_version() {
   local dups
@@ -65,4 +91,100 @@ STASH
   done
   rm -rf "$OUT/.split"
   du -sh "$OUT"/c[0-9]* | sed 's/^/[fetch] carry /' >&2
+}
+
+stack_dump_site() {
+  mkdir -p "$1" && cat > "$1/sitecustomize.py" <<'PY'
+# scripts/gpu/lib.sh (stack_dump_site): this Python process dumps its stacks on SIGUSR1
+import faulthandler
+import signal
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+PY
+}
+
+_part_members() {  # ROOT: "pid start-time" of ROOT's process group and of every descendant of ROOT
+  ps -eo pid=,ppid=,pgid=,lstart= | awk -v root="$1" '
+    { parent[$1] = $2; group[$1] = $3; start[$1] = $4 " " $5 " " $6 " " $7 " " $8; pids[++n] = $1 }
+    END {
+      for (i = 1; i <= n; i++) if (pids[i] == root || group[pids[i]] == root) member[pids[i]] = 1
+      do {
+        grew = 0
+        for (i = 1; i <= n; i++) if (!(pids[i] in member) && (parent[pids[i]] in member)) { member[pids[i]] = 1; grew = 1 }
+      } while (grew)
+      for (p in member) print p, start[p]
+    }'
+}
+
+_signal_known() {  # SIGNAL FILE: signal every process of FILE ("pid start-time" lines) that is still that process;
+  # USR1 only to those that catch it (a process without a handler would die of it: a shell between
+  # the limiter and Python, whose death would end the wait before the stacks are written)
+  local p cgt
+  ps -eo pid=,lstart= | awk 'NR == FNR { known[$0] = 1; next } ($1 " " $2 " " $3 " " $4 " " $5 " " $6) in known { print $1 }' \
+    "$2" - | while read -r p; do
+      if [ "$1" = USR1 ]; then
+        cgt=$(awk '/^SigCgt:/ { print $2 }' "/proc/$p/status" 2>/dev/null)
+        [ -n "$cgt" ] && (( (0x$cgt >> 9) & 1 )) || continue  # SIGUSR1 is signal 10: bit 9
+      fi
+      kill "-$1" "$p" 2>/dev/null
+    done
+}
+
+run_limited() {
+  local gpumem="" limit log pid dog smi="" rc state monitor
+  [ "${1:-}" = --gpumem ] && { gpumem=$2; shift 2; }
+  limit=$1 log=$2; shift 2
+  state=$(mktemp -d "${TMPDIR:-/tmp}/run_limited.XXXXXX")
+  if [ -n "$gpumem" ]; then
+    : > "$gpumem"
+    if command -v nvidia-smi > /dev/null; then
+      nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits \
+        -lms "${RUN_GPUMEM_MS:-500}" >> "$gpumem" 2>/dev/null < /dev/null &
+      smi=$!
+    fi
+  fi
+  case $- in *m*) monitor=1 ;; *) monitor=0 ;; esac
+  set -m  # job control: each background job below gets a process group of its own (pgid = its pid)
+  ( "$@" ) >> "$log" 2>&1 < /dev/null &
+  pid=$!
+  : > "$state/known"
+  ( dump_at=$((limit - ${RUN_DUMP_LEAD:-15})) dumped="" t0=$SECONDS
+    while kill -0 "$pid" 2>/dev/null; do
+      _part_members "$pid" | sort -u - "$state/known" > "$state/known.new" && mv "$state/known.new" "$state/known"
+      if [ -z "$dumped" ] && [ $((SECONDS - t0)) -ge "$dump_at" ]; then
+        echo "[run_limited] $1 reached its limit ($limit s): the stacks of every process of it follow" >> "$log"
+        _signal_known USR1 "$state/known"; dumped=$SECONDS
+      fi
+      if [ -n "$dumped" ] && [ $((SECONDS - dumped)) -ge "${RUN_DUMP_WAIT:-12}" ]; then
+        touch "$state/limit"; kill -9 -- "-$pid" 2>/dev/null; _signal_known KILL "$state/known"
+      fi
+      sleep 1
+    done ) > /dev/null 2>&1 < /dev/null &
+  dog=$!
+  [ "$monitor" = 1 ] || set +m
+  { wait "$pid"; } 2>/dev/null; rc=$?
+  kill -9 -- "-$dog" 2>/dev/null; { wait "$dog"; } 2>/dev/null
+  [ -f "$state/limit" ] && rc=124
+  # what is left of the part: its group (orphans stay in it), then every process it was seen to own
+  kill -9 -- "-$pid" 2>/dev/null
+  _signal_known KILL "$state/known"
+  [ -n "$smi" ] && { kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null; }
+  if command -v nvidia-smi > /dev/null; then
+    if [ "${RUN_STOP_RAY:-0}" = 1 ]; then
+      if [ "$rc" != 0 ]; then  # what the Ray actors printed last (their stacks too, when dumped)
+        local f
+        for f in $(grep -l -E "Traceback|Thread 0x|Error" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -4); do
+          { echo "----- $f"; tail -n 60 "$f"; } >> "$log"
+        done
+      fi
+      python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+    fi
+    if [ "${RUN_FREE_GPU:-0}" = 1 ]; then
+      local p
+      for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+    fi
+    [ "${RUN_STOP_RAY:-0}" = 1 ] || [ "${RUN_FREE_GPU:-0}" = 1 ] && sleep 2
+  fi
+  rm -rf "$state"
+  return "$rc"
 }

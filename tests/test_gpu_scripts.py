@@ -1,0 +1,93 @@
+"""scripts/gpu/lib.sh's run_limited, the limiter every GPU script runs its parts under.
+
+Each test runs real bash and real processes: a part that finishes, one that outlives its limit (its
+Python processes dump their stacks on SIGUSR1, then all are killed), and one that leaves processes
+behind (in its own group and in a session of their own). A GPU call depends on this to come back
+with stacks instead of a hang, and to start each part on a free card without touching another
+part running beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIB = ROOT / "scripts" / "gpu" / "lib.sh"
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the GPU scripts run on Linux (ps, /proc)")
+
+
+def run_lib(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """``script`` in bash with lib.sh sourced, in tmp_path, with PYTHON the test's interpreter."""
+    full_env = {**os.environ, "PYTHON": sys.executable, **env}
+    full_env.pop("PYTHONPATH", None)
+    return subprocess.run(["bash", "-c", f"source {LIB}\n{script}"], cwd=tmp_path, env=full_env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie is dead, only not yet reaped by its (test) parent
+
+
+def test_a_part_that_finishes_keeps_its_exit_status_and_output(tmp_path):
+    res = run_lib('run_limited --gpumem mem.csv 30 part.log bash -c "echo from the part; echo to stderr >&2; exit 3"\n'
+                  'echo "rc=$?"', tmp_path)
+    assert res.stdout.strip() == "rc=3", res.stderr
+    log = (tmp_path / "part.log").read_text()
+    assert "from the part" in log and "to stderr" in log
+    assert "reached its limit" not in log
+    assert (tmp_path / "mem.csv").exists()  # empty without nvidia-smi, the sampler's rows with it
+
+
+def test_a_part_past_its_limit_dumps_every_python_stack_then_is_killed_with_its_children(tmp_path):
+    # a shell (which has no SIGUSR1 handler and must survive the dump) starts two Python processes
+    # that would sleep for 5 minutes; their pids go to a file so the test can look for them after
+    (tmp_path / "sleeper.py").write_text("import os, sys, time\n"
+                                         "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                                         "time.sleep(300)\n")
+    (tmp_path / "part.sh").write_text('"$PYTHON" sleeper.py child.pid &\n'
+                                      '"$PYTHON" sleeper.py main.pid\n'
+                                      'echo the shell went on\n')
+    t0 = time.monotonic()
+    res = run_lib("stack_dump_site site; export PYTHONPATH=$PWD/site\n"
+                  "run_limited 6 part.log bash part.sh\n"
+                  'echo "rc=$?"', tmp_path, RUN_DUMP_LEAD="4", RUN_DUMP_WAIT="2")
+    elapsed = time.monotonic() - t0
+    assert res.stdout.strip() == "rc=124", res.stderr
+    assert 3 <= elapsed < 20
+    log = (tmp_path / "part.log").read_text()
+    assert "reached its limit (6 s): the stacks of every process of it follow" in log
+    assert log.count("most recent call first") == 2, log  # both Pythons, the shell between them kept alive
+    assert "the shell went on" not in log
+    for name in ("child.pid", "main.pid"):
+        assert not alive(int((tmp_path / name).read_text())), name
+
+
+def test_what_a_part_leaves_behind_is_killed_and_nothing_else(tmp_path):
+    # left behind: a sleep in the part's process group and one in a session of its own (as an SGLang
+    # server or a Ray node is), both orphaned when the part's shell exits; a bystander started
+    # outside the part (a part running beside it) must live on
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "part.sh").write_text("sleep 61 & echo $! > same_group.pid\n"
+                                          "setsid bash -c 'echo $$ > own_session.pid; exec sleep 62' &\n"
+                                          "sleep 2.5; echo the part ends\n")
+        res = run_lib('run_limited 30 part.log bash part.sh\necho "rc=$?"', tmp_path)
+        assert res.stdout.strip() == "rc=0", res.stderr
+        assert "the part ends" in (tmp_path / "part.log").read_text()
+        for name in ("same_group.pid", "own_session.pid"):
+            assert not alive(int((tmp_path / name).read_text())), f"{name} outlived its part"
+        assert bystander.poll() is None, "a process outside the part was killed"
+    finally:
+        bystander.kill()
+        bystander.wait()
