@@ -91,3 +91,18 @@ def test_what_a_part_leaves_behind_is_killed_and_nothing_else(tmp_path):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_part_dies_with_the_script_that_runs_it(tmp_path):
+    # `timeout 600 bash scripts/gpu/...sh` on the device: timeout's signal reaches the script's process
+    # group, not the part's own; the part must not hold the GPU into the next call
+    (tmp_path / "part.sh").write_text("echo $$ > part.pid; exec sleep 63\n")
+    script = 'run_limited 60 part.log bash part.sh; echo "returned rc=$?"'
+    res = subprocess.run(["timeout", "2", "bash", "-c", f"source {LIB}\n{script}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 124 and "returned" not in res.stdout
+    part = int((tmp_path / "part.pid").read_text())
+    deadline = time.monotonic() + 5
+    while alive(part) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(part), "the part outlived the script that ran it"

@@ -29,14 +29,18 @@
 #                                when it was killed at its limit (as `timeout`). --gpumem CSV: GPU
 #                                memory every RUN_GPUMEM_MS ms into CSV (nvidia-smi: timestamp, index,
 #                                memory.used MiB; empty where there is no nvidia-smi).
+#                                The part is killed as well when the shell that called run_limited
+#                                dies (a script stopped by `timeout`, whose signal reaches only the
+#                                script's own process group). After the part: gpu_host_cleanup.
 #                                Knobs (environment): RUN_DUMP_LEAD (default 15), RUN_DUMP_WAIT (12),
-#                                RUN_GPUMEM_MS (500); then, opt-in and only where nvidia-smi exists (the
-#                                GPU machine: on a shared CPU host they would hit others' processes):
-#                                RUN_STOP_RAY=1 stops Ray after the part (`ray stop --force`, every Ray
-#                                of the host; a failed part's LOG gets the last 60 lines of up to 4 Ray
-#                                worker logs that show an error first), RUN_FREE_GPU=1 kills every
-#                                process that holds a GPU after the part. Both assume the host runs
-#                                only this part: leave them off for parts running side by side.
+#                                RUN_GPUMEM_MS (500), and gpu_host_cleanup's; RUN_STOP_RAY=1 also adds
+#                                to a failed part's LOG the last 60 lines of up to 4 Ray worker logs
+#                                that show an error.
+#   gpu_host_cleanup             opt-in, and only where nvidia-smi exists (the GPU machine: on a shared
+#                                CPU host it would hit others' processes): RUN_STOP_RAY=1 stops Ray
+#                                (`ray stop --force`, every Ray of the host), RUN_FREE_GPU=1 kills
+#                                every process that holds a GPU. Both assume the host runs only this
+#                                script's one part at a time: leave them off for parts side by side.
 
 check_one_version() {
   local dups
@@ -130,8 +134,19 @@ _signal_known() {  # SIGNAL FILE: signal every process of FILE ("pid start-time"
     done
 }
 
+gpu_host_cleanup() {
+  command -v nvidia-smi > /dev/null || return 0
+  [ "${RUN_STOP_RAY:-0}" = 1 ] || [ "${RUN_FREE_GPU:-0}" = 1 ] || return 0
+  [ "${RUN_STOP_RAY:-0}" = 1 ] && python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+  if [ "${RUN_FREE_GPU:-0}" = 1 ]; then
+    local p
+    for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+  fi
+  sleep 2
+}
+
 run_limited() {
-  local gpumem="" limit log pid dog smi="" rc state monitor
+  local gpumem="" limit log pid dog smi="" rc state monitor caller=$BASHPID
   [ "${1:-}" = --gpumem ] && { gpumem=$2; shift 2; }
   limit=$1 log=$2; shift 2
   state=$(mktemp -d "${TMPDIR:-/tmp}/run_limited.XXXXXX")
@@ -151,6 +166,9 @@ run_limited() {
   ( dump_at=$((limit - ${RUN_DUMP_LEAD:-15})) dumped="" t0=$SECONDS
     while kill -0 "$pid" 2>/dev/null; do
       _part_members "$pid" | sort -u - "$state/known" > "$state/known.new" && mv "$state/known.new" "$state/known"
+      if ! kill -0 "$caller" 2>/dev/null; then  # the script was killed (`timeout`): the part goes with it
+        kill -9 -- "-$pid" 2>/dev/null; _signal_known KILL "$state/known"; rm -rf "$state"; exit
+      fi
       if [ -z "$dumped" ] && [ $((SECONDS - t0)) -ge "$dump_at" ]; then
         echo "[run_limited] $1 reached its limit ($limit s): the stacks of every process of it follow" >> "$log"
         _signal_known USR1 "$state/known"; dumped=$SECONDS
@@ -169,22 +187,13 @@ run_limited() {
   kill -9 -- "-$pid" 2>/dev/null
   _signal_known KILL "$state/known"
   [ -n "$smi" ] && { kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null; }
-  if command -v nvidia-smi > /dev/null; then
-    if [ "${RUN_STOP_RAY:-0}" = 1 ]; then
-      if [ "$rc" != 0 ]; then  # what the Ray actors printed last (their stacks too, when dumped)
-        local f
-        for f in $(grep -l -E "Traceback|Thread 0x|Error" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -4); do
-          { echo "----- $f"; tail -n 60 "$f"; } >> "$log"
-        done
-      fi
-      python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
-    fi
-    if [ "${RUN_FREE_GPU:-0}" = 1 ]; then
-      local p
-      for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-    fi
-    [ "${RUN_STOP_RAY:-0}" = 1 ] || [ "${RUN_FREE_GPU:-0}" = 1 ] && sleep 2
+  if [ "${RUN_STOP_RAY:-0}" = 1 ] && [ "$rc" != 0 ]; then  # what Ray actors printed last (their stacks too)
+    local f
+    for f in $(grep -l -E "Traceback|Thread 0x|Error" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -4); do
+      { echo "----- $f"; tail -n 60 "$f"; } >> "$log"
+    done
   fi
+  gpu_host_cleanup
   rm -rf "$state"
   return "$rc"
 }
