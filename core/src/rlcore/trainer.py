@@ -499,6 +499,8 @@ class Trainer:
             self._close_source()  # the producer thread is stopped and joined before the backend goes
             self.backend.shutdown()
             self.sync.close()
+            if callable(getattr(self.engine, "close", None)):  # its process groups, before the launcher's world
+                self.engine.close()
             self._end_run(started)
         summary = self.report.summary(completed) if self.ranks.writer else {"completed": completed, "rank": self.ranks.rank}
         return dict(summary, stopped_by=None if completed else self.stop.requested)

@@ -7,6 +7,7 @@ starts the processes itself (the tests spawn two with ``torch.multiprocessing``)
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -72,6 +73,7 @@ def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: A
     cfg = stack.config
     backend = init_distributed(rank, world, master, str(cfg.engine.device), float(cfg.cluster.timeout_s))
     failed = False
+    trainer = None
     try:
         trainer = Trainer(stack, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change,
                           strategy=strategy_for(stack, TorchRanks(), rollout))
@@ -84,6 +86,10 @@ def run_rank(config_yaml: str, rank: int, world: int, master: str, *, rollout: A
         sys.stderr.flush()
         raise
     finally:
+        # the trainer has closed its engine (megatron's groups); its modules still hold process groups,
+        # which go now, before the default group, rather than at interpreter shutdown
+        del trainer
+        gc.collect()
         close_distributed(backend, failed)
 
 

@@ -303,7 +303,10 @@ class HeadWeight:
 
 @runtime_checkable
 class TrainingEngine(Protocol):
-    """Runs the policy body on packed batches, owns its parameters and exports HF weights."""
+    """Runs the policy body on packed batches, owns its parameters and exports HF weights.
+    Optional: ``close()``, which the trainer calls once when its run ends (success or error), for
+    an engine that initialised process-wide state to release it (megatron's parallel state and
+    the process groups it created itself)."""
 
     info: ModelInfo
 

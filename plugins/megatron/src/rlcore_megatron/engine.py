@@ -74,6 +74,7 @@ from rlcore_megatron.model import (
     choose_attention_path,
     init_parallel,
     padded_vocab_size,
+    release_parallel,
     router_sites,
 )
 from rlcore_megatron.pipeline import chunk_layers, gather_stages, pipeline_groups, run_chunks
@@ -126,7 +127,7 @@ class MegatronEngine:
             from rlcore_megatron.cpu import install_cpu_shim
 
             install_cpu_shim()
-        init_parallel(s, self.device)
+        self.created_groups = init_parallel(s, self.device)  # released by close(), only by the engine that made them
         self.par = Parallel.from_megatron()
         self.padded_vocab = padded_vocab_size(self.spec.vocab_size, s.vocab_size_divisible_by, self.par.tp_size)
         self.attention_path = choose_attention_path(s, self.device)
@@ -439,6 +440,16 @@ class MegatronEngine:
             raise RuntimeError("setup_optimizer() was not called")
         self.divide_expert_grads()
         return self.clipped_step(self.optimizer, self.parameters(), self.grad_norm(), grad_clip)
+
+    def close(self) -> None:
+        """At the end of a run (the trainer calls it, success or error): release the process groups
+        this engine initialised (:func:`.model.release_parallel`): megatron-core's parallel state
+        and the pipeline groups, then the default group if the engine created it (a world of one,
+        or torchrun's without a group of the user's). A group the launcher or the user created
+        before is left to them. Once is enough: a second call does nothing."""
+        created, self.created_groups = self.created_groups, None
+        if created is not None:
+            release_parallel(created)
 
     def make_reference(self) -> MegatronEngine:
         """A frozen copy of the current policy, built afresh (megatron modules hold process

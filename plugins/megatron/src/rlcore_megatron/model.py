@@ -52,16 +52,27 @@ def choose_attention_path(s: MegatronSettings, device: torch.device) -> str:
     return path
 
 
-def init_parallel(settings: MegatronSettings, device: torch.device) -> None:
+@dataclass(frozen=True)
+class CreatedGroups:
+    """What :func:`init_parallel` initialised itself (what :func:`release_parallel` releases): the
+    default process group, and megatron-core's parallel state with the pipeline groups."""
+
+    default_group: bool
+    model_parallel: bool
+
+
+def init_parallel(settings: MegatronSettings, device: torch.device) -> CreatedGroups:
     """torch.distributed and megatron-core's model-parallel groups, once per process. A default
     group that is already initialised is used as it is: the Ray trainer ranks
     (``rlcore.parallel.worker``) join it before the engine is built, with ``tp * ep`` ranks from
     ``cluster.trainer``. Otherwise it is created here with the device platform's backend (gloo on
-    CPU, NCCL on CUDA, HCCL on NPU): torchrun's world, or a world of one."""
+    CPU, NCCL on CUDA, HCCL on NPU): torchrun's world, or a world of one. Returns what it created,
+    which only its creator releases (a group or parallel state found here is someone else's)."""
     from rlcore.platforms import platform_for
 
     platform = platform_for(device)  # gloo on CPU, nccl on CUDA, the platform's own (hccl on NPU)
-    if not dist.is_initialized():
+    created_default = not dist.is_initialized()
+    if created_default:
         backend = platform.dist_backend
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
@@ -79,7 +90,7 @@ def init_parallel(settings: MegatronSettings, device: torch.device) -> None:
                 f"megatron-core's parallel state is already initialised with tensor/expert parallel sizes "
                 f"{have}; this engine asks for {want}", key="megatron.tensor_parallel_size"
             )
-        return
+        return CreatedGroups(default_group=created_default, model_parallel=False)
     tp, ep = want
     pp = settings.pipeline_parallel_size
     world = dist.get_world_size()
@@ -109,6 +120,25 @@ def init_parallel(settings: MegatronSettings, device: torch.device) -> None:
 
         if not tensor_parallel.get_cuda_rng_tracker().is_initialized():
             tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
+    return CreatedGroups(default_group=created_default, model_parallel=True)
+
+
+def release_parallel(created: CreatedGroups) -> None:
+    """Undo :func:`init_parallel`, last created first: forget the pipeline groups and megatron-core's
+    parallel state (their process groups stay registered with torch.distributed, whose
+    ``destroy_process_group()`` shuts every group down), then destroy the default group if it
+    was created here. Whoever created the default group (the launcher's rank process, or the
+    user) destroys it, and with it every subgroup, before the process exits: a group still held
+    at interpreter shutdown can end the process in a native abort."""
+    if created.model_parallel:
+        from megatron.core import parallel_state as ps
+
+        from rlcore_megatron.pipeline import forget_pipeline_groups
+
+        forget_pipeline_groups()
+        ps.destroy_model_parallel()
+    if created.default_group and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def padded_vocab_size(vocab: int, multiple: int, tp: int) -> int:

@@ -81,6 +81,12 @@ class PipelineGroups:
         return self.stage > 0 and self.tp_rank == 0 and self.dp_rank == 0
 
 
+def forget_pipeline_groups() -> None:
+    """Drop this process's pipeline groups (at the engine's close: torch.distributed's
+    ``destroy_process_group()`` shuts them down with the default group)."""
+    _GROUPS.clear()
+
+
 def pipeline_groups(tp: int, pp: int) -> PipelineGroups:
     """The pipeline and data-parallel groups of this rank (created on first use, on every rank)."""
     world = dist.get_world_size()
