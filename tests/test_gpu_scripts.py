@@ -59,14 +59,15 @@ def test_a_part_past_its_limit_dumps_every_python_stack_then_is_killed_with_its_
                                       '"$PYTHON" sleeper.py main.pid\n'
                                       'echo the shell went on\n')
     t0 = time.monotonic()
+    # through a pipe, as scripts/gpu/two_gpu_019.sh filters a part's output into its log
     res = run_lib("stack_dump_site site; export PYTHONPATH=$PWD/site\n"
-                  "run_limited 6 part.log bash part.sh\n"
-                  'echo "rc=$?"', tmp_path, RUN_DUMP_LEAD="4", RUN_DUMP_WAIT="2")
+                  "run_limited 6 /dev/stdout bash part.sh | sed -u 's/^/[part] /' > part.log\n"
+                  'echo "rc=${PIPESTATUS[0]}"', tmp_path, RUN_DUMP_LEAD="4", RUN_DUMP_WAIT="2")
     elapsed = time.monotonic() - t0
     assert res.stdout.strip() == "rc=124", res.stderr
     assert 3 <= elapsed < 20
     log = (tmp_path / "part.log").read_text()
-    assert "reached its limit (6 s): the stacks of every process of it follow" in log
+    assert "[part] [run_limited] bash reached its limit (6 s): the stacks of every process of it follow" in log
     assert log.count("most recent call first") == 2, log  # both Pythons, the shell between them kept alive
     assert "the shell went on" not in log
     for name in ("child.pid", "main.pid"):

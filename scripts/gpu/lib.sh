@@ -146,7 +146,7 @@ gpu_host_cleanup() {
 }
 
 run_limited() {
-  local gpumem="" limit log pid dog smi="" rc state monitor caller=$BASHPID
+  local gpumem="" limit log logfd pid dog smi="" rc state monitor caller=$BASHPID
   [ "${1:-}" = --gpumem ] && { gpumem=$2; shift 2; }
   limit=$1 log=$2; shift 2
   state=$(mktemp -d "${TMPDIR:-/tmp}/run_limited.XXXXXX")
@@ -158,9 +158,10 @@ run_limited() {
       smi=$!
     fi
   fi
+  exec {logfd}>> "$log"  # opened once: /dev/stdout stays the caller's pipe in the watchdog too
   case $- in *m*) monitor=1 ;; *) monitor=0 ;; esac
   set -m  # job control: each background job below gets a process group of its own (pgid = its pid)
-  ( "$@" ) >> "$log" 2>&1 < /dev/null &
+  ( "$@" ) >&"$logfd" 2>&1 < /dev/null &
   pid=$!
   : > "$state/known"
   ( dump_at=$((limit - ${RUN_DUMP_LEAD:-15})) dumped="" t0=$SECONDS
@@ -170,7 +171,7 @@ run_limited() {
         kill -9 -- "-$pid" 2>/dev/null; _signal_known KILL "$state/known"; rm -rf "$state"; exit
       fi
       if [ -z "$dumped" ] && [ $((SECONDS - t0)) -ge "$dump_at" ]; then
-        echo "[run_limited] $1 reached its limit ($limit s): the stacks of every process of it follow" >> "$log"
+        echo "[run_limited] $1 reached its limit ($limit s): the stacks of every process of it follow" >&"$logfd"
         _signal_known USR1 "$state/known"; dumped=$SECONDS
       fi
       if [ -n "$dumped" ] && [ $((SECONDS - dumped)) -ge "${RUN_DUMP_WAIT:-12}" ]; then
@@ -180,7 +181,7 @@ run_limited() {
     done ) > /dev/null 2>&1 < /dev/null &
   dog=$!
   [ "$monitor" = 1 ] || set +m
-  { wait "$pid"; } 2>/dev/null; rc=$?
+  rc=0; { wait "$pid"; } 2>/dev/null || rc=$?
   kill -9 -- "-$dog" 2>/dev/null; { wait "$dog"; } 2>/dev/null
   [ -f "$state/limit" ] && rc=124
   # what is left of the part: its group (orphans stay in it), then every process it was seen to own
@@ -190,9 +191,10 @@ run_limited() {
   if [ "${RUN_STOP_RAY:-0}" = 1 ] && [ "$rc" != 0 ]; then  # what Ray actors printed last (their stacks too)
     local f
     for f in $(grep -l -E "Traceback|Thread 0x|Error" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -4); do
-      { echo "----- $f"; tail -n 60 "$f"; } >> "$log"
+      { echo "----- $f"; tail -n 60 "$f"; } >&"$logfd"
     done
   fi
+  exec {logfd}>&-
   gpu_host_cleanup
   rm -rf "$state"
   return "$rc"

