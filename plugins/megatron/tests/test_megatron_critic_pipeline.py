@@ -74,7 +74,6 @@ PPO_PP2 = ["algorithm.name=ppo", "megatron.pipeline_parallel_size=2", "output.pr
 def _rank_main(rank: int, world: int, port: int, out: str, errors: object, overrides: list[str], resume: bool,
                fault: str | None) -> None:
     import os
-    import sys
 
     if fault:  # rlcore.faults: this rank SIGKILLs itself at the named point
         os.environ["RLCORE_FAULT"] = fault
@@ -87,16 +86,8 @@ def _rank_main(rank: int, world: int, port: int, out: str, errors: object, overr
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")  # type: ignore[attr-defined]
         raise
-    # The run is over and its process group destroyed: leave without the interpreter's finalization.
-    # Once in CI under load the resumed run's rank 1 exited -6 (SIGABRT, "terminate called without an
-    # active exception") with no Python error, after every collective with rank 0 had completed (rank 0
-    # exited 0): a native abort at exit, not a disagreement on the step. The likely cause (not
-    # reproduced here): a gloo worker thread of a process group that megatron's or the pipeline's
-    # globals still hold releases its last collective's tensor during finalization, asks for the GIL,
-    # and Python ends the thread by a forced unwind that C++ turns into std::terminate.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # returns: the rank ends through the interpreter's normal shutdown, every process group released
+    # by the run's teardown (test_rank_teardown.py); a -6 here is a rank that did not end cleanly
 
 
 def _train_ranks(out: Path, overrides: list[str], resume: bool = False, fault_on_writer: str | None = None,
