@@ -7,12 +7,15 @@
 # WITHOUT Ray (Ray's wheel is over what can be sent to the machine): two spawned processes, one GPU
 # each through CUDA_VISIBLE_DEVICES. megatron-core 0.19.x and omegaconf come as wheels in $WHL
 # (see scripts/gpu/megatron_019.sh for the pip download lines).
-# Every part runs in its own process under `timeout` (each rank dumps its stacks 12 s before the
-# limit); one failing part does not stop the others;
+# Every part runs under run_limited (scripts/gpu/lib.sh: its own process group; every process of it,
+# ranks included, dumps its stacks 12 s before the limit, then all are killed at the limit, nothing
+# else on the host touched, so the PARTS_A run side by side); one failing part does not stop the others;
 # each writes $OUT/<part>.json as it finishes, the log is $OUT/log.txt.
 #   PARTS_A (run side by side, limit LIMIT_A s), then PARTS_B one after another (the sync measurements, each
 #   alone, limit LIMIT_BIG s each) and d2d (LIMIT_D2D) alone; STEPS (default 3) training steps per tiny part.
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+export RUN_DUMP_LEAD=12 RUN_DUMP_WAIT=12  # stacks 12 s before the limit, killed at it
 OUT="${OUT:-runs/two-gpu}"
 WORK="${WORK:-/tmp/rlcore-two-gpu}"
 WHL="${WHL:-.whl/megatron}"
@@ -26,6 +29,7 @@ log() { echo "$*" | tee -a "$OUT/log.txt"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
   ./core ./plugins/megatron ./plugins/fused ./plugins/mtp
+stack_dump_site /tmp/site  # every process of a part (the spawned ranks too) dumps its stacks on SIGUSR1
 export PYTHONPATH=/tmp/site
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m
   python3 -c "import megatron.core as m, torch, triton; print('megatron-core', m.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
@@ -37,7 +41,7 @@ run_part() {
   local part=$1 limit=$2 p0 rc
   p0=$(date +%s)
   log "=== part $part (limit $limit s)"
-  TWO_GPU_DUMP_S=$(( limit - 12 )) timeout -k 5 "$limit" python3 plugins/megatron/bench/two_gpu.py --part "$part" \
+  run_limited "$limit" /dev/stdout python3 plugins/megatron/bench/two_gpu.py --part "$part" \
     --out "$WORK/$part" --results "$OUT/$part.json" --device cuda --steps "${STEPS:-3}" --rank-timeout "$(( limit - 5 ))" \
     2>&1 | grep --line-buffered -v -e '^\s*warnings.warn' -e 'Warning:' -e 'DEPRECATED' \
     | sed -u "s/^/[$part] /" >> "$OUT/log.txt"

@@ -9,18 +9,24 @@
 #   dp2_equal   megatron DP=2 vs one rank with the whole batch (fp32): log-probs, loss, gradients, norm;
 #   dp2_train   GRPO with megatron DP=2 (TP=1 on the two GPUs), the per-phase step table.
 # The ranks run the worker code the Ray actors run (rlcore.parallel.worker.run_rank), started as
-# two spawned processes with one GPU each (CUDA_VISIBLE_DEVICES). Every part runs in its own process
-# under `timeout` (LIMIT_D2D, LIMIT_LARGE, LIMIT_DP_EQUAL, LIMIT_DP_TRAIN seconds; each rank dumps its stacks 12 s before
-# its limit), one failing part does not stop the others; each writes $OUT/<part>.json, the log is
+# two spawned processes with one GPU each (CUDA_VISIBLE_DEVICES). Every part runs under run_limited
+# (scripts/gpu/lib.sh: its own process group; LIMIT_D2D, LIMIT_LARGE, LIMIT_DP_EQUAL, LIMIT_DP_TRAIN
+# seconds; every process of it, ranks included, dumps its stacks 12 s before its limit, then all are
+# killed at it), one failing part does not stop the others; each writes $OUT/<part>.json, the log is
 # $OUT/log.txt, and $OUT/summary.md sums them up at the end.
+# PARTS (default "d2d sync_large dp2_equal dp2_train") picks and orders the parts; any other part of
+# two_gpu.py runs with its defaults under LIMIT_EXTRA (default 90), as EXTRA_PARTS (run after PARTS) do.
 # CPU dry run (gloo, tiny sizes): DEVICE=cpu OUT=/tmp/two-gpu-dry bash scripts/gpu/two_gpu_019.sh
 # (with PYTHON set to a Python that has megatron-core, e.g. .venvs/megatron-0.16/bin/python: no install).
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+export RUN_DUMP_LEAD=12 RUN_DUMP_WAIT=12  # stacks 12 s before the limit, killed at it
 OUT="${OUT:-runs/two-gpu-019}"
 WORK="${WORK:-/tmp/rlcore-two-gpu-019}"
 WHL="${WHL:-.whl/megatron}"
 DEVICE="${DEVICE:-cuda}"
 PY="${PYTHON:-python3}"
+PARTS="${PARTS:-d2d sync_large dp2_equal dp2_train}"
 mkdir -p "$OUT" "$WORK"
 # NVLink multicast stays off (KINDS.md: it can take the host's shared GPUs out of service);
 # spawned ranks inherit these
@@ -40,6 +46,8 @@ if [ "$DEVICE" = cuda ]; then
   } 2>&1 | tee -a "$OUT/log.txt"
   timeout 25 "$PY" -m compileall -q -j 16 /tmp/site > /dev/null 2>&1  # every spawned rank imports megatron: compile once
 fi
+stack_dump_site "$WORK/stacks"  # every process of a part (the spawned ranks too) dumps its stacks on SIGUSR1
+export PYTHONPATH="$WORK/stacks${PYTHONPATH:+:$PYTHONPATH}"
 git log -1 --format='rlcore at %h %cI' 2>/dev/null | tee -a "$OUT/log.txt"
 log "install and compile: $(( $(date +%s) - t0 )) s"
 # one part, under its limit; on a timeout its result is what the ranks wrote so far
@@ -48,7 +56,7 @@ run_part() {
   shift 2
   p0=$(date +%s)
   log "=== part $part (limit $limit s)"
-  TWO_GPU_DUMP_S=$(( limit - 12 )) timeout -k 5 "$limit" "$PY" plugins/megatron/bench/two_gpu.py --part "$part" \
+  run_limited "$limit" /dev/stdout "$PY" plugins/megatron/bench/two_gpu.py --part "$part" \
     --out "$WORK/$part" --results "$OUT/$part.json" --device "$DEVICE" --rank-timeout "$(( limit - 5 ))" "$@" \
     2>&1 | grep --line-buffered -v -e '^\s*warnings.warn' -e 'Warning:' -e 'DEPRECATED' \
     | sed -u "s/^/[$part] /" >> "$OUT/log.txt"
@@ -68,14 +76,16 @@ json.dump({"part": part, "errors": [f"no result: rc={rc} (124 = timed out)"], "p
 PY
   fi
 }
-# one after another: each part's timings have the GPUs to themselves
-run_part d2d "${LIMIT_D2D:-40}"
-run_part sync_large "${LIMIT_LARGE:-110}" --big-steps "${BIG_STEPS:-4}" --unverified-pushes "${UNVERIFIED:-3}"
-run_part dp2_equal "${LIMIT_DP_EQUAL:-50}"
-run_part dp2_train "${LIMIT_DP_TRAIN:-70}" --steps "${STEPS:-4}"
-# optional, e.g. EXTRA_PARTS=sync_big_in_place (the 0.72 GB model of the calls before, against call 9)
-for part in ${EXTRA_PARTS:-}; do
-  run_part "$part" "${LIMIT_EXTRA:-90}"
+# one after another: each part's timings have the GPUs to themselves; EXTRA_PARTS, e.g.
+# sync_big_in_place (the 0.72 GB model of the calls before, against call 9)
+for part in $PARTS ${EXTRA_PARTS:-}; do
+  case "$part" in
+    d2d) run_part d2d "${LIMIT_D2D:-40}" ;;
+    sync_large) run_part sync_large "${LIMIT_LARGE:-110}" --big-steps "${BIG_STEPS:-4}" --unverified-pushes "${UNVERIFIED:-3}" ;;
+    dp2_equal) run_part dp2_equal "${LIMIT_DP_EQUAL:-50}" ;;
+    dp2_train) run_part dp2_train "${LIMIT_DP_TRAIN:-70}" --steps "${STEPS:-4}" ;;
+    *) run_part "$part" "${LIMIT_EXTRA:-90}" ;;
+  esac
 done
 "$PY" plugins/megatron/bench/two_gpu_summary.py "$OUT" > /dev/null 2>> "$OUT/log.txt" || log "summary failed"
 log "total: $(( $(date +%s) - t0 )) s"
