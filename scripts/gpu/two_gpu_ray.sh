@@ -19,15 +19,19 @@
 #   dp2_colocated     (c) DP=2 (hf engine), a vLLM replica beside each rank (examples/gpu_two_dp2_colocated.yaml)
 #   dp2_megatron      (c) the same with rlcore-megatron's data parallelism
 #   disagg_big        item 3: disagg_broadcast with a 1.03 B-parameter model (2.07 GB in bfloat16)
-# Each part's stacks (every process in its tree: the driver, the Ray actors, vLLM's engine cores)
-# are dumped 15 s before its limit (SIGUSR1, faulthandler via sitecustomize), then it is killed, Ray
-# is stopped and whatever still holds a GPU is killed before the next part. Results: $OUT/log.txt,
+# Each part runs under run_limited (scripts/gpu/lib.sh): its stacks (every process in its group and
+# tree: the driver, the Ray actors, vLLM's engine cores) are dumped 15 s before its limit (SIGUSR1,
+# faulthandler via sitecustomize), then it is killed with everything it started, and Ray is stopped
+# before the next part (RUN_STOP_RAY=0: not; RUN_FREE_GPU=1: whatever still holds a GPU killed too, as
+# before lib.sh; it would kill another part sharing the host). Results: $OUT/log.txt,
 # $OUT/summary.md (the per-part table), $OUT/parts.tar.gz (per part: JSON with the step table,
 # the run log, metrics.jsonl, cluster.json, GPU memory every 500 ms).
 #   STEPS (default 5) training steps per rlcore run; LIMIT_RUN (default 200) s per run; EXTRA:
 #   overrides added to every rlcore run (a CPU dry run: scripts/gpu/two_gpu_ray_dry.sh).
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$HERE/lib.sh"
+export RUN_STOP_RAY="${RUN_STOP_RAY:-1}"
 OUT="$(realpath -m "${OUT:-runs/two-gpu-ray}")"
 WORK="${WORK:-/tmp/rlcore-two-gpu-ray}"
 SITE="${SITE:-/tmp/site}"
@@ -67,14 +71,7 @@ fi
 python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation --no-cache-dir \
   --upgrade --target "$SITE" ./core ./plugins/vllm ./plugins/ray ./plugins/megatron 2>&1 | grep -v "already exists" \
   | tee -a "$OUT/log.txt"
-cat > "$SITE/sitecustomize.py" <<'EOF'
-# scripts/gpu/two_gpu_ray.sh: every Python process of a part (Ray actors, vLLM's engine cores
-# included) dumps its stacks on SIGUSR1
-import faulthandler
-import signal
-
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-EOF
+stack_dump_site "$SITE"  # every Python process of a part (Ray actors, vLLM's engine cores) dumps on SIGUSR1
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m
   python3 - <<'EOF'
@@ -86,39 +83,12 @@ EOF
 } 2>&1 | tee -a "$OUT/log.txt"
 log "install: $(( $(date +%s) - t0 )) s"
 
-tree() { echo "$1"; local c; for c in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree "$c"; done; }
-cleanup() {  # nothing of a part outlives it: Ray stopped, whatever still holds a GPU killed
-  # only on the GPU machine, which is this script's alone (a CPU dry run shares its host's Ray)
-  command -v nvidia-smi > /dev/null || return 0
-  python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
-  local p; for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-  sleep 2
-}
 run_part() {  # name limit command...
-  local name=$1 limit=$2 p0 rc pid smi dog; shift 2
+  local name=$1 limit=$2 p0 rc; shift 2
   p0=$(date +%s)
   log "=== part $name (limit $limit s): $*"
-  nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 500 \
-    > "$WORK/parts/$name.gpumem.csv" 2>/dev/null < /dev/null &
-  smi=$!
-  "$@" > "$WORK/parts/$name.log" 2>&1 < /dev/null &
-  pid=$!
-  ( sleep $((limit - 15))
-    if kill -0 "$pid" 2>/dev/null; then
-      echo "[two_gpu_ray] part $name reached its limit: the stacks of every process of it follow" >> "$WORK/parts/$name.log"
-      for p in $(tree "$pid"); do kill -USR1 "$p" 2>/dev/null; done
-      sleep 12
-      for p in $(tree "$pid"); do kill -9 "$p" 2>/dev/null; done
-    fi ) &
-  dog=$!
-  wait "$pid"; rc=$?
-  kill "$dog" "$smi" 2>/dev/null; wait "$dog" "$smi" 2>/dev/null
-  if [ "$rc" != 0 ]; then  # what the Ray actors printed last (their stacks too, when dumped)
-    for f in $(grep -l -E "Traceback|Thread 0x|Error" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -4); do
-      { echo "----- $f"; tail -n 60 "$f"; } >> "$WORK/parts/$name.log"
-    done
-  fi
-  cleanup
+  : > "$WORK/parts/$name.log"
+  run_limited --gpumem "$WORK/parts/$name.gpumem.csv" "$limit" "$WORK/parts/$name.log" "$@"; rc=$?
   local peak
   peak=$(awk -F', ' '{ if ($3 > m[$2]) m[$2] = $3 } END { for (g in m) printf "GPU%s %d MiB  ", g, m[g] }' \
     "$WORK/parts/$name.gpumem.csv" 2>/dev/null)
@@ -142,7 +112,7 @@ train() {  # name config overrides...: one rlcore run
   run_part "$name" "$LIMIT_RUN" python3 -m rlcore.cli train "$config" "training.steps=$STEPS" "$@" ${EXTRA:-} \
     --output "$WORK/runs/$name" --overwrite
 }
-cleanup
+gpu_host_cleanup
 for part in $PARTS; do
   case "$part" in
     links) run_part links 120 python3 "$HERE/two_gpu_links.py" "$WORK/parts/links.json" ;;
