@@ -14,8 +14,9 @@
 #   trl      TRL's GRPO (peer_trl.py trl), limited to LIMIT_TRL seconds (default 160)
 #   rlcore   `rlcore train CONFIG engine.model.path=<the model>`, limited to LIMIT_RLCORE (160)
 #   report   $OUT/peer_summary.md (peer_trl.py report)
-# A run that reaches its limit has the stacks of its process group dumped (SIGUSR1, faulthandler)
-# 15 s before it, then is killed; whatever still holds the GPU is killed before the next run.
+# Each run is limited by run_limited (scripts/gpu/lib.sh): one that reaches its limit has the stacks
+# of its processes dumped (SIGUSR1, faulthandler) 15 s before it, then is killed with everything it
+# started (RUN_FREE_GPU=1: whatever still holds the GPU killed too before the next run, as before lib.sh).
 # Writes $OUT/peer_summary.md, $OUT/log.txt and $OUT/parts.tar.gz (the TRL JSON, rlcore's
 # metrics.jsonl, every run's log, the card's memory every 500 ms).
 #
@@ -24,8 +25,8 @@
 # OVERRIDES="key=value ..." changes the config for both sides; PYTHON (default python3) and
 # NO_INSTALL=1 (use PYTHON's own packages) serve the CPU check, scripts/gpu/peer_trl_dry.sh.
 set -uo pipefail
-set -m  # every background job its own process group: a run's whole tree is signalled at once
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$HERE/lib.sh"
 ROOT="$(cd "$HERE/../.." && pwd)"
 OUT="$(realpath -m "${OUT:-runs/peer-trl}")"
 WORK="${WORK:-/tmp/rlcore-peer-trl}"
@@ -61,40 +62,18 @@ if [ -z "${NO_INSTALL:-}" ]; then
     ./plugins/replay ./plugins/mtp
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-mkdir -p "$WORK/sitecustomize" && cat > "$WORK/sitecustomize/sitecustomize.py" <<'PY'
-# scripts/gpu/peer_trl.sh: every Python process of a run (vLLM's engine core too) dumps its stacks on SIGUSR1
-import faulthandler
-import signal
-
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-PY
+stack_dump_site "$WORK/sitecustomize"  # every Python process of a run (vLLM's engine core too) dumps on SIGUSR1
 export PYTHONPATH="$WORK/sitecustomize${PYTHONPATH:+:$PYTHONPATH}"
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee -a "$OUT/log.txt"
 log "install: $(( $(date +%s) - t0 )) s"
 
-free_gpu() {  # nothing of a run outlives it (this machine runs only this script)
-  command -v nvidia-smi > /dev/null || return 0
-  local p; for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-  sleep 2
-}
-limited() {  # name limit command...: its own process group, stacks dumped 15 s before the limit, then killed
-  local name=$1 limit=$2 pid smi dog rc p0; shift 2
+limited() {  # name limit command...
+  local name=$1 limit=$2 rc p0; shift 2
   p0=$(date +%s)
   log "=== $name (limit $limit s): $*"
-  nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 500 \
-    > "$PARTS/$name.gpumem.csv" 2>/dev/null < /dev/null &
-  smi=$!
-  "$@" >> "$PARTS/$name.log" 2>&1 < /dev/null &  # append: the limit notice lands between the lines
-  pid=$!
-  ( sleep $((limit - 15)); kill -0 "$pid" 2>/dev/null || exit 0
-    echo "[peer_trl] $name reached its limit: the stacks of its processes follow" >> "$PARTS/$name.log"
-    kill -USR1 -- "-$pid" 2>/dev/null; sleep 12; kill -9 -- "-$pid" 2>/dev/null ) &
-  dog=$!
-  wait "$pid"; rc=$?
-  kill -- "-$dog" "$smi" 2>/dev/null; wait "$dog" "$smi" 2>/dev/null
-  free_gpu
+  run_limited --gpumem "$PARTS/$name.gpumem.csv" "$limit" "$PARTS/$name.log" "$@"; rc=$?
   log "=== $name rc=$rc in $(( $(date +%s) - p0 )) s"
   tail -n 4 "$PARTS/$name.log" | sed "s/^/[$name] /" | tee -a "$OUT/log.txt"
 }
@@ -104,7 +83,7 @@ report() {
     --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' parts  # logs, JSON and metrics only
 }
 
-free_gpu
+gpu_host_cleanup
 peer d2d "$PARTS/d2d.json" ${D2D_BYTES:+--bytes "$D2D_BYTES"} 2>&1 | tee -a "$OUT/log.txt"
 peer model "$MODEL" 2>&1 | tee -a "$OUT/log.txt"
 limited trl "${LIMIT_TRL:-160}" peer trl "$MODEL" "$PARTS/trl.json"
