@@ -7,6 +7,7 @@
 # of the pushed model's bytes, in the same call.
 #   bash scripts/gpu/vllm_026_run.sh            results in $OUT (default runs/gpu-vllm)
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 OUT="${OUT:-runs/gpu-vllm}"
 WORK="${WORK:-/tmp/rlcore-gpu-vllm}"
 mkdir -p "$OUT" "$WORK"; export OUT
@@ -36,17 +37,18 @@ qwen05b-b64|training.steps=3 data.prompts_per_step=64 rollout.max_new_tokens=256
 run_one() {  # name overrides...: one rlcore run; its stacks are dumped if it outlives RUN_LIMIT
   local name=$1; shift
   log "=== run $name: rlcore train examples/gpu_vllm.yaml $* ${EXTRA:-}"
-  nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/$name.gpumem.csv" < /dev/null &
-  local smi=$! t0 rc
+  local t0 rc
   t0=$(date +%s)
+  # run_limited (scripts/gpu/lib.sh): stacks at RUN_LIMIT (only this process handles SIGUSR1), killed
+  # 15 s later with vLLM's engine core
   # shellcheck disable=SC2086
-  timeout -s USR1 -k 15 "${RUN_LIMIT:-420}" python3 -c 'import faulthandler, signal, sys
+  RUN_DUMP_LEAD=0 RUN_DUMP_WAIT=15 RUN_GPUMEM_MS=200 run_limited --gpumem "$OUT/$name.gpumem.csv" "${RUN_LIMIT:-420}" \
+    /dev/stdout python3 -c 'import faulthandler, signal, sys
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 from rlcore.cli import main
-sys.exit(main())' train examples/gpu_vllm.yaml "$@" ${EXTRA:-} --output "$WORK/$name" --overwrite < /dev/null 2>&1 | tee "$OUT/$name.log"
+sys.exit(main())' train examples/gpu_vllm.yaml "$@" ${EXTRA:-} --output "$WORK/$name" --overwrite 2>&1 | tee "$OUT/$name.log"
   rc=${PIPESTATUS[0]}
-  kill "$smi" 2>/dev/null
-  log "run $name: rc=$rc in $(( $(date +%s) - t0 )) s; peak GPU memory used (MiB, whole card): $(cut -d, -f2 "$OUT/$name.gpumem.csv" | sort -n | tail -1)"
+  log "run $name: rc=$rc in $(( $(date +%s) - t0 )) s; peak GPU memory used (MiB, whole card): $(cut -d, -f3 "$OUT/$name.gpumem.csv" | sort -n | tail -1)"
   cp "$WORK/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
   return "$rc"
 }
