@@ -15,12 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 LIB = ROOT / "scripts" / "gpu" / "lib.sh"
-
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the GPU scripts run on Linux (ps, /proc)")
 
 
 def run_lib(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
