@@ -101,16 +101,20 @@ def build_run(stack: Stack, strategy: RankStrategy, *, resume: bool = False, con
               overwrite: bool = False, allow_config_change: bool = False) -> BuiltRun:
     """Everything the loop needs, built (see the module docstring)."""
     taken: list[RunDirectory] = []
+    engines: list[Any] = []
     try:
-        return _build(stack, strategy, resume, console, overwrite, allow_config_change, taken)
+        return _build(stack, strategy, resume, console, overwrite, allow_config_change, taken, engines)
     except BaseException:  # a failed start leaves nothing that makes the retry refuse
+        for engine in engines:  # what it initialised process-wide (megatron's groups), as the trainer's end does
+            if callable(getattr(engine, "close", None)):
+                engine.close()
         for run_dir in taken:
             run_dir.abandon()
         raise
 
 
 def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, overwrite: bool,
-           allow_config_change: bool, taken: list[RunDirectory]) -> BuiltRun:
+           allow_config_change: bool, taken: list[RunDirectory], engines: list[Any]) -> BuiltRun:
     ranks = strategy.ranks
     cfg = stack.config
     preflight(stack)  # what would fail later (rlcore/preflight.py), refused before the output directory is touched
@@ -149,6 +153,7 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
     platform, device = resolved.platform, resolved.device
 
     engine = stack.engine.factory(ctx_for(stack.engine))
+    engines.append(engine)
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is None:
         raise ConfigError("the training engine provides no tokenizer; set engine.model.path", key="engine.model.path")
