@@ -76,12 +76,24 @@ def dirs(tmp_path_factory):
 
 
 class _Corrupting(LocalRollout):
-    """A transfer fault: one byte of the third bucket changes after the sender summed it."""
+    """A transfer fault: one byte of the third bucket (or, landing in place, of the third group of
+    tensors) changes after the sender summed it."""
+
+    groups = 0
 
     def receive_bucket(self, bucket: Bucket) -> None:
         if bucket.index == 2:
             bucket.buffer[bucket.metas[0].offset] ^= 0x5A
         super().receive_bucket(bucket)
+
+    def receive_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.groups += 1
+        if self.groups == 3:
+            name, t = named[0]
+            t = t.clone()
+            t.view(-1).view(torch.uint8)[0] ^= 0x5A
+            named = [(name, t), *named[1:]]
+        super().receive_tensors(named)
 
 
 @pytest.mark.parametrize("update", ["staged", "in_place"])
@@ -108,7 +120,11 @@ def test_landing_sums_equal_a_fresh_read_of_the_weights(dirs, update):
 
 class _BucketCounter(LocalRollout):
     """Counts, at every bucket received, the earlier buckets whose storage is still alive (held by
-    anything: a bucket object, a view, queued work)."""
+    anything: a bucket object, a view, queued work). It takes buckets even in place (no direct
+    landing), so the sender's side of the bucket path is what is measured."""
+
+    def lands_directly(self) -> bool:
+        return False
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -240,3 +256,29 @@ def test_sent_checksums_come_from_the_fills_in_one_read(dirs, monkeypatch):
     backend.start(str(dirs["a"]), version=0)
     report = InprocSync(bucket_bytes=16 * 1024).push(hf_export(dirs["b"]), backend, 1)
     assert report.details["level"] == "coverage+exact" and report.checked == len(named)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_in_place_receiver_takes_the_tensors_themselves(dirs, fused, monkeypatch):
+    """In place, the inproc sync hands the sender's tensors to the receiver, which copies them
+    straight into its live weights: no bucket is built (one copy per push instead of two), the push
+    is verified coverage+exact, and the weights are the pushed ones. A staged receiver refuses
+    tensors handed to it this way."""
+    import rlcore.weight_sync
+
+    def no_buckets(*_args, **_kwargs):
+        raise AssertionError("a bucket was built for a receiver that lands in place")
+
+    monkeypatch.setattr(rlcore.weight_sync, "iter_buckets", no_buckets)
+    backend = LocalRollout(update="in_place", fused_checksums=fused)
+    backend.start(str(dirs["a"]), version=0)
+    report = InprocSync(bucket_bytes=16 * 1024).push(hf_export(dirs["b"]), backend, 1)
+    assert report.details["landing"] == "direct" and report.num_buckets >= 10
+    assert report.details["level"] == "coverage+exact" and backend.weight_version == 1
+    backend._landed = None  # a fresh read of the weights, not the landing's sums
+    assert backend.weight_checksums() == {n: tensor_checksum(t) for n, t in hf_export(dirs["b"])}
+    staged = LocalRollout()
+    staged.start(str(dirs["a"]), version=0)
+    staged.begin_update(1)
+    with pytest.raises(WeightSyncError, match="lands in place only"):
+        staged.receive_tensors(list(hf_export(dirs["b"]))[:1])

@@ -152,8 +152,8 @@ def _in_place(model_dir) -> LocalRollout:
 
 
 def test_in_place_push_lands_the_same_weights_as_a_staged_one(dirs):
-    """In place, a push needs no copy of the model (its extra memory is its buckets: the two-GPU
-    run in docs/benchmarks/two_gpu.md measures it) and lands exactly what a staged push lands."""
+    """In place, a push needs no copy of the model (nor buckets: the sender's tensors are copied
+    straight into the live weights) and lands exactly what a staged push lands."""
     staged, in_place = _started(dirs["a"]), _in_place(dirs["a"])
     weights = hf_export(dirs["b"])
     for backend in (staged, in_place):

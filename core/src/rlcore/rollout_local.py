@@ -9,7 +9,7 @@ the ``hf`` engine.
 
 It is a weight-sync receiver of both kinds: :class:`~rlcore.types.BucketReceiver` (stage
 buckets, swap on commit; ``inproc``: a bucket its sender never writes again is kept as the staging,
-not copied out) and :class:`~rlcore.types.DiskReceiver` (``disk``). Where
+not copied out; in place it takes the sender's tensors without buckets, ``receive_tensors``) and :class:`~rlcore.types.DiskReceiver` (``disk``). Where
 the checksum kernel runs (a GPU with Triton; ``fused_checksums``), a push lands with copies that
 checksum what they write (:meth:`~rlcore.checksums.ChecksumSlots.copy`: the staged commit, or
 each in-place bucket), so ``weight_checksums()`` after it reads those sums instead of the weights
@@ -458,23 +458,43 @@ class LocalRollout:
         for name, view in tensors:  # the whole bucket is checked before any of it lands
             self._check_tensor(name, view)
         if self.update == "in_place":
-            if tensors:  # from here on the live weights mix versions until the push commits
-                self._unknown_weights = f"the push of version {self._staging_version} did not complete"
-            with torch.no_grad():
-                if self._fuses():  # one launch for the bucket; the sums stay on the device
-                    slots = self._landing.copy([(self._views[name], view) for name, view in tensors])
-                    self._landing_now.update(zip((n for n, _ in tensors), slots, strict=True))
-                else:
-                    for name, view in tensors:
-                        self._views[name].copy_(view)
-                for name, _ in tensors:
-                    self._staging[name] = self._views[name]  # landed: the live weight holds it
+            self._land_in_place(tensors)
         else:
             for name, view in tensors:
                 # a bucket its sender never writes again is the staging itself (no copy here; the
                 # commit's copy is the only one after the bucket fill); otherwise copy it out
                 keep = bucket.receiver_may_keep and view.device == self.device
                 self._staging[name] = view if keep else view.to(self.device, copy=True)
+
+    def lands_directly(self) -> bool:
+        """Whether a push may hand its tensors to :meth:`receive_tensors` instead of buckets: in
+        place, they are copied straight into the live weights (one copy per push, no bucket)."""
+        return self.update == "in_place"
+
+    def receive_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """In place only: ``named`` (the sender's own tensors, a bucket's worth) copied into the live
+        weights, checked first as a bucket is."""
+        if self._staging is None:
+            raise WeightSyncError("receive_tensors() outside begin_update()/commit_update()", self._version)
+        if self.update != "in_place":
+            raise WeightSyncError("receive_tensors() lands in place only (rollout.local_update: in_place); a staged "
+                                  "update takes buckets", self._version)
+        for name, t in named:
+            self._check_tensor(name, t)
+        self._land_in_place(named)
+
+    def _land_in_place(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if tensors:  # from here on the live weights mix versions until the push commits
+            self._unknown_weights = f"the push of version {self._staging_version} did not complete"
+        with torch.no_grad():
+            if self._fuses():  # one launch for the lot; the sums stay on the device
+                slots = self._landing.copy([(self._views[name], t) for name, t in tensors])
+                self._landing_now.update(zip((n for n, _ in tensors), slots, strict=True))
+            else:
+                for name, t in tensors:
+                    self._views[name].copy_(t)
+            for name, _ in tensors:
+                self._staging[name] = self._views[name]  # landed: the live weight holds it
 
     def commit_update(self, version: int) -> None:
         if self._staging is None or self._staging_version != version:

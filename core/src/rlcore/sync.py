@@ -282,6 +282,10 @@ class SentChecksums:
                               f"to iter_buckets")
         self._named += zip(bucket.names, bucket.slots, strict=True)
 
+    def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Checksum tensors sent as they are, without a bucket (queued: nothing waits)."""
+        self._named += zip((n for n, _ in named), self.slots.checksum([t for _, t in named]), strict=True)
+
     def values(self) -> dict[str, int]:
         """``{name: checksum}`` of every recorded tensor (waits for the queued fills once)."""
         if not self._named:

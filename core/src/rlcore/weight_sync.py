@@ -1,4 +1,6 @@
-"""The built-in weight syncs: ``inproc`` (buckets straight into an in-process receiver) and
+"""The built-in weight syncs: ``inproc`` (buckets straight into an in-process receiver; a receiver
+that loads in place, ``lands_directly()``, takes the sender's tensors themselves, a bucket's worth
+at a time, so a push copies the bytes once) and
 ``disk`` (safetensors in HF names, then a reload). Both stream the engine's export through the
 core bucket builder and version every push. Verification (``details["level"]``, see
 :mod:`rlcore.sync`): ``coverage`` where the receiver has a ``weight_manifest()`` (every tensor it
@@ -63,6 +65,35 @@ class _Tally:
             self.ntensors += ntensors
             self.nbuckets += 1
 
+    def groups(self, weights: Iterable[tuple[str, torch.Tensor]],
+               bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The sender's own tensors, a bucket's worth at a time, for a receiver that copies them
+        straight into its weights (no bucket, no copy on this side); verifying, each group's
+        checksums are queued as it goes (read once, by :meth:`sent`)."""
+        if self.checksums is not None:
+            self.checksums.start()
+        group: list[tuple[str, torch.Tensor]] = []
+        nbytes = 0
+        for name, t in weights:
+            t = t.detach()
+            group.append((name, t))
+            nbytes += t.numel() * t.element_size()
+            if nbytes >= bucket_bytes:
+                yield from self._counted(group, nbytes)
+                group, nbytes = [], 0
+        if group:
+            yield from self._counted(group, nbytes)
+
+    def _counted(self, group: list[tuple[str, torch.Tensor]], nbytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        if self.checksums is not None:
+            with self.phases("sender_checksum"):
+                self.checksums.add(group)
+        self.shapes += [(n, tuple(t.shape)) for n, t in group]
+        yield group
+        self.nbytes += nbytes
+        self.ntensors += len(group)
+        self.nbuckets += 1
+
     def sent(self) -> dict[str, int] | None:
         """The sender's checksums (one read of the device slots), None when not verifying."""
         if self.checksums is None:
@@ -91,11 +122,19 @@ class InprocSync:
         tally = _Tally(phases, self._sent)
         with phases("control"):
             target.begin_update(version)
+        # a receiver that loads in place may take the tensors themselves: one copy per push, not two
+        direct = callable(getattr(target, "lands_directly", None)) and target.lands_directly()
         try:
-            for bucket in tally.buckets(weights, self.bucket_bytes):
-                with phases("copy"):
-                    target.receive_bucket(bucket)
-                del bucket  # the receiver copied it or keeps it: nothing here holds it
+            if direct:
+                for group in tally.groups(weights, self.bucket_bytes):
+                    with phases("copy"):
+                        target.receive_tensors(group)
+                    del group
+            else:
+                for bucket in tally.buckets(weights, self.bucket_bytes):
+                    with phases("copy"):
+                        target.receive_bucket(bucket)
+                    del bucket  # the receiver copied it or keeps it: nothing here holds it
             with phases("commit"):
                 target.commit_update(version)
         except Exception as exc:
@@ -106,7 +145,8 @@ class InprocSync:
             else:
                 where, now = f"the receiver stays on version {target.weight_version}", before
             raise WeightSyncError(
-                f"inproc push of version {version} failed after {tally.nbuckets} bucket(s): "
+                f"inproc push of version {version} failed after {tally.nbuckets} "
+                f"{'group(s) of tensors' if direct else 'bucket(s)'}: "
                 f"{type(exc).__name__}: {exc}; {where}",
                 receiver_version=now,
             ) from exc
@@ -115,7 +155,8 @@ class InprocSync:
             checked, level = check_after_push(target, tally.shapes, sent, version, "inproc")
         return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method="inproc",
-                          details={"level": level, "phases": dict(phases.seconds)})
+                          details={"level": level, "phases": dict(phases.seconds),
+                                   "landing": "direct" if direct else "buckets"})
 
     def close(self) -> None:
         pass
