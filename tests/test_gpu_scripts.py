@@ -103,3 +103,27 @@ def test_a_part_dies_with_the_script_that_runs_it(tmp_path):
     while alive(part) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(part), "the part outlived the script that ran it"
+
+
+def test_pip_target_returns_pips_status_not_its_filters(tmp_path):
+    """``pip_target`` (the offline install every GPU script makes) leaves pip's "already exists"
+    notices out, and returns pip's exit status: 0 when pip succeeded and printed nothing but such
+    notices (a filter's own status would be 1 there, and a script's ``pip_target ... && touch
+    MARKER`` under pipefail never wrote its marker), pip's failure when it failed. pip stands in
+    as a ``python3`` on PATH that prints and exits as told, so nothing is installed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "python3"
+    stub.write_text('#!/usr/bin/env bash\necho "$*" > args.txt\n'
+                    'echo "WARNING: Target directory /tmp/x/pkg already exists."\n'
+                    '[ -n "${STUB_ERROR:-}" ] && { echo "ERROR: no wheel"; exit 1; }\nexit 0\n')
+    stub.chmod(0o755)
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    script = 'set -o pipefail\npip_target --no-compile w.whl && echo "marker written"; echo "rc=$?"'
+    ok = run_lib(script, tmp_path, PATH=path, SITE=str(tmp_path / "site"))
+    assert ok.stdout.splitlines() == ["marker written", "rc=0"], ok.stdout + ok.stderr
+    args = (tmp_path / "args.txt").read_text().split()
+    assert args[:3] == ["-m", "pip", "install"] and {"--no-index", "--no-deps", "--upgrade"} <= set(args)
+    assert args[args.index("--target") + 1] == str(tmp_path / "site") and args[-2:] == ["--no-compile", "w.whl"]
+    failed = run_lib(script, tmp_path, PATH=path, STUB_ERROR="1")
+    assert failed.stdout.splitlines() == ["ERROR: no wheel", "rc=1"], failed.stdout + failed.stderr

@@ -11,6 +11,11 @@
 #                                and, once all arrived, reassembles and sha256-checks every wheel into
 #                                /tmp/carry. Prepare every call first: the machine keeps /tmp only
 #                                while it stays warm (~30 s after a call).
+#   pip_target PIP-ARGS...       offline install into SITE (default /tmp/site), nothing else touched:
+#                                `python3 -m pip install --no-index --no-deps --no-cache-dir --upgrade
+#                                --target SITE PIP-ARGS...` (wheels, or source trees with
+#                                --no-build-isolation), pip's "already exists" notices left out of its
+#                                output; returns pip's own exit status (not the filter's)
 #   stack_dump_site DIR          write DIR/sitecustomize.py: every Python process that has DIR on its
 #                                PYTHONPATH dumps all its threads' stacks (faulthandler) on SIGUSR1;
 #                                the caller puts DIR on PYTHONPATH (a part's processes inherit it)
@@ -95,6 +100,12 @@ STASH
   done
   rm -rf "$OUT/.split"
   du -sh "$OUT"/c[0-9]* | sed 's/^/[fetch] carry /' >&2
+}
+
+pip_target() {
+  python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-cache-dir --upgrade \
+    --target "${SITE:-/tmp/site}" "$@" 2>&1 | { grep -v "already exists" || true; }
+  return "${PIPESTATUS[0]}"
 }
 
 stack_dump_site() {

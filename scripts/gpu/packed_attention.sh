@@ -16,13 +16,14 @@ OUT="${OUT:-runs/gpu-packed-attention}"
 mkdir -p "$OUT"
 SITE="${SITE:-/tmp/site}"
 PARTS="${PARTS:-hf,megatron}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 if [ "${DEVICE:-cuda}" = cuda ]; then
+  PKGS=(./core)
   if [[ ",$PARTS," == *,megatron,* ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/megatron/*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" ./core ./plugins/megatron
-  else
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" ./core
+    pip_target --no-compile .whl/megatron/*.whl
+    PKGS+=(./plugins/megatron)
   fi
+  pip_target --no-build-isolation "${PKGS[@]}"
   export PYTHONPATH="$SITE"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/log.txt"
 fi

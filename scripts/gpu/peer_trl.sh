@@ -42,8 +42,7 @@ log() { echo "$*" | tee -a "$OUT/log.txt"; }
 t0=$(date +%s)
 cd "$ROOT" || exit 1
 
-pip_target() { python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-cache-dir --upgrade \
-  --target "$SITE" "$@" 2>&1 | grep -v "already exists" | tee -a "$OUT/log.txt"; }
+pip_logged() { pip_target "$@" > >(tee -a "$OUT/log.txt"); }  # lib.sh's, its output kept in the log
 PY="${PYTHON:-python3}"
 read -r -a OVR <<< "${OVERRIDES:-}"
 peer() { "$PY" "$HERE/peer_trl.py" --config "$CONFIG" "${OVR[@]/#/--override=}" "$@"; }
@@ -51,14 +50,14 @@ if [ -z "${NO_INSTALL:-}" ]; then
   if [ ! -f "$SITE/.two-gpu-ray-wheels" ]; then
     n=$(ls /tmp/carry/*.whl 2>/dev/null | wc -l)
     [ "$n" -ge 70 ] || { log "only $n tworay wheels in /tmp/carry: run .device-carry/tworay/cNN/stash.sh first"; exit 1; }
-    pip_target /tmp/carry/*.whl && touch "$SITE/.two-gpu-ray-wheels"
+    pip_logged /tmp/carry/*.whl && touch "$SITE/.two-gpu-ray-wheels"
   fi
   if [ ! -f "$SITE/.peer-trl-wheels" ]; then
     bash "$ROOT/.device-carry/peer_trl/stash.sh" | tee -a "$OUT/log.txt" || exit 1
-    pip_target /tmp/carry-peer-trl/*.whl && touch "$SITE/.peer-trl-wheels"
+    pip_logged /tmp/carry-peer-trl/*.whl && touch "$SITE/.peer-trl-wheels"
   fi
   # every plugin one_gpu_vllm.sh puts in SITE, from this tree: none left from another commit
-  pip_target --no-build-isolation ./core ./plugins/vllm ./plugins/fused ./plugins/ray ./plugins/megatron \
+  pip_logged --no-build-isolation ./core ./plugins/vllm ./plugins/fused ./plugins/ray ./plugins/megatron \
     ./plugins/replay ./plugins/mtp
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi

@@ -13,13 +13,14 @@ OUT="${OUT:-runs/gpu-profile-phases}"
 mkdir -p "$OUT"
 SITE="${SITE:-/tmp/site}"
 PARTS="${PARTS:-hf,fused}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 if [ "${DEVICE:-cuda}" = cuda ]; then
   PKGS=(./core ./plugins/fused)
   if [[ ",$PARTS," == *,megatron,* ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/megatron/*.whl
+    pip_target --no-compile .whl/megatron/*.whl
     PKGS+=(./plugins/megatron)
   fi
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" "${PKGS[@]}"
+  pip_target --no-build-isolation "${PKGS[@]}"
   export PYTHONPATH="$SITE"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/log.txt"
 fi
