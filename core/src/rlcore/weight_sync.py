@@ -57,13 +57,8 @@ class _Tally:
                 return
             if self.checksums is not None:
                 self.checksums.record(bucket)
-            self.shapes += [(m.name, m.shape) for m in bucket.metas]
-            nbytes, ntensors = bucket.nbytes, len(bucket.metas)
-            yield bucket
+            yield from self._counted(bucket, [(m.name, m.shape) for m in bucket.metas], bucket.nbytes)
             del bucket  # not held while the next one fills (peak: the open bucket and the one received)
-            self.nbytes += nbytes
-            self.ntensors += ntensors
-            self.nbuckets += 1
 
     def groups(self, weights: Iterable[tuple[str, torch.Tensor]],
                bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -79,19 +74,23 @@ class _Tally:
             group.append((name, t))
             nbytes += t.numel() * t.element_size()
             if nbytes >= bucket_bytes:
-                yield from self._counted(group, nbytes)
+                yield from self._sent_group(group, nbytes)
                 group, nbytes = [], 0
         if group:
-            yield from self._counted(group, nbytes)
+            yield from self._sent_group(group, nbytes)
 
-    def _counted(self, group: list[tuple[str, torch.Tensor]], nbytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _sent_group(self, group: list[tuple[str, torch.Tensor]], nbytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         if self.checksums is not None:
             with self.phases("sender_checksum"):
                 self.checksums.add(group)
-        self.shapes += [(n, tuple(t.shape)) for n, t in group]
-        yield group
+        yield from self._counted(group, [(n, tuple(t.shape)) for n, t in group], nbytes)
+
+    def _counted(self, item: Any, shapes: list[tuple[str, tuple[int, ...]]], nbytes: int) -> Iterator[Any]:
+        """``item`` (a bucket or a group of tensors), counted once the receiver has taken it."""
+        self.shapes += shapes
+        yield item
         self.nbytes += nbytes
-        self.ntensors += len(group)
+        self.ntensors += len(shapes)
         self.nbuckets += 1
 
     def sent(self) -> dict[str, int] | None:
