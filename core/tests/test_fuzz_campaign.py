@@ -355,7 +355,7 @@ def valid_documents(draw) -> dict[str, Any]:
     put(e + "tool_format", st.sampled_from(["words", "hermes"]))
     put(e + "observation_prefix", st.sampled_from(["result", "", "tool says"]))
     for k, strategy in (("cpu_seconds", st.integers(1, 10)), ("memory_mb", st.integers(64, 1024)),
-                        ("max_processes", st.integers(1, 16)), ("output_bytes", st.integers(1, 1 << 16))):
+                        ("scratch_mb", st.integers(1, 64)), ("output_bytes", st.integers(1, 1 << 16))):
         put(e + "code." + k, strategy)
     put(e + "code.wall_seconds", st.floats(0.1, 30.0))
     put(e + "tool_timeout_seconds", st.floats(0.1, 60.0))

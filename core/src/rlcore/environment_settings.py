@@ -14,8 +14,8 @@ names the key it refuses.
   names the tool, the rest is its argument; ``hermes``: ``<tool_call>{"name": ..., "arguments":
   ...}</tool_call>``), ``observation_prefix`` (the words before a tool's output).
 * ``code``: the code-execution tool ``python`` (:mod:`rlcore.environments.sandbox`), off unless
-  ``enable``: CPU seconds, memory, wall-clock seconds, ``max_processes`` (RLIMIT_NPROC: the
-  child's threads, where it holds: not for root; new processes are refused anyway), output bytes.
+  ``enable``: CPU seconds, memory, wall-clock seconds, output bytes, ``scratch_mb`` (each tmpfs the
+  code may write). New processes are refused (one process, threads allowed, bounded by memory).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ class CodeToolConfig:
     cpu_seconds: int = 2
     memory_mb: int = 256
     wall_seconds: float = 5.0
-    max_processes: int = 8
     output_bytes: int = 4096
+    #: the size of each tmpfs the code may write (its working directory /tmp and /dev/shm)
+    scratch_mb: int = 16
 
 
 @dataclass
@@ -69,7 +70,7 @@ def check_environment(cfg: Any) -> None:
                 "environment.observation_tokens": env.observation_tokens,
                 "environment.code.cpu_seconds": env.code.cpu_seconds, "environment.code.memory_mb": env.code.memory_mb,
                 "environment.code.wall_seconds": env.code.wall_seconds,
-                "environment.code.max_processes": env.code.max_processes,
+                "environment.code.scratch_mb": env.code.scratch_mb,
                 "environment.code.output_bytes": env.code.output_bytes}
     for key, val in positive.items():
         if not val > 0:

@@ -1,35 +1,48 @@
-"""The code-execution tool ``python``: the model's code in a separate, limited process (off
-unless ``environment.code.enable``; limits under ``environment.code``).
+"""The code-execution tool ``python``: the model's code in a fenced, limited process (off unless
+``environment.code.enable``; limits under ``environment.code``).
 
-Each call starts a fresh ``python -I`` child in a new session (so its whole process group can be
-killed) with a scratch directory of its own as working directory; before the model's code runs,
-the child (:data:`CHILD`, a self-contained prelude: nothing of rlcore is imported there) fences
-itself in:
+Each call runs a fresh ``python -I`` under `bubblewrap <https://github.com/containers/bubblewrap>`_
+(``bwrap``, Debian's ``bubblewrap`` package), the sandbox Flatpak builds on. The fence holds by
+construction, not by a list of what the code may not touch:
 
-* **network**: a new, empty network namespace (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``), where
-  the kernel allows unprivileged user namespaces; and, with Landlock ABI >= 4, TCP bind and
-  connect refused.
-* **filesystem**: Landlock (Linux >= 5.13) allows writes only under the scratch directory;
-  reading stays allowed (the interpreter reads its standard library).
-* **processes**: a seccomp filter (x86_64 and aarch64) refuses ``fork``, ``vfork`` and a
-  ``clone`` that is not a thread (``EAGAIN``; ``clone3``: ``ENOSYS``, so libc falls back to
-  ``clone``): the code runs in one process, threads allowed. ``RLIMIT_NPROC`` bounds its threads
-  too, but not where the child runs as root (a container): root ignores it.
-* **resources** (``setrlimit``, set first, so a new user namespace inherits them): CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``),
-  processes (``RLIMIT_NPROC``: a fork bomb gets ``EAGAIN``), file size (``RLIMIT_FSIZE``: stdout
-  and stderr go to a file in the scratch directory, so a huge output stops at
-  ``output_bytes``), open files.
-* **wall clock**: the parent kills the child's process group at ``wall_seconds``.
+* **namespaces**: new user, PID, IPC, network, mount, UTS and cgroup namespaces. Inside, the code
+  is ``nobody`` (uid 65534) with no capabilities and ``no_new_privs``; it sees only its own
+  processes (none of the trainer's can be signalled, reniced or traced), has no network
+  interface but a down ``lo``, and its System V IPC objects die with the namespace.
+* **filesystem view**: only ``/usr`` (with the ``/bin``, ``/lib`` links), the interpreter's
+  prefix and its venv, all read-only; ``/proc`` of its own PID namespace, a minimal ``/dev``;
+  the working directory ``/tmp`` and ``/dev/shm`` are size-limited tmpfs (``scratch_mb`` each)
+  that vanish with the mount namespace. Nothing else of the machine exists in there: reads are
+  fenced like writes.
+* **seccomp** (compiled by libseccomp through ``pyseccomp``, loaded by bwrap before the exec):
+  every socket (``socket``, ``socketpair``: no family at all, filesystem sockets included),
+  metadata changes (``chmod``, ``chown``, ``utime*``, extended attributes, ``mknod``: a device
+  node bound into ``/dev`` belongs to the host), ``ptrace`` and cross-process memory, System V
+  IPC, io_uring, keyrings, BPF, perf events, ``userfaultfd``, mounts and namespaces are refused
+  (``EPERM``); ``fork``, ``vfork`` and a ``clone`` that is not a thread get ``EAGAIN`` and
+  ``clone3`` ``ENOSYS`` (libc then falls back to ``clone``): one process, threads allowed.
+* **resources** (``setrlimit`` in the prelude, before the code is read): CPU seconds, address
+  space, the size of any file written (the output included), open files, no core dumps.
+* **wall clock and reaping**: the parent kills bwrap's process group at ``wall_seconds``
+  (``--die-with-parent`` takes the namespace's init along, and with it every process inside),
+  then waits on a pidfd until the namespace's init is gone: nothing of a call outlives it.
+* **output**: stdout and stderr go to an anonymous file the parent opened before the code ran
+  (``O_TMPFILE``: no path the code could replace with a link or a FIFO); the parent reads its own
+  descriptor. The prelude reports the layers it verified from inside (namespace ids against the
+  parent's, ``Seccomp: 2``, ``CapEff: 0``, ``NoNewPrivs: 1``, the root directory's listing) on a
+  pipe it closes before the code runs, so the code cannot forge or erase the report.
 
-Where the kernel refuses a namespace or Landlock, the child runs without that fence and
-:func:`isolation` (and each result's ``isolation`` line) says so: nothing is claimed that does
-not hold. The scratch directory is removed after each call.
+bwrap and libseccomp are required, never optional: without them (or where the kernel refuses
+user namespaces) :func:`require_sandbox` raises a :class:`~rlcore.errors.ConfigError` naming
+``environment.code.enable`` and the install line, and the tool is not built.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -41,81 +54,64 @@ from functools import lru_cache
 from typing import Any
 
 from rlcore.environments.tools import Tool
+from rlcore.errors import ConfigError
 
-#: the child's prelude: fences (network, filesystem, resources), then the model's code from stdin
+#: the layers every call must report from inside, in this order
+LAYERS = ("userns", "pidns", "ipcns", "netns", "mntns", "utsns", "fsview", "seccomp", "nocaps", "nnp", "rlimits")
+_NAMESPACES = ("user", "pid", "ipc", "net", "mnt", "uts")
+INSTALL = "apt-get install bubblewrap (Debian/Ubuntu; dnf install bubblewrap on Fedora)"
+SANDBOX_UID = 65534  # nobody
+
+#: refused with EPERM: what the code never needs and what could reach outside its namespaces
+REFUSED = (
+    "socket", "socketpair",
+    "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat",
+    "utime", "utimes", "utimensat", "futimesat",
+    "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
+    "setxattrat", "removexattrat", "mknod", "mknodat",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "process_madvise",
+    "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "semget", "semop", "semtimedop",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "fsopen", "fsmount", "fsconfig",
+    "move_mount", "open_tree", "mount_setattr", "open_by_handle_at", "name_to_handle_at",
+    "fanotify_init", "setpriority", "ioprio_set", "sched_setaffinity", "sched_setscheduler",
+    "sched_setattr", "sched_setparam", "migrate_pages", "move_pages",
+)
+CLONE_THREAD = 0x00010000
+
+#: the prelude run inside the sandbox: limits, the layer report, then the model's code from stdin
 CHILD = r'''
-import ctypes, json, os, resource, sys
+import json, os, resource, sys
 limits = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-fences = []
-import platform  # processes: a seccomp filter refuses fork, vfork, clone3 and a clone that is not a thread
-arch = {"x86_64": (0xC000003E, {57, 58}, 56), "aarch64": (0xC00000B7, set(), 220)}.get(platform.machine())
-if arch is not None:
-    audit, forks, clone = arch
-    ALLOW, KILL = 0x7FFF0000, 0x80000000
-    ERRNO = lambda e: 0x00050000 | e  # noqa: E731
-    prog = [(0x20, 0, 0, 4), (0x15, 1, 0, audit), (0x06, 0, 0, KILL), (0x20, 0, 0, 0),
-            (0x35, 0, 1, 0x40000000), (0x06, 0, 0, KILL)]  # another ABI's numbers (x32): killed
-    for nr in sorted(forks):
-        prog += [(0x15, 0, 1, nr), (0x06, 0, 0, ERRNO(11))]
-    prog += [(0x15, 0, 1, 435), (0x06, 0, 0, ERRNO(38)),  # clone3: ENOSYS (its flags are out of reach)
-             (0x15, 0, 3, clone), (0x20, 0, 0, 16), (0x45, 1, 0, 0x10000), (0x06, 0, 0, ERRNO(11)),
-             (0x06, 0, 0, ALLOW)]
-
-    class Insn(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
-
-    class Prog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Insn))]
-
-    insns = (Insn * len(prog))(*[Insn(*i) for i in prog])
-    if libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(Prog(len(prog), insns)), 0, 0) == 0:
-        fences.append("nofork")
-# before the new user namespace, which inherits the RLIMIT_NPROC its creator had
-for name, value in (("RLIMIT_CPU", limits["cpu"]), ("RLIMIT_AS", limits["memory"]), ("RLIMIT_NPROC", limits["nproc"]),
-                    ("RLIMIT_FSIZE", limits["fsize"]), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)):
+for name, value in (("RLIMIT_CPU", limits["cpu"]), ("RLIMIT_AS", limits["memory"]), ("RLIMIT_FSIZE", limits["fsize"]),
+                    ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)):
     resource.setrlimit(getattr(resource, name), (value, value))
-if libc.unshare(0x10000000 | 0x40000000) == 0:  # CLONE_NEWUSER | CLONE_NEWNET: no interfaces but lo (down)
-    fences.append("netns")
-
-class Ruleset(ctypes.Structure):
-    _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64)]
-
-class Beneath(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
-
-libc.syscall.restype = ctypes.c_long
-abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # landlock_create_ruleset: ABI version
-if abi >= 1:
-    write = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))  # write, remove, make anything
-    write |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # refer, truncate
-    net = 0b11 if abi >= 4 else 0  # TCP bind and connect
-    attr = Ruleset(write, net)
-    size = ctypes.sizeof(Ruleset) if net else 8
-    rfd = libc.syscall(444, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    dfd = os.open(limits["scratch"], os.O_PATH | os.O_DIRECTORY)
-    rule = Beneath(write, dfd)
-    ok = rfd >= 0 and libc.syscall(445, rfd, 1, ctypes.byref(rule), ctypes.c_uint32(0)) == 0
-    ok = ok and libc.prctl(38, 1, 0, 0, 0) == 0 and libc.syscall(446, rfd, ctypes.c_uint32(0)) == 0
-    os.close(dfd)
-    if ok:
-        fences.append("landlock" + ("+tcp" if net else ""))
-os.chdir(limits["scratch"])
-print("\x00fences:" + ",".join(fences), file=sys.stderr, flush=True)
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+layers = [kind + "ns" for kind, host in limits["host_ns"].items() if os.readlink("/proc/self/ns/" + kind) != host]
+if sorted(os.listdir("/")) == sorted(limits["visible"]):
+    layers.append("fsview")
+if status.get("Seccomp", "").strip() == "2":
+    layers.append("seccomp")
+if int(status.get("CapEff", "1").strip(), 16) == 0:
+    layers.append("nocaps")
+if status.get("NoNewPrivs", "").strip() == "1":
+    layers.append("nnp")
+layers.append("rlimits")
+os.write(limits["report_fd"], json.dumps(layers).encode())
+os.close(limits["report_fd"])
 code = sys.stdin.read()
-del ctypes, json, libc, limits, resource
+del json, limits, resource, status, layers
 exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
 '''
-
-_FENCES = "\x00fences:"
 
 
 @dataclass
 class RunResult:
     """One run of the model's code: ``output`` (stdout and stderr, at most ``output_bytes``),
     ``exit`` (the return code; negative: killed by that signal), ``timed_out`` (killed at the
-    wall-clock limit), ``isolation`` (the fences that held, e.g. ``netns,landlock+tcp``)."""
+    wall-clock limit), ``isolation`` (the layers verified from inside, comma-separated; see
+    :data:`LAYERS`)."""
 
     output: str
     exit: int
@@ -124,20 +120,109 @@ class RunResult:
     seconds: float
 
 
+def bwrap_path() -> str | None:
+    """bubblewrap's executable: on ``PATH``, else Debian's ``/usr/bin/bwrap``."""
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    return "/usr/bin/bwrap" if os.access("/usr/bin/bwrap", os.X_OK) else None
+
+
+@lru_cache(maxsize=1)
+def seccomp_program() -> bytes:
+    """The seccomp filter as a BPF program (libseccomp compiles it; bwrap loads it): see :data:`REFUSED`."""
+    import pyseccomp as seccomp  # imported here: it loads the system's libseccomp.so.2 at import
+
+    program = seccomp.SyscallFilter(seccomp.ALLOW)
+    arch = seccomp.system_arch()
+
+    def refuse(action: int, name: str, *args: Any) -> None:
+        try:
+            seccomp.resolve_syscall(arch, name)
+        except Exception:  # noqa: BLE001 - a call this kernel's ABI (or libseccomp) does not know is no way out
+            return
+        if seccomp.resolve_syscall(arch, name) < 0:
+            return
+        program.add_rule(action, name, *args)
+
+    for name in REFUSED:
+        refuse(seccomp.ERRNO(errno.EPERM), name)
+    for name in ("fork", "vfork"):
+        refuse(seccomp.ERRNO(errno.EAGAIN), name)
+    refuse(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    refuse(seccomp.ERRNO(errno.EAGAIN), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
+    with tempfile.TemporaryFile() as f:
+        program.export_bpf(f)
+        f.seek(0)
+        return f.read()
+
+
+def _host_namespaces() -> dict[str, str]:
+    return {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in _NAMESPACES}
+
+
+def _filesystem_view() -> tuple[list[str], list[str]]:
+    """bwrap's arguments for the read-only view, and the names ``/`` holds inside."""
+    args: list[str] = []
+    visible = {"usr", "proc", "dev", "tmp"}
+    args += ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+        else:
+            continue
+        visible.add(top[1:])
+    for prefix in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
+        if prefix != "/usr" and not prefix.startswith("/usr/"):
+            args += ["--ro-bind", prefix, prefix]
+            visible.add(prefix.strip("/").split("/")[0])
+    return args, sorted(visible)
+
+
+def _command(limits: dict[str, Any], seccomp_fd: int, status_fd: int, scratch_bytes: int) -> list[str]:
+    view, _ = _filesystem_view()
+    return [bwrap_path() or "bwrap",
+            "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+            "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--cap-drop", "ALL", "--as-pid-1", "--die-with-parent", "--new-session", "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/tmp",
+            *view, "--proc", "/proc", "--dev", "/dev",
+            "--size", str(scratch_bytes), "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", str(scratch_bytes), "--tmpfs", "/dev/shm",
+            "--chdir", "/tmp", "--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd),
+            "--", sys.executable, "-I", "-c", CHILD, json.dumps(limits)]
+
+
 def run_code(code: str, *, cpu_seconds: int = 2, memory_mb: int = 256, wall_seconds: float = 5.0,
-             max_processes: int = 8, output_bytes: int = 4096) -> RunResult:
-    """Run ``code`` in a fenced child (see the module docstring); never raises for what the code does."""
-    scratch = tempfile.mkdtemp(prefix="rlcore-code-")
-    out_path = os.path.join(scratch, ".output")
-    limits = {"scratch": scratch, "cpu": int(cpu_seconds), "memory": int(memory_mb) << 20,
-              "nproc": int(max_processes), "fsize": int(output_bytes) + len(_FENCES) + 64}
+             output_bytes: int = 4096, scratch_mb: int = 16) -> RunResult:
+    """Run ``code`` in the sandbox (see the module docstring); never raises for what the code does.
+
+    Raises :class:`~rlcore.errors.ConfigError` when the sandbox itself is missing (no bwrap)."""
+    if bwrap_path() is None:
+        raise ConfigError(f"environment.code.enable: the python tool runs code only inside bubblewrap, which is not "
+                          f"installed here: {INSTALL}", key="environment.code.enable")
+    report_r, report_w = os.pipe()
+    status_r, status_w = os.pipe()
+    _, visible = _filesystem_view()
+    limits = {"cpu": int(cpu_seconds), "memory": int(memory_mb) << 20, "fsize": int(output_bytes) + 1,
+              "report_fd": report_w, "host_ns": _host_namespaces(), "visible": visible}
     t0 = time.perf_counter()
-    try:
-        with open(out_path, "wb") as out:
-            child = subprocess.Popen([sys.executable, "-I", "-c", CHILD, json.dumps(limits)], stdin=subprocess.PIPE,
-                                     stdout=out, stderr=out, cwd=scratch, start_new_session=True,
-                                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
-            timed_out = False
+    timed_out = False
+    init_pid = None
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as program:
+        program.write(seccomp_program())
+        program.flush()
+        program.seek(0)
+        try:
+            child = subprocess.Popen(_command(limits, program.fileno(), status_w, int(scratch_mb) << 20),
+                                     stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True,
+                                     pass_fds=(report_w, status_w, program.fileno()), env={"PATH": "/usr/bin:/bin"})
+        finally:
+            os.close(report_w)
+            os.close(status_w)
+        try:
             try:
                 child.stdin.write(code.encode("utf-8", "replace"))  # type: ignore[union-attr]
                 child.stdin.close()  # type: ignore[union-attr]
@@ -147,19 +232,64 @@ def run_code(code: str, *, cpu_seconds: int = 2, memory_mb: int = 256, wall_seco
                 child.wait(timeout=wall_seconds)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            _kill_group(child.pid)  # whatever the code left running (a fork bomb's survivors) goes too
+        finally:
+            _kill_group(child.pid)  # bwrap and the namespace's init: --die-with-parent takes the rest
             child.wait()
-        with open(out_path, "rb") as f:
-            raw = f.read(limits["fsize"])
+            status = _read_available(status_r)
+            os.close(status_r)
+            init_pid = _init_pid(status)
+            if init_pid is not None:
+                _reap_namespace(init_pid)
+            report = _read_available(report_r)
+            os.close(report_r)
+        raw = os.pread(out.fileno(), int(output_bytes), 0)
+    rc = child.returncode
+    if rc > 128 and rc - 128 < signal.NSIG:  # bwrap exits 128 + n for a child killed by signal n
+        rc = -(rc - 128)
+    if timed_out:
+        rc = -signal.SIGKILL
+    try:
+        isolation = ",".join(json.loads(report.decode() or "[]"))
+    except ValueError:
+        isolation = ""
+    return RunResult(raw.decode("utf-8", "replace"), rc, timed_out, isolation, time.perf_counter() - t0)
+
+
+def _read_available(fd: int) -> bytes:
+    """What a pipe holds now, without waiting for writers that may still hold it open."""
+    chunks = []
+    while select.select([fd], [], [], 0)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _init_pid(status: bytes) -> int | None:
+    for line in status.decode(errors="replace").splitlines():
+        try:
+            pid = json.loads(line).get("child-pid")
+        except ValueError:
+            continue
+        if pid:
+            return int(pid)
+    return None
+
+
+def _reap_namespace(init_pid: int, timeout: float = 5.0) -> None:
+    """Wait until the PID namespace's init (and so every process in the namespace) is gone."""
+    try:
+        pidfd = os.pidfd_open(init_pid)
+    except ProcessLookupError:
+        return
+    try:
+        if not select.select([pidfd], [], [], timeout / 2)[0]:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            if not select.select([pidfd], [], [], timeout / 2)[0]:
+                raise RuntimeError(f"the sandbox's PID namespace (init pid {init_pid}) outlived its kill")
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    text = raw.decode("utf-8", "replace")
-    isolation = ""
-    if _FENCES in text:
-        head, _, rest = text.partition(_FENCES)
-        isolation, _, tail = rest.partition("\n")
-        text = head + tail
-    return RunResult(text[:output_bytes], child.returncode, timed_out, isolation, time.perf_counter() - t0)
+        os.close(pidfd)
 
 
 def _kill_group(pid: int) -> None:
@@ -171,9 +301,39 @@ def _kill_group(pid: int) -> None:
 
 @lru_cache(maxsize=1)
 def isolation() -> str:
-    """The fences a child gets on this machine (``netns``, ``landlock`` or ``landlock+tcp``), by
-    running one: what the docs and a run's notes may claim."""
-    return run_code("pass").isolation
+    """The layers a call gets on this machine, verified from inside by running one (see
+    :data:`LAYERS`); ``""`` where bwrap is missing or cannot start."""
+    try:
+        return run_code("pass").isolation
+    except ConfigError:
+        return ""
+
+
+def require_sandbox() -> str:
+    """Every layer of :data:`LAYERS`, or a :class:`~rlcore.errors.ConfigError` naming what is missing."""
+    if bwrap_path() is None:
+        raise ConfigError(f"environment.code.enable: the python tool runs code only inside bubblewrap, which is not "
+                          f"installed here: {INSTALL}", key="environment.code.enable")
+    return _probe()
+
+
+@lru_cache(maxsize=1)
+def _probe() -> str:
+    try:
+        seccomp_program()
+    except (ImportError, OSError) as err:
+        raise ConfigError(f"environment.code.enable: the python tool's seccomp filter needs libseccomp "
+                          f"(pip install pyseccomp; apt-get install libseccomp2): {err}",
+                          key="environment.code.enable") from err
+    probe = run_code("print('ok')")
+    held = set(probe.isolation.split(",")) if probe.isolation else set()
+    missing = [layer for layer in LAYERS if layer not in held]
+    if missing or probe.output.strip() != "ok":
+        raise ConfigError(f"environment.code.enable: the python tool's sandbox does not hold on this machine "
+                          f"(missing: {', '.join(missing) or 'none'}; bwrap said: {probe.output.strip()[:200]!r}); "
+                          f"bubblewrap needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+                          f"or an AppArmor profile for bwrap)", key="environment.code.enable")
+    return probe.isolation
 
 
 def describe(result: RunResult, limits: Any) -> str:
@@ -189,11 +349,12 @@ def describe(result: RunResult, limits: Any) -> str:
 
 def python_tool(limits: Any) -> Tool:
     """The ``python`` tool with ``environment.code``'s ``limits``: runs its argument as a Python
-    program and answers with what it printed."""
+    program and answers with what it printed. Refuses to build where the sandbox does not hold."""
+    require_sandbox()
 
     def run(code: str) -> str:
         return describe(run_code(code, cpu_seconds=limits.cpu_seconds, memory_mb=limits.memory_mb,
-                                 wall_seconds=limits.wall_seconds, max_processes=limits.max_processes,
-                                 output_bytes=limits.output_bytes), limits)
+                                 wall_seconds=limits.wall_seconds, output_bytes=limits.output_bytes,
+                                 scratch_mb=getattr(limits, "scratch_mb", 16)), limits)
 
     return Tool("python", run, "runs a Python program in a sandbox; answers with its output")
