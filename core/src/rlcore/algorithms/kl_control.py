@@ -9,6 +9,12 @@ estimate (``algorithm.kl_estimator``) between the policy that sampled (the recom
 log-probs) and the reference, ``n`` the step's number of samples (verl passes its batch size).
 β applies to the KL term wherever ``algorithm.kl_in`` puts it (verl adapts only the KL in the
 reward). It is checkpointed, so a resumed run continues with the β it had.
+
+Which sequences the mean is over differs from verl on purpose: only those with loss tokens
+(verl's ``masked_mean(..., axis=-1)`` then ``mean`` over every row counts an empty or fully
+masked response as KL 0, so masking samples, e.g. DAPO's overlong filter, would read as a smaller
+KL and shrink β); a step with no loss token at all measures nothing and leaves β unchanged
+(verl: KL 0, β shrinks).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ class KLControl:
 
     def step_end(self, objective: TokenObjective, batch: Any) -> tuple[TokenObjective, dict[str, float]]:
         """After the step's updates: measure KL on ``batch``, adapt β, and return the objective for
-        the next step with the metrics ``kl_control/kl`` and ``kl_control/beta`` (none when fixed)."""
+        the next step with the metrics ``kl_control/kl`` and ``kl_control/beta`` (none when fixed;
+        no ``kl_control/kl`` and β unchanged on a step without loss tokens)."""
         if not self.adaptive:
             return objective, {}
         with torch.no_grad():
@@ -61,7 +68,9 @@ class KLControl:
             m = mask.to(kl.dtype)
             per_seq = batch.seq_sum(torch.where(mask, kl, torch.zeros_like(kl))) / batch.seq_sum(m).clamp_min(1.0)
             has = batch.seq_sum(m) > 0
-            measured = float(per_seq[has].mean()) if bool(has.any()) else 0.0
+            if not bool(has.any()):  # nothing measured: no evidence to move β on
+                return self.objective(objective), {"kl_control/beta": self.beta}
+            measured = float(per_seq[has].mean())
         self.update(measured, batch.num_seqs)
         return self.objective(objective), {"kl_control/kl": measured, "kl_control/beta": self.beta}
 

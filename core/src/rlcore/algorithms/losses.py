@@ -13,10 +13,26 @@ import torch
 
 from rlcore.algorithms.spec import KL_ESTIMATORS, PolicyLoss, TokenInputs, TokenLoss
 
+#: ``|logp − old|`` is clamped to this many nats before ``exp`` in every loss's token ratio
+#: (verl's bound in PPO-clip, CISPO, SAPO and DPPO; rlcore applies it to every ratio, see
+#: docs/algorithms.md): past it the ratio is constant, its gradient 0, and ``e^20·|A|`` bounds
+#: the term in float32 and bfloat16 alike (a rollout log-prob of −100 or −inf stays finite)
+LOG_RATIO_BOUND = 20.0
+#: GSPO's sequence log-ratio is clamped above at this (verl's ``compute_policy_loss_gspo``)
+SEQ_LOG_RATIO_MAX = 10.0
+
 
 def _log_ratio(logprobs: torch.Tensor, x: TokenInputs) -> torch.Tensor:
     old = x.old_logprobs.to(logprobs.device, logprobs.dtype)
     return torch.where(x.mask, logprobs - old, torch.zeros_like(logprobs))
+
+
+def bounded_log_ratio(logprobs: torch.Tensor, x: TokenInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``clamp(logp − old, ±LOG_RATIO_BOUND)`` on loss tokens (0 elsewhere), differentiable, and
+    where it is inside the bound (bool: its derivative w.r.t. ``logp`` is 1 there, 0 elsewhere,
+    as autograd through the clamp gives; a NaN or infinite log-ratio is outside)."""
+    raw = _log_ratio(logprobs, x)
+    return raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), raw.abs() <= LOG_RATIO_BOUND
 
 
 def _clip_branch(adv: torch.Tensor, ratio: torch.Tensor, low: float, high: float, ratio_c: float):
@@ -43,7 +59,8 @@ class PPOClip:
 
     ``pg_t = max(−A·r, −A·clip(r, 1−ε_l, 1+ε_h))``, and for ``A < 0`` with dual-clip
     ``pg_t = min(pg_t, −A·c)``. ``∂pg_t/∂logp_t = −A·r`` where the unclipped branch is active,
-    else 0.
+    else 0. ``r`` is taken from the log-ratio clamped to ±:data:`LOG_RATIO_BOUND` (verl's), so
+    without dual-clip the term is at most ``|A|·e^20`` and its gradient 0 past the clamp.
 
     Sources: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (L^CLIP);
     asymmetric ranges ("clip-higher"): Yu et al. 2025, "DAPO", eq. 10; dual-clip: Ye et al.
@@ -58,18 +75,19 @@ class PPOClip:
 
     def value(self, logprobs, x, seq_log_ratio=None):
         adv = x.advantages.to(logprobs.device, logprobs.dtype)
-        ratio = torch.exp(_log_ratio(logprobs, x))
+        ratio = torch.exp(bounded_log_ratio(logprobs, x)[0])
         return _clip_branch(adv, ratio, self.clip_low, self.clip_high, self.clip_ratio_c)[0]
 
     def grad(self, logprobs, x, seq_log_ratio=None):
         adv = x.advantages.to(logprobs.device, logprobs.dtype)
-        ratio = torch.exp(_log_ratio(logprobs, x))
+        log_ratio, inside = bounded_log_ratio(logprobs, x)
+        ratio = torch.exp(log_ratio)
         pg, _, flows, _ = _clip_branch(adv, ratio, self.clip_low, self.clip_high, self.clip_ratio_c)
-        return pg, torch.where(flows & x.mask, -adv * ratio, torch.zeros_like(ratio))
+        return pg, torch.where(flows & inside & x.mask, -adv * ratio, torch.zeros_like(ratio))
 
     def metrics(self, logprobs, x, seq_log_ratio=None):
         adv = x.advantages.to(logprobs.device, logprobs.dtype)
-        log_ratio = _log_ratio(logprobs, x)
+        log_ratio = bounded_log_ratio(logprobs, x)[0]
         ratio = torch.exp(log_ratio)
         _, clipped, _, dual = _clip_branch(adv, ratio, self.clip_low, self.clip_high, self.clip_ratio_c)
         out = {
@@ -90,7 +108,8 @@ class GSPO:
     sequence ``i`` is ``max(−A·s_i, −A·clip(s_i, 1−ε_l, 1+ε_h))`` and
     ``∂pg_t/∂logp_t = −A·s_i`` where unclipped, else 0. With ``seq-mean-token-mean``
     aggregation and one advantage per sequence this is exactly the gradient of the sequence
-    objective ``(1/G)·Σ_i max(−A_i·s_i, −A_i·clip(s_i))``.
+    objective ``(1/G)·Σ_i max(−A_i·s_i, −A_i·clip(s_i))``. ``log s_i`` is clamped above at
+    :data:`SEQ_LOG_RATIO_MAX` (verl's), past which the derivative is 0.
 
     Source: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071), eqs. 5-7
     (GSPO) and 11-13 (GSPO-token); clip ranges there are 3e-4 / 4e-4.
@@ -100,12 +119,21 @@ class GSPO:
     clip_high: float = 4e-4
     sequence_level: bool = True
 
-    def _seq_ratio(self, logprobs, x, seq_log_ratio):
+    @staticmethod
+    def _srl(logprobs, x, seq_log_ratio):
         if seq_log_ratio is None:
             raise ValueError("GSPO is a sequence-level loss: seq_log_ratio (the sequence's mean log-ratio) is required")
-        srl = seq_log_ratio.to(logprobs.device, logprobs.dtype)
-        # value s_i, derivative w.r.t. logp_t equal to s_i (GSPO-token's stop-gradient form)
-        return torch.exp(srl.detach() + logprobs - logprobs.detach())
+        # masked tokens (and a sequence without loss tokens) carry no ratio: 0, never garbage
+        srl = seq_log_ratio.to(logprobs.device, logprobs.dtype).detach()
+        return torch.where(x.mask, srl, torch.zeros_like(srl))
+
+    def _seq_ratio(self, logprobs, x, seq_log_ratio):
+        # value s_i, derivative w.r.t. logp_t equal to s_i (GSPO-token's stop-gradient form); the
+        # log-ratio clamped above at SEQ_LOG_RATIO_MAX (verl's), past which the derivative is 0;
+        # (lp − sg[lp]) is exactly 0, so the value is s_i to the bit in any dtype (srl + lp − lp
+        # would round at |lp|'s scale: 0.125 nats in bfloat16 at lp = −50)
+        lp = torch.where(x.mask, logprobs, torch.zeros_like(logprobs))
+        return torch.exp((self._srl(logprobs, x, seq_log_ratio) + (lp - lp.detach())).clamp(max=SEQ_LOG_RATIO_MAX))
 
     def value(self, logprobs, x, seq_log_ratio=None):
         adv = x.advantages.to(logprobs.device, logprobs.dtype)
@@ -113,17 +141,18 @@ class GSPO:
 
     def grad(self, logprobs, x, seq_log_ratio=None):
         adv = x.advantages.to(logprobs.device, logprobs.dtype)
-        s = torch.exp(seq_log_ratio.to(logprobs.device, logprobs.dtype))
+        srl = self._srl(logprobs, x, seq_log_ratio)
+        s = torch.exp(srl.clamp(max=SEQ_LOG_RATIO_MAX))
         pg, _, flows, _ = _clip_branch(adv, s, self.clip_low, self.clip_high, 0.0)
-        return pg, torch.where(flows & x.mask, -adv * s, torch.zeros_like(s))
+        return pg, torch.where(flows & (srl <= SEQ_LOG_RATIO_MAX) & x.mask, -adv * s, torch.zeros_like(s))
 
     def metrics(self, logprobs, x, seq_log_ratio=None):
-        s = torch.exp(seq_log_ratio.to(logprobs.device, logprobs.dtype))
+        s = torch.exp(self._srl(logprobs, x, seq_log_ratio).clamp(max=SEQ_LOG_RATIO_MAX))
         clipped = s.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
         return {
             "clipfrac": (((s - clipped).abs() > 0) & x.mask).to(s.dtype),
             "ratio": s,
-            "approx_kl_behaviour": -_log_ratio(logprobs, x),
+            "approx_kl_behaviour": -bounded_log_ratio(logprobs, x)[0],
         }
 
 
@@ -143,7 +172,7 @@ class CISPO:
     sequence_level: bool = False
 
     def _weight(self, logprobs, x):
-        return torch.exp(_log_ratio(logprobs, x)).detach().clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+        return torch.exp(bounded_log_ratio(logprobs, x)[0]).detach().clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
 
     def value(self, logprobs, x, seq_log_ratio=None):
         adv = x.advantages.to(logprobs.device, logprobs.dtype)
@@ -157,7 +186,7 @@ class CISPO:
         return -w * adv * lp, torch.where(x.mask, -w * adv, torch.zeros_like(w))
 
     def metrics(self, logprobs, x, seq_log_ratio=None):
-        log_ratio = _log_ratio(logprobs, x)
+        log_ratio = bounded_log_ratio(logprobs, x)[0]
         ratio = torch.exp(log_ratio)
         w = ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
         return {
@@ -171,7 +200,8 @@ class CISPO:
 # core's terms
 # ---------------------------------------------------------------------------------------------
 
-#: |ref − logp| is clamped to this many nats before any estimator (verl's bound); beyond it the
+#: |ref − logp| is clamped to this many nats before any estimator (verl's bound for k3/low_var_kl;
+#: rlcore bounds k1, k2 and the straight-through gradient too); beyond it the
 #: token's KL term is constant (zero gradient)
 KL_LOG_RATIO_BOUND = 20.0
 #: k3's value is clamped to [0, this] (verl's ``low_var_kl`` bound); beyond it, zero gradient
@@ -213,7 +243,8 @@ def kl_value_and_grad(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estima
     clamped); ``<est>+``: the value of ``<est>``, the derivative of k2 (straight-through: k2's
     gradient is the unbiased gradient of KL). Bounds: :data:`KL_VALUE_BOUND`,
     :data:`KL_GRAD_BOUND`. Source: J. Schulman, "Approximating KL Divergence" (2020); the
-    clamps and the straight-through form as verl's ``kl_penalty`` (``core_algos.py``)."""
+    straight-through form and k3's clamps as verl's ``kl_penalty`` (``core_algos.py``), which
+    leaves k1, k2 and the straight-through k2 gradient unclamped."""
     value, grad, k2_grad = _kl_terms(logprobs, ref_logprobs, estimator)
     if not estimator.endswith("+"):
         return value, grad
@@ -226,6 +257,24 @@ def kl_value_and_grad(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estima
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """The value of :func:`kl_value_and_grad` (differentiable, with the same derivative)."""
     return kl_value_and_grad(logprobs, ref_logprobs, estimator)[0]
+
+
+def masked_inputs(logprobs: torch.Tensor, entropy: torch.Tensor | None, x: TokenInputs,
+                  seq_log_ratio: torch.Tensor | None = None):
+    """``(logprobs, entropy, x, seq_log_ratio)`` with every per-token value set to 0 on the
+    tokens ``x.mask`` excludes, where the head and the batch leave garbage (padding, prompts,
+    ``-inf``, NaN). Done before any loss sees them, so no loss (a plugin's included) evaluates
+    garbage, and no ``0·inf`` reaches a value or, through autograd, a gradient: a masked token's
+    derivative is exactly 0 on both paths. On loss tokens nothing changes."""
+    m = x.mask.to(logprobs.device)
+
+    def keep(t):
+        return None if t is None else torch.where(m.to(t.device), t, torch.zeros_like(t))
+
+    x = TokenInputs(old_logprobs=keep(x.old_logprobs), rollout_logprobs=keep(x.rollout_logprobs),
+                    advantages=keep(x.advantages), mask=x.mask, weights=keep(x.weights), correction=keep(x.correction),
+                    ref_logprobs=keep(x.ref_logprobs), seq_index=x.seq_index, seq_tokens=x.seq_tokens)
+    return keep(logprobs), keep(entropy), x, keep(seq_log_ratio)
 
 
 @dataclass(frozen=True)
@@ -262,14 +311,17 @@ class TokenObjective:
         return entropy
 
     def value(self, logprobs, entropy, x: TokenInputs, seq_log_ratio=None) -> torch.Tensor:
-        """``[T]`` per-token unweighted objective times the mask (multiply by the aggregation
-        numerator and divide by its divisor to get the loss)."""
-        return self._unweighted(logprobs, entropy, x, seq_log_ratio) * x.mask.to(logprobs.dtype)
+        """``[T]`` per-token unweighted objective, 0 on masked tokens (multiply by the
+        aggregation numerator and divide by its divisor to get the loss)."""
+        logprobs, entropy, x, seq_log_ratio = masked_inputs(logprobs, entropy, x, seq_log_ratio)
+        out = self._unweighted(logprobs, entropy, x, seq_log_ratio)
+        return torch.where(x.mask, out, torch.zeros_like(out))
 
     def closed_form(self, logprobs, entropy, x: TokenInputs, seq_log_ratio=None) -> TokenLoss:
         """Value and derivatives, weighted by ``x.weights``, without autograd."""
         with torch.no_grad():
-            w = x.weights.to(logprobs.device, logprobs.dtype) * x.mask.to(logprobs.dtype)
+            logprobs, entropy, x, seq_log_ratio = masked_inputs(logprobs, entropy, x, seq_log_ratio)
+            w = x.weights.to(logprobs.device, logprobs.dtype)
             pg, dpg = self.loss.grad(logprobs, x, seq_log_ratio)
             if x.correction is not None:
                 c = x.correction.to(pg.device, pg.dtype)
@@ -281,4 +333,6 @@ class TokenObjective:
             if self.entropy_coef:
                 pg = pg - self.entropy_coef * self._entropy(entropy)
                 d_ent = d_ent - self.entropy_coef
-            return TokenLoss(value=w * pg, d_logprobs=w * dpg, d_entropy=w * d_ent)
+            zero = torch.zeros_like(pg)
+            return TokenLoss(value=torch.where(x.mask, w * pg, zero), d_logprobs=torch.where(x.mask, w * dpg, zero),
+                             d_entropy=torch.where(x.mask, w * d_ent, zero))

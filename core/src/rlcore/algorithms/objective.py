@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.algorithms.losses import TokenObjective, kl_penalty
+from rlcore.algorithms.losses import TokenObjective, kl_penalty, masked_inputs
 from rlcore.algorithms.spec import TokenInputs, TokenLoss
 from rlcore.types.forward import LossRequest
 
@@ -26,9 +26,14 @@ def token_inputs(mb, proximal: str, divisor: float, with_ref: bool) -> TokenInpu
     seq_index = mb.seq_index()
     mask = mb.loss_mask
     seq_tokens = mb.seq_sum(mask.to(torch.float32)).clamp_min(1.0)
+    # divided in the log-probs' dtype where that is float64 (else float32, no float64 on a device
+    # that may lack it): as exact as the autograd path's numerator·(1/divisor) in every dtype
+    dtype = f[proximal].dtype
+    num = f[AGG_NUMERATOR].to(torch.float64 if dtype == torch.float64 else torch.float32)
+    weights = (num / divisor).to(dtype)
     return TokenInputs(
         old_logprobs=f[proximal], rollout_logprobs=f[ROLLOUT], advantages=f[ADVANTAGES], mask=mask,
-        weights=f[AGG_NUMERATOR] / divisor, correction=f.get(CORRECTION),
+        weights=weights, correction=f.get(CORRECTION),
         ref_logprobs=f.get(REF) if with_ref else None, seq_index=seq_index, seq_tokens=seq_tokens,
     )
 
@@ -65,14 +70,17 @@ def micro_batch_loss(mb, logprobs: torch.Tensor, entropy: torch.Tensor | None, o
         per_token = objective.value(logprobs, entropy, x, slr)
         loss = (per_token * mb.fields[AGG_NUMERATOR].to(per_token.dtype)).sum() / divisor
     with torch.no_grad():
-        m = x.mask.to(logprobs.dtype)
-        stats = {k: float((v * m).sum()) for k, v in objective.loss.metrics(logprobs, x, slr).items()}
-        stats["entropy"] = float((entropy * m).sum()) if entropy is not None else 0.0
-        if x.ref_logprobs is not None:
-            stats["kl"] = float((kl_penalty(logprobs, x.ref_logprobs, objective.kl_estimator) * m).sum())
-        else:
-            stats["kl"] = 0.0
-        stats["_tokens"] = float(m.sum())
+        # statistics over loss tokens only; summed with where, not ·mask (garbage there: 0·inf is NaN)
+        lp, ent, xm, slr_m = masked_inputs(logprobs, entropy, x, slr)
+
+        def total(v: torch.Tensor) -> float:
+            return float(torch.where(x.mask, v, torch.zeros_like(v)).sum())
+
+        stats = {k: total(v) for k, v in objective.loss.metrics(lp, xm, slr_m).items()}
+        stats["entropy"] = total(ent) if ent is not None else 0.0
+        stats["kl"] = total(kl_penalty(lp, xm.ref_logprobs, objective.kl_estimator)) if xm.ref_logprobs is not None \
+            else 0.0
+        stats["_tokens"] = float(x.mask.sum())
     return loss, stats
 
 

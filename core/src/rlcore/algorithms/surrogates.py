@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcore.algorithms.losses import _clip_branch, _log_ratio
+from rlcore.algorithms.losses import LOG_RATIO_BOUND, _clip_branch, _log_ratio, bounded_log_ratio
 
-#: log-ratios are clamped to ±this before ``exp`` where verl clamps them (SAPO, DPPO)
-RATIO_LOG_BOUND = 20.0
+#: log-ratios are clamped to ±this before ``exp`` in every loss here (verl clamps them in SAPO
+#: and DPPO; rlcore in Clip-Cov, KL-Cov, GMPO and DRO too, where verl's can overflow)
+RATIO_LOG_BOUND = LOG_RATIO_BOUND
 
 
 def _adv(logprobs, x):
@@ -27,8 +28,8 @@ def _zero_masked(t, x):
 
 
 def _behaviour_metrics(logprobs, x, clipped: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    lr = _log_ratio(logprobs, x)
-    out = {"ratio": torch.exp(lr.clamp(max=RATIO_LOG_BOUND)), "approx_kl_behaviour": -lr}
+    lr = bounded_log_ratio(logprobs, x)[0]
+    out = {"ratio": torch.exp(lr), "approx_kl_behaviour": -lr}
     if clipped is not None:
         out["clipfrac"] = (clipped & x.mask).to(logprobs.dtype)
     return out
@@ -127,7 +128,8 @@ class ClipCov:
     ``max(1, ⌊ratio·N⌋)`` largest are dropped: ``pg_t = max(−A r, −A clip(r))·(1 − 1[t sel])``.
     The means and ``N`` are over the tokens one call sees (a micro-batch, as verl's per
     micro-batch call); verl picks the dropped tokens at random among the candidates, rlcore
-    takes the largest covariances (deterministic, so that ``value`` and ``grad`` agree).
+    takes the largest covariances (deterministic, so that ``value`` and ``grad`` agree). The
+    log-ratio is clamped to ±20 as PPO-clip's (verl's Clip-Cov does not clamp it).
 
     Source: "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models"
     (2025, arXiv:2505.22617), Clip-Cov; verl ``compute_policy_loss_clip_cov``
@@ -152,7 +154,7 @@ class ClipCov:
 
     def value(self, logprobs, x, seq_log_ratio=None):
         adv = _adv(logprobs, x)
-        ratio = torch.exp(_log_ratio(logprobs, x))
+        ratio = torch.exp(bounded_log_ratio(logprobs, x)[0])
         pg = _clip_branch(adv, ratio, self.clip_low, self.clip_high, 0.0)[0]
         sel = self._selected(logprobs, x, adv, ratio.detach())
         return torch.where(sel, torch.zeros_like(pg), pg)
@@ -160,15 +162,16 @@ class ClipCov:
     def grad(self, logprobs, x, seq_log_ratio=None):
         with torch.no_grad():
             adv = _adv(logprobs, x)
-            ratio = torch.exp(_log_ratio(logprobs, x))
+            lr, inside = bounded_log_ratio(logprobs, x)
+            ratio = torch.exp(lr)
             pg, _, flows, _ = _clip_branch(adv, ratio, self.clip_low, self.clip_high, 0.0)
             sel = self._selected(logprobs, x, adv, ratio)
             return (torch.where(sel, torch.zeros_like(pg), pg),
-                    torch.where(flows & x.mask & ~sel, -adv * ratio, torch.zeros_like(ratio)))
+                    torch.where(flows & inside & x.mask & ~sel, -adv * ratio, torch.zeros_like(ratio)))
 
     def metrics(self, logprobs, x, seq_log_ratio=None):
         adv = _adv(logprobs, x)
-        ratio = torch.exp(_log_ratio(logprobs, x))
+        ratio = torch.exp(bounded_log_ratio(logprobs, x)[0])
         return _behaviour_metrics(logprobs, x, self._selected(logprobs, x, adv, ratio))
 
 
@@ -177,10 +180,11 @@ class KLCov:
     """KL-Cov: the policy gradient ``−A·r`` (no clip), plus ``κ·|logp − old|`` on the
     ``max(1, ⌊ratio·N⌋)`` loss tokens with the largest covariance ``(A_t − mean A)(logp_t −
     mean logp)`` (over the tokens one call sees, as verl's per micro-batch call):
-    ``∂pg_t/∂logp_t = −A·r + κ·sign(logp − old)·1[t sel]``.
+    ``∂pg_t/∂logp_t = −A·r + κ·sign(logp − old)·1[t sel]``; the log-ratio clamped to ±20
+    (verl's is not, so its ``e^{logp − old}`` overflows at a rollout log-prob of −100 in float32).
 
     Source: arXiv:2505.22617 (as Clip-Cov), KL-Cov; verl ``compute_policy_loss_kl_cov``
-    (ratio 2e-4, ``ppo_kl_coef`` κ = 1).
+    (ratio 2e-4; κ = 1 is core_algos' fallback, verl's config default ``ppo_kl_coef`` is 0.1).
     """
 
     kl_cov_ratio: float = 2e-4
@@ -193,19 +197,20 @@ class KLCov:
 
     def value(self, logprobs, x, seq_log_ratio=None):
         adv = _adv(logprobs, x)
-        lr = _log_ratio(logprobs, x)
+        lr = bounded_log_ratio(logprobs, x)[0]
         sel = self._selected(logprobs, x)
         return -adv * torch.exp(lr) + torch.where(sel, self.ppo_kl_coef * lr.abs(), torch.zeros_like(lr))
 
     def grad(self, logprobs, x, seq_log_ratio=None):
         with torch.no_grad():
             adv = _adv(logprobs, x)
-            lr = _log_ratio(logprobs, x)
+            lr, inside = bounded_log_ratio(logprobs, x)
             ratio = torch.exp(lr)
             sel = self._selected(logprobs, x)
             kl = torch.where(sel, self.ppo_kl_coef * lr.abs(), torch.zeros_like(lr))
             dkl = torch.where(sel, self.ppo_kl_coef * torch.sign(lr), torch.zeros_like(lr))
-            return -adv * ratio + kl, _zero_masked(-adv * ratio + dkl, x)
+            d = torch.where(inside, -adv * ratio + dkl, torch.zeros_like(ratio))
+            return -adv * ratio + kl, _zero_masked(d, x)
 
     def metrics(self, logprobs, x, seq_log_ratio=None):
         return _behaviour_metrics(logprobs, x, self._selected(logprobs, x))
@@ -220,6 +225,8 @@ class GMPO:
     ``pg_t = −A_t·R_i`` with ``∂pg_t/∂logp_t = −A_t·R_i·1[ĉ_t = d_t]``; with
     ``seq-mean-token-mean`` (its default) the step loss is ``(1/B)·Σ_i −A_i·R_i`` and its
     gradient exactly that of the sequence objective (a sequence-level advantage, as verl assumes).
+    ``d_t`` is clamped to ±20 first (verl leaves the clamp commented out: a rollout log-prob of
+    −inf gives ``R_i = inf`` where ``A < 0``).
 
     Source: "Geometric-Mean Policy Optimization" (2025, arXiv:2507.20673);
     verl ``compute_policy_loss_geo_mean`` (clip ranges in log space, the paper's (−0.4, 0.4)).
@@ -231,10 +238,10 @@ class GMPO:
 
     def _clipped(self, logprobs, x):
         adv = _adv(logprobs, x)
-        d = _log_ratio(logprobs, x)
+        d, inside = bounded_log_ratio(logprobs, x)
         sgn = torch.sign(adv)
         c = sgn * torch.minimum(sgn * d, sgn * d.clamp(-self.clip_low, self.clip_high))
-        return adv, d, c
+        return adv, d, c, inside
 
     def _seq_mean(self, c, x):
         nseq = x.seq_tokens.shape[0]
@@ -242,20 +249,21 @@ class GMPO:
         return (s / x.seq_tokens.to(c.dtype))[x.seq_index]
 
     def value(self, logprobs, x, seq_log_ratio=None):
-        adv, _, c = self._clipped(logprobs, x)
+        adv, _, c, _ = self._clipped(logprobs, x)
         m = self._seq_mean(c.detach(), x)
-        # value R_i, derivative w.r.t. logp_t: R_i·∂ĉ_t/∂logp_t (the token's own term)
-        return -adv * torch.exp(m + c - c.detach())
+        # value R_i, derivative w.r.t. logp_t: R_i·∂ĉ_t/∂logp_t (the token's own term); (c − sg[c])
+        # is exactly 0, so the value is R_i to the bit in any dtype
+        return -adv * torch.exp(m + (c - c.detach()))
 
     def grad(self, logprobs, x, seq_log_ratio=None):
         with torch.no_grad():
-            adv, d, c = self._clipped(logprobs, x)
+            adv, d, c, inside = self._clipped(logprobs, x)
             big_r = torch.exp(self._seq_mean(c, x))
-            flows = (c == d) & (adv != 0) & x.mask
+            flows = (c == d) & inside & (adv != 0) & x.mask
             return -adv * big_r, torch.where(flows, -adv * big_r, torch.zeros_like(big_r))
 
     def metrics(self, logprobs, x, seq_log_ratio=None):
-        _, d, c = self._clipped(logprobs, x)
+        _, d, c, _ = self._clipped(logprobs, x)
         return _behaviour_metrics(logprobs, x, c != d)
 
 
@@ -320,21 +328,23 @@ class DRO:
     Source: the ``dro`` loss of Thinking Machines' Tinker (its loss-function reference: objective
     ``logp·A − ½β(logp − logp_sampling)²``, β 1); after Richemond et al. 2024, "Offline
     Regularised Reinforcement Learning for Large Language Models Alignment" (arXiv:2405.19107),
-    Direct Reward Optimization. Not in verl's ``core_algos``.
+    Direct Reward Optimization; verl 0.9.1 ``compute_policy_loss_dro`` (``dro_beta``, required
+    > 0 there). ``logp_t − old_t`` is clamped to ±20 (verl's is not: a rollout log-prob of −inf
+    gives an infinite loss), so the penalty is at most ``200·β`` and pulls no further past it.
     """
 
     beta: float = 1.0
     sequence_level: bool = False
 
     def value(self, logprobs, x, seq_log_ratio=None):
-        d = _log_ratio(logprobs, x)
+        d = bounded_log_ratio(logprobs, x)[0]
         return -_adv(logprobs, x) * _zero_masked(logprobs, x) + 0.5 * self.beta * d.square()
 
     def grad(self, logprobs, x, seq_log_ratio=None):
         adv = _adv(logprobs, x)
-        d = _log_ratio(logprobs, x)
+        d, inside = bounded_log_ratio(logprobs, x)
         return (-adv * _zero_masked(logprobs, x) + 0.5 * self.beta * d.square(),
-                _zero_masked(-adv + self.beta * d, x))
+                _zero_masked(-adv + torch.where(inside, self.beta * d, torch.zeros_like(d)), x))
 
     def metrics(self, logprobs, x, seq_log_ratio=None):
         return _behaviour_metrics(logprobs, x)

@@ -162,9 +162,11 @@ class PolicyLoss(Protocol):
     its sequence's value; a stop-gradient quantity: the token's own dependence enters through
     ``logp_t``, as GSPO-token defines it). Token-level losses ignore it.
 
-    Masking: on tokens where ``x.mask`` is False the inputs hold garbage; core multiplies what
-    ``value``, ``grad`` and ``metrics`` return by the mask, so those values are ignored but must
-    be finite (``0·inf`` is ``nan``): mask before ``exp`` or a division (docs/hooks.md#algorithm).
+    Masking: on tokens where ``x.mask`` is False the batch holds garbage. Core's objective
+    (``TokenObjective``) sets every input there to 0 before calling ``value``/``grad``/``metrics``
+    and drops what they return there, so a masked token contributes exactly 0 on both paths;
+    called directly (the conformance suite feeds garbage), a loss must still return finite values
+    there (``0·inf`` is ``nan``): mask before ``exp`` or a division (docs/hooks.md#algorithm).
     """
 
     #: needs ``seq_log_ratio`` (the head must finish a sequence's log-probs first)
