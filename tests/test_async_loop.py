@@ -3,7 +3,8 @@ the embedded default: async with max_staleness 0 is the synchronous loop run on 
 (same process, same computations: its numbers are the sync run's exactly); one_step_off trains
 on samples one version old, and the mismatch correction sees their behaviour log-probs (those of
 the version that produced them, not the trainer's); stale samples are re-scored or dropped as
-configured; the settings are refused by key."""
+configured (drop: none is generated; tests/test_async_bound.py holds the bound); the
+settings are refused by key."""
 
 from __future__ import annotations
 
@@ -71,13 +72,13 @@ def test_stale_samples_are_rescored_with_the_trainers_logprobs(tmp_path):
         assert r["logprob_mismatch_max"] > 1e-3  # measured before the re-score: they were stale
 
 
-def test_when_every_sample_is_too_stale_drop_stops_the_run_naming_the_settings(tmp_path, capsys):
-    out = tmp_path / "drop"
-    code = main(["train", TINY, "--output", str(out), *ARGS, "loop.mode=async", "loop.max_staleness=0",
-                 "loop.ahead_steps=1", "loop.stale=drop"])
-    assert code != 0
-    err = capsys.readouterr().err
-    assert "loop.max_staleness=0" in err and "loop.stale=rescore" in err
+def test_drop_never_generates_past_the_bound_so_ahead_steps_above_it_runs_as_the_sync_loop(tmp_path, sync_rows):
+    """With stale=drop a step started further ahead than max_staleness would be dropped whole (it
+    once stopped the run at step 1): the producer starts none, so max_staleness 0 is the sync run."""
+    rows = _train(tmp_path, "drop", "loop.mode=async", "loop.max_staleness=0", "loop.ahead_steps=1",
+                  "loop.stale=drop")
+    assert _numbers(rows) == _numbers(sync_rows)
+    assert all(r["loop/staleness_max"] == 0 and r["loop/dropped_samples"] == 0 for r in rows)
 
 
 @pytest.mark.parametrize("override,key", [

@@ -13,6 +13,16 @@ the key it refuses.
   ``rescore``: its behaviour log-probs are replaced by the trainer's recomputed ones, so the
   importance weights treat it as on-policy).
 
+Staleness, precisely: the trainer's weight version when it trains the sample (the policy the
+step's update starts from) minus the version of the sample's oldest token. A step the producer
+starts ``k`` steps ahead is generated on weights at least ``k`` versions behind the ones that
+train it (one version per trained step), so it is exactly as stale as ``k`` when the producer
+keeps up; no later push can make it fresher (its oldest token stays). Hence with ``stale: drop``
+the producer never starts more than ``max_staleness`` steps ahead (a step started further ahead
+would be dropped whole: :func:`ahead_steps` caps it and :func:`loop_note` says so in the run
+report); only ``stale: rescore`` uses an ``ahead_steps`` above ``max_staleness``, training what
+it generates that far ahead past the bound, re-scored.
+
 ``in_flight``: what a push does to generation requests in flight. ``abort``: they stop at the
 next token and resume on the new weights from where they stopped (each token keeps the
 log-prob of the version that produced it, ``Sample.weight_versions`` records the spans);
@@ -55,7 +65,8 @@ class LoopConfig:
     mode: str = "sync"
     #: async: the most weight versions a trained-on token may lag the weights it trains
     max_staleness: int = 1
-    #: async: how many steps the producer may run ahead of training (None: ``max_staleness``)
+    #: async: how many steps the producer may run ahead of training (None: ``max_staleness``; with
+    #: ``stale: drop`` never more than ``max_staleness``, see :func:`ahead_steps`)
     ahead_steps: int | None = None
     #: async: what happens to a sample older than ``max_staleness``
     stale: str = "drop"
@@ -64,13 +75,37 @@ class LoopConfig:
     timeouts: LoopTimeouts = field(default_factory=LoopTimeouts)
 
 
-def ahead_steps(loop: Any) -> int:
-    """How many steps the producer may generate ahead of the step being trained (0: sync)."""
+def configured_ahead(loop: Any) -> int:
+    """The steps ahead ``loop:`` asks for (0: sync, 1: one_step_off, async: ``ahead_steps``, unset:
+    ``max_staleness``)."""
     if loop.mode == "sync":
         return 0
     if loop.mode == "one_step_off":
         return 1
     return int(loop.max_staleness if loop.ahead_steps is None else loop.ahead_steps)
+
+
+def ahead_steps(loop: Any) -> int:
+    """How many steps ahead of the step being trained the producer may start generating (0:
+    sync). With ``stale: drop`` at most ``max_staleness``: every sample of a step started further
+    ahead would be older than the bound when trained, so the step would be dropped whole (the
+    module docstring; the run report says so, :func:`loop_note`)."""
+    asked = configured_ahead(loop)
+    return asked if loop.mode != "async" or loop.stale == "rescore" else min(asked, int(loop.max_staleness))
+
+
+def loop_note(loop: Any) -> str | None:
+    """The run report's note when ``loop.ahead_steps`` exceeds ``loop.max_staleness`` (None otherwise)."""
+    asked, bound = configured_ahead(loop), max_staleness(loop)
+    if asked <= bound:
+        return None
+    if loop.stale == "drop":
+        return (f"loop.ahead_steps={asked} runs as {bound} with loop.stale=drop: a step generated more than "
+                f"loop.max_staleness={bound} step(s) ahead would train {asked} versions behind and be dropped whole "
+                f"(raise loop.max_staleness to {asked}, or set loop.stale=rescore to train such samples re-scored)")
+    return (f"loop.ahead_steps={asked} > loop.max_staleness={bound} with loop.stale=rescore: samples generated more "
+            f"than {bound} step(s) ahead train up to {asked} versions behind, with the trainer's log-probs as their "
+            f"behaviour log-probs (counted in loop/stale_samples)")
 
 
 def max_staleness(loop: Any) -> int:

@@ -4,7 +4,10 @@ meaning: :mod:`rlcore.loop_settings`, docs/async.md).
 
 The producer generates (and scores) steps in order, the same prompts and sampling seeds as the
 synchronous loop uses for each step (they derive from the step, not from when it is generated).
-It may start step ``s`` once the trainer has finished step ``s - ahead - 1``: with ``ahead = 0``
+It may start step ``s`` once the trainer has finished step ``s - ahead - 1``
+(:func:`rlcore.loop_settings.ahead_steps`), i.e. once the push of the version ``ahead`` below the
+one that trains step ``s`` has landed: so no sample of step ``s`` is more than ``ahead`` versions
+stale, and with ``stale: drop`` ``ahead`` never exceeds ``max_staleness``. With ``ahead = 0``
 that is the synchronous loop, run on another thread. The trainer takes a step's samples
 (:meth:`RolloutProducer.take`), trains, and pushes inside :meth:`RolloutProducer.pushing`, which
 stops the producer from starting a ``generate`` call while the push runs. Requests already in
@@ -63,36 +66,44 @@ def staleness(samples: list[Sample], version: int) -> list[int]:
     return [version - oldest_version(s) for s in samples]
 
 
-def apply_staleness(samples: list[Sample], rewards: list[float], version: int, loop: Any,
-                    step: int) -> tuple[list[Sample], list[float], torch.Tensor, dict[str, float]]:
+def apply_staleness(samples: list[Sample], rewards: list[float], version: int, loop: Any, step: int,
+                    start_version: int | None = None
+                    ) -> tuple[list[Sample], list[float], torch.Tensor, dict[str, float]]:
     """Staleness metrics and ``loop.stale``: ``drop`` removes every group (the samples of one
     prompt, which share a baseline) holding a sample older than the allowed staleness (the kept
     groups renumbered in order); ``rescore`` keeps them and returns the mask of samples whose
-    behaviour log-probs the trainer replaces with its recomputed ones."""
+    behaviour log-probs the trainer replaces with its recomputed ones. ``loop/staleness_mean`` and
+    ``loop/staleness_max`` are those of the samples the step trains (after a drop);
+    ``loop/stale_samples`` counts the samples over the bound (dropped or re-scored).
+    ``start_version``: the weights the producer started the step on (for the error)."""
     lag = staleness(samples, version)
     limit = max_staleness(loop)
     stale = [x > limit for x in lag]
-    metrics = {"loop/staleness_mean": sum(lag) / max(len(lag), 1), "loop/staleness_max": float(max(lag, default=0)),
-               "loop/stale_samples": float(sum(stale)), "loop/dropped_samples": 0.0,
+    metrics = {"loop/stale_samples": float(sum(stale)), "loop/dropped_samples": 0.0,
                "loop/resumed_samples": float(sum(len(s.weight_versions or ()) > 1 for s in samples))}
     rescore = torch.zeros(len(samples), dtype=torch.bool)
-    if not any(stale):
-        return samples, rewards, rescore, metrics
-    if loop.stale == "rescore":
-        return samples, rewards, torch.tensor(stale), metrics
-    bad = {s.prompt_index for s, old in zip(samples, stale, strict=True) if old}
-    renumber: dict[int, int] = {}
-    kept, kept_rewards = [], []
-    for s, r in zip(samples, rewards, strict=True):
-        if s.prompt_index not in bad:
-            kept.append(replace(s, prompt_index=renumber.setdefault(s.prompt_index, len(renumber))))
-            kept_rewards.append(r)
-    if not kept:
-        raise RolloutError(f"every sample of step {step} is more than loop.max_staleness={limit} weight versions "
-                           f"behind version {version} (staleness up to {max(lag)}), so loop.stale=drop leaves nothing "
-                           f"to train on: lower loop.ahead_steps, raise loop.max_staleness, or set loop.stale=rescore")
-    metrics["loop/dropped_samples"] = float(len(samples) - len(kept))
-    return kept, kept_rewards, torch.zeros(len(kept), dtype=torch.bool), metrics
+    kept, kept_rewards, kept_lag = samples, rewards, lag
+    if any(stale) and loop.stale == "rescore":
+        rescore = torch.tensor(stale)
+    elif any(stale):
+        bad = {s.prompt_index for s, old in zip(samples, stale, strict=True) if old}
+        renumber: dict[int, int] = {}
+        kept, kept_rewards, kept_lag = [], [], []
+        for s, r, x in zip(samples, rewards, lag, strict=True):
+            if s.prompt_index not in bad:
+                kept.append(replace(s, prompt_index=renumber.setdefault(s.prompt_index, len(renumber))))
+                kept_rewards.append(r)
+                kept_lag.append(x)
+        if not kept:
+            started = "" if start_version is None else f", and the rollout producer started it on version {start_version}"
+            raise RolloutError(f"every sample of step {step} is more than loop.max_staleness={limit} weight versions "
+                               f"behind version {version} (staleness up to {max(lag)}{started}), so loop.stale=drop "
+                               f"leaves nothing to train on: raise loop.max_staleness, or set loop.stale=rescore")
+        metrics["loop/dropped_samples"] = float(len(samples) - len(kept))
+        rescore = torch.zeros(len(kept), dtype=torch.bool)
+    metrics["loop/staleness_mean"] = sum(kept_lag) / max(len(kept_lag), 1)
+    metrics["loop/staleness_max"] = float(max(kept_lag, default=0))
+    return kept, kept_rewards, rescore, metrics
 
 
 class SyncSource:

@@ -39,6 +39,7 @@ from rlcore.environments.conversation import place_turn_rewards
 from rlcore.errors import CheckpointError, ConfigError, NonFiniteError
 from rlcore.export import MODEL_DIR, export_policy, write_run_config
 from rlcore.faults import fault_point
+from rlcore.loop_settings import loop_note
 from rlcore.parallel.push_memory import PushMeter
 from rlcore.parallel.strategy import RankStrategy
 from rlcore.pass_metrics import PassMetrics
@@ -275,7 +276,7 @@ class Trainer:
         produced, loop_metrics = self.source.take(self.step)
         sampled = produced.sampled
         samples, rewards, rescore, stale_metrics = apply_staleness(sampled.samples, sampled.rewards, self.version,
-                                                                  cfg.loop, self.step)
+                                                                  cfg.loop, self.step, produced.start_version)
         t_gen = loop_metrics.get("loop/trainer_wait_s", sampled.generate_seconds)  # sync: this step generated
         batch = pack_samples(samples, rewards, self.engine, self.step)
         mask_overlong(batch, samples, cfg.algorithm)
@@ -436,7 +437,7 @@ class Trainer:
             self.source = self._step_source()
             if self.built.resume_from is not None:
                 self._restore()
-            self.report.banner([self.metrics.tb_note])
+            self.report.banner([self.metrics.tb_note, loop_note(cfg.loop)])  # loop_note: ahead_steps past the bound
             self._start_backend()
             started = completed = self.stop.stepping = True
             self.source.start(self.step, self.version)
