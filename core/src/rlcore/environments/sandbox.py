@@ -138,12 +138,11 @@ def seccomp_program() -> bytes:
 
     def refuse(action: int, name: str, *args: Any) -> None:
         try:
-            seccomp.resolve_syscall(arch, name)
+            number = seccomp.resolve_syscall(arch, name)
         except Exception:  # noqa: BLE001 - a call this kernel's ABI (or libseccomp) does not know is no way out
             return
-        if seccomp.resolve_syscall(arch, name) < 0:
-            return
-        program.add_rule(action, name, *args)
+        if number >= 0:
+            program.add_rule(action, name, *args)
 
     for name in REFUSED:
         refuse(seccomp.ERRNO(errno.EPERM), name)
@@ -161,7 +160,8 @@ def _host_namespaces() -> dict[str, str]:
     return {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in _NAMESPACES}
 
 
-def _filesystem_view() -> tuple[list[str], list[str]]:
+@lru_cache(maxsize=1)
+def _filesystem_view() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """bwrap's arguments for the read-only view, and the names ``/`` holds inside."""
     args: list[str] = []
     visible = {"usr", "proc", "dev", "tmp"}
@@ -178,11 +178,11 @@ def _filesystem_view() -> tuple[list[str], list[str]]:
         if prefix != "/usr" and not prefix.startswith("/usr/"):
             args += ["--ro-bind", prefix, prefix]
             visible.add(prefix.strip("/").split("/")[0])
-    return args, sorted(visible)
+    return tuple(args), tuple(sorted(visible))
 
 
-def _command(limits: dict[str, Any], seccomp_fd: int, status_fd: int, scratch_bytes: int) -> list[str]:
-    view, _ = _filesystem_view()
+def _command(limits: dict[str, Any], view: tuple[str, ...], seccomp_fd: int, status_fd: int,
+             scratch_bytes: int) -> list[str]:
     return [bwrap_path() or "bwrap",
             "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
             "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
@@ -200,23 +200,20 @@ def run_code(code: str, *, cpu_seconds: int = 2, memory_mb: int = 256, wall_seco
     """Run ``code`` in the sandbox (see the module docstring); never raises for what the code does.
 
     Raises :class:`~rlcore.errors.ConfigError` when the sandbox itself is missing (no bwrap)."""
-    if bwrap_path() is None:
-        raise ConfigError(f"environment.code.enable: the python tool runs code only inside bubblewrap, which is not "
-                          f"installed here: {INSTALL}", key="environment.code.enable")
+    _require_bwrap()
     report_r, report_w = os.pipe()
     status_r, status_w = os.pipe()
-    _, visible = _filesystem_view()
+    view, visible = _filesystem_view()
     limits = {"cpu": int(cpu_seconds), "memory": int(memory_mb) << 20, "fsize": int(output_bytes) + 1,
-              "report_fd": report_w, "host_ns": _host_namespaces(), "visible": visible}
+              "report_fd": report_w, "host_ns": _host_namespaces(), "visible": list(visible)}
     t0 = time.perf_counter()
     timed_out = False
-    init_pid = None
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as program:
         program.write(seccomp_program())
         program.flush()
         program.seek(0)
         try:
-            child = subprocess.Popen(_command(limits, program.fileno(), status_w, int(scratch_mb) << 20),
+            child = subprocess.Popen(_command(limits, view, program.fileno(), status_w, int(scratch_mb) << 20),
                                      stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True,
                                      pass_fds=(report_w, status_w, program.fileno()), env={"PATH": "/usr/bin:/bin"})
         finally:
@@ -311,10 +308,14 @@ def isolation() -> str:
 
 def require_sandbox() -> str:
     """Every layer of :data:`LAYERS`, or a :class:`~rlcore.errors.ConfigError` naming what is missing."""
+    _require_bwrap()
+    return _probe()
+
+
+def _require_bwrap() -> None:
     if bwrap_path() is None:
         raise ConfigError(f"environment.code.enable: the python tool runs code only inside bubblewrap, which is not "
                           f"installed here: {INSTALL}", key="environment.code.enable")
-    return _probe()
 
 
 @lru_cache(maxsize=1)
