@@ -84,6 +84,66 @@ def test_docs_code_blocks_marked_with_a_file_show_that_file_verbatim():
     assert "examples/third_party_plugin/tests/test_postprocess_unit.py" in shown
 
 
+EXCERPT = re.compile(r"<!-- excerpt: (?P<path>\S+) -->\n```python\n(?P<code>.*?)```", re.S)
+
+
+def test_docs_code_blocks_marked_as_an_excerpt_are_in_that_file_verbatim():
+    found = 0
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        for m in EXCERPT.finditer(doc.read_text()):
+            path = ROOT / m["path"]
+            assert path.is_file(), f"docs/{doc.name} shows an excerpt of {m['path']}, which does not exist"
+            assert m["code"] in path.read_text(), (
+                f"docs/{doc.name}: the excerpt after <!-- excerpt: {m['path']} --> is not in that file verbatim")
+            found += 1
+    assert found
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+
+
+def test_writing_plugins_shows_a_working_environment_plugin(capsys, monkeypatch):
+    """The environment section shows the example's `guess` environment, its registration and its
+    conformance test, all verbatim (the test runs with the example plugin's tests), and its
+    command selects a stack `rlcore check` accepts."""
+    import shlex
+
+    from rlcore.cli import main
+
+    part = _section((ROOT / "docs" / "writing-plugins.md").read_text(), "### An environment: multi-turn conversations")
+    shown = {m["path"] for m in FILE_SNIPPET.finditer(part)} | {m["path"] for m in EXCERPT.finditer(part)}
+    assert shown == {"examples/third_party_plugin/src/rlcore_example/guess.py",
+                     "examples/third_party_plugin/src/rlcore_example/plugin.py",
+                     "examples/third_party_plugin/tests/test_guess_environment.py"}
+    for method in ("reset(prompt, task_prompt)", "step(state, turn)", "final_reward(state)"):
+        assert f"`{method}`" in part
+    command = part.split("<!-- environment-command -->\n```bash\n", 1)[1].split("\n", 1)[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["rlcore", "train"]
+    args = argv[2:argv.index("--output")]
+    monkeypatch.delenv("RLCORE_PLUGINS", raising=False)
+    monkeypatch.chdir(ROOT)
+    assert main(["check", *args, "--json"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["environment"]["name"] == "guess"
+
+
+def test_the_pyproject_of_writing_plugins_builds_as_the_example_plugin_does():
+    """The pyproject.toml shown in section 2 has the example plugin's [build-system] (pip needs
+    one to build it the modern way) and its package layout."""
+    import tomllib
+
+    text = (ROOT / "docs" / "writing-plugins.md").read_text()
+    block = _section(text, "## 2. The distribution").split("```toml\n", 1)[1].split("```", 1)[0]
+    shown = tomllib.loads(block)
+    example = tomllib.loads((ROOT / "examples" / "third_party_plugin" / "pyproject.toml").read_text())
+    assert shown.get("build-system") == example["build-system"]
+    assert shown.get("tool", {}).get("setuptools") == example["tool"]["setuptools"]
+    assert shown["project"]["dependencies"] == example["project"]["dependencies"]
+
+
 def test_every_documented_public_module_exists():
     import importlib
 
@@ -162,6 +222,17 @@ def test_every_extra_of_rlcore_is_documented():
     docs = (ROOT / "README.md").read_text() + "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
     for extra in extras:
         assert f"rlcore[{extra}]" in docs, f"the extra rlcore[{extra}] is documented nowhere"
+
+
+def test_the_readme_install_lines_bring_tensorboard():
+    """output.tensorboard is on by default: a README line that installs core without the
+    tensorboard extra makes every run print a note that it writes no event files."""
+    text = (ROOT / "README.md").read_text()
+    lines = [ln.split("#", 1)[0] for ln in text.splitlines() if ln.startswith("pip install")]
+    installs_core = [ln for ln in lines if re.search(r"(?<![\w-])['\"]?rlcore(?:\[|['\"]?(?:\s|$))", ln)]
+    assert installs_core, "the README shows no line that installs rlcore"
+    for ln in installs_core:
+        assert re.search(r"rlcore\[[\w,-]*tensorboard", ln), f"README: {ln.strip()!r} installs rlcore without its tensorboard extra"
 
 
 def test_writing_plugins_says_how_rlcore_is_installed_today():

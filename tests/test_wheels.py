@@ -100,6 +100,18 @@ def test_the_core_wheel_ships_no_engine_and_no_stale_module(wheel_dir):
     assert not engine_code, f"the rlcore wheel ships engine code: {engine_code}"
 
 
+def test_the_core_wheel_ships_every_example_config(wheel_dir):
+    """A user with the wheels only has the example configs (``rlcore init`` writes them): each of
+    examples/*.yaml is in the core wheel as rlcore/examples/<name>, byte for byte, and nothing
+    else of examples/ (the third-party plugin is its own distribution)."""
+    with zipfile.ZipFile(_wheel_for(wheel_dir, "rlcore")) as zf:
+        shipped = {n.removeprefix("rlcore/examples/"): zf.read(n) for n in zf.namelist()
+                   if n.startswith("rlcore/examples/")}
+    repo = {p.name: p.read_bytes() for p in (ROOT / "examples").glob("*.yaml")}
+    assert sorted(shipped) == sorted(repo), "the core wheel's rlcore/examples differs from examples/*.yaml"
+    assert all(shipped[name] == repo[name] for name in repo)
+
+
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "RLCORE_PLUGINS")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
@@ -114,10 +126,10 @@ def test_pip_install_from_wheels_into_a_fresh_venv(wheel_dir, tmp_path):
     py = str(venv / "bin" / "python")
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(CONSTRAINTS)]
     _run([*pip, "torch==2.13.0"])                     # torch first, as the README says
-    # the pitch's line (with the Ascend plugin: issue 13's proof), then every other distribution's
-    # own line, each a separate pip call
+    # the README's line (with the Ascend plugin: issue 13's proof; core with its tensorboard extra, as
+    # the README installs it), then every other distribution's own line, each a separate pip call
     first = ["rlcore", "rlcore-fused", "rlcore-npu"]
-    lines = [first, *[[d] for d in DISTRIBUTIONS if d not in first]]
+    lines = [["rlcore[tensorboard]", *first[1:]], *[[d] for d in DISTRIBUTIONS if d not in first]]
     for names in lines:
         _run([*pip, "--find-links", str(wheel_dir), *names])
     listed = {row["name"]: row for row in json.loads(_run([str(venv / "bin" / "rlcore"), "plugins", "--json"]).stdout)}
@@ -130,6 +142,14 @@ def test_pip_install_from_wheels_into_a_fresh_venv(wheel_dir, tmp_path):
     where = _run([py, "-c", "import rlcore, rlcore_fused; print(rlcore.__file__); print(rlcore_fused.__file__)"]).stdout
     assert all(str(venv) in line for line in where.split()), where
     _run([str(venv / "bin" / "rlcore"), "check", str(ROOT / "examples" / "tiny.yaml")], cwd=tmp_path)
+    # without a checkout: the starter config comes from the wheel, checks and trains, and a run
+    # installed by the README's line writes TensorBoard events without a note about them
+    _run([str(venv / "bin" / "rlcore"), "init", "starter.yaml"], cwd=tmp_path)
+    _run([str(venv / "bin" / "rlcore"), "check", "starter.yaml"], cwd=tmp_path)
+    trained = _run([str(venv / "bin" / "rlcore"), "train", "starter.yaml", "--output", "run", "training.steps=2",
+                    "rollout.n=2", "data.prompts_per_step=2", "output.checkpoint_every=0"], cwd=tmp_path)
+    assert "done: 2 steps" in trained.stdout and "TensorBoard" not in trained.stdout, trained.stdout[-2000:]
+    assert any((tmp_path / "run" / "tensorboard").iterdir()) and (tmp_path / "run" / "reward_curve.png").is_file()
     # rlcore-npu never pulls torch_npu (it breaks `import torch` where Ascend's CANN is absent), and
     # the stack resolves the npu platform without importing it, and `rlcore check` on this machine
     # (no Ascend device) refuses the device in one line, as `rlcore train` would

@@ -17,6 +17,7 @@ from rlcore.errors import ConfigError
 from rlcore.export import begin_dir, write_dir
 from rlcore.run_output import checkpoint_hf_dir, list_checkpoints
 from rlcore.stack import load_stack
+from rlcore.testing.models import assert_same_tensors, model_dir_tensors
 from rlcore.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,23 +25,6 @@ TINY = str(ROOT / "examples" / "tiny.yaml")
 SMALL = ["training.steps=3", "output.checkpoint_every=2", "rollout.n=4", "data.prompts_per_step=4",
          "output.tensorboard=false", "output.progress=false", "training.lr=0.01"]
 PROMPT = "3 4 5"
-
-
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    assert files, f"no safetensors in {model_dir}: {sorted(p.name for p in Path(model_dir).iterdir())}"
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
-
-
-def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +52,9 @@ def test_the_run_ends_with_the_trained_policy_in_run_model(run):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model_dir / name).is_file(), name
     final = {name: t.detach().cpu() for name, t in trainer.engine.export_hf_weights()}
-    saved = _tensors(model_dir)
-    _assert_same_tensors(saved, final)
-    initial = _tensors(out / "policy_hf")
+    saved = model_dir_tensors(model_dir)
+    assert_same_tensors(saved, final)
+    initial = model_dir_tensors(out / "policy_hf")
     moved = max(float((saved[n] - initial[n]).abs().max()) for n in saved)
     assert moved > 0, "policy_hf holds the weights the rollout started from, RUN/model the trained ones"
     info = json.loads((model_dir / "rlcore_export.json").read_text())
@@ -102,8 +86,8 @@ def test_each_checkpoint_has_its_hf_directory(run):
         d = checkpoint_hf_dir(out, step)
         assert (d / "config.json").is_file() and (d / "tokenizer.json").is_file(), d
         assert json.loads((d / "rlcore_export.json").read_text())["step"] == step
-    _assert_same_tensors(_tensors(checkpoint_hf_dir(out, 2)), _tensors(out / "model"))
-    assert not _same(_tensors(checkpoint_hf_dir(out, 1)), _tensors(checkpoint_hf_dir(out, 2)))
+    assert_same_tensors(model_dir_tensors(checkpoint_hf_dir(out, 2)), model_dir_tensors(out / "model"))
+    assert not _same(model_dir_tensors(checkpoint_hf_dir(out, 1)), model_dir_tensors(checkpoint_hf_dir(out, 2)))
 
 
 def _same(a, b):
@@ -132,7 +116,7 @@ def test_export_of_a_step_equals_the_runs_own_checkpoint_export(run, tmp_path, c
     dest = tmp_path / "step1"
     assert main(["export", str(out), "--step", "1", "--out", str(dest)]) == 0
     assert str(dest) in capsys.readouterr().out
-    _assert_same_tensors(_tensors(dest), _tensors(checkpoint_hf_dir(out, 1)))
+    assert_same_tensors(model_dir_tensors(dest), model_dir_tensors(checkpoint_hf_dir(out, 1)))
     ref = checkpoint_hf_dir(out, 1)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (dest / name).read_text() == (ref / name).read_text(), name
@@ -144,7 +128,7 @@ def test_export_without_a_step_takes_the_newest_checkpoint(run, capsys):
     try:
         assert main(["export", str(out)]) == 0
         dest = out / "export-step-2"
-        _assert_same_tensors(_tensors(dest), _tensors(out / "model"))
+        assert_same_tensors(model_dir_tensors(dest), model_dir_tensors(out / "model"))
     finally:
         import shutil
 
@@ -190,17 +174,22 @@ def test_export_hf_setting_is_checked_and_never_skips_the_exports(tmp_path):
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith("-hf")]
     # the checkpoints still hold the weights: rlcore export writes them out afterwards
     assert main(["export", str(out), "--step", "1", "--out", str(tmp_path / "e")]) == 0
-    _assert_same_tensors(_tensors(tmp_path / "e"), _tensors(out / "model"))
+    assert_same_tensors(model_dir_tensors(tmp_path / "e"), model_dir_tensors(out / "model"))
 
 
 # ------------------------------------------------------------------ atomic directory writes ----
 
 def _write_files(names, fail_after=None):
+    from safetensors.torch import save_file
+
     def write(d):
         for i, name in enumerate(names):
             if fail_after is not None and i == fail_after:
                 raise OSError(28, "No space left on device")
-            (d / name).write_text(name)
+            if name.endswith(".safetensors"):  # a commit checks that weights load
+                save_file({"w": torch.arange(4.0)}, str(d / name))
+            else:
+                (d / name).write_text(name)
     return write
 
 

@@ -16,7 +16,7 @@ from rlcore.run_output import (
     CHECKPOINT_DIR,
     RUN_MARKER,
     MetricsWriter,
-    _sha256,
+    sha256_file,
     checkpoint_hf_dir,
     list_checkpoints,
     load_checkpoint,
@@ -174,7 +174,7 @@ def test_checkpoints_are_committed_by_their_record_and_the_newest_k_kept(tmp_pat
     state, record, diffs = load_checkpoint(tmp_path, CFG)
     assert state["step"] == 4 and record["step"] == 4 and diffs == []
     assert torch.equal(state["engine"]["model"]["w"], torch.full((3,), 4.0))
-    assert record["state_sha256"] == _sha256(tmp_path / CHECKPOINT_DIR / "step-00000004.pt")
+    assert record["state_sha256"] == sha256_file(tmp_path / CHECKPOINT_DIR / "step-00000004.pt")
 
 
 def test_interrupted_writes_leave_the_previous_checkpoint_loadable(tmp_path):
@@ -225,7 +225,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path
     torch.save({"engine": _RunsCode(str(marker)), "step": 1}, path)
     rec = path.with_suffix(".json")
     record = json.loads(rec.read_text())
-    record.update(state_bytes=path.stat().st_size, state_sha256=_sha256(path))
+    record.update(state_bytes=path.stat().st_size, state_sha256=sha256_file(path))
     rec.write_text(json.dumps(record))
     with pytest.raises(CheckpointError, match=r"cannot load checkpoint .*step-00000001.pt safely"):
         load_checkpoint(tmp_path, CFG)

@@ -1,4 +1,4 @@
-"""The ``rlcore`` command line: ``plugins``, ``check``, ``train``, ``export``, ``--version``.
+"""The ``rlcore`` command line: ``plugins``, ``check``, ``train``, ``export``, ``init``, ``--version``.
 
 ``rlcore plugins`` imports plugin modules only (never their engines, which load in factories)
 and not torch; it runs in well under a second.
@@ -137,10 +137,58 @@ def _stopped(args: argparse.Namespace, sig: signal.Signals, out: str | None, ste
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    # the run is read as data: nothing in it is imported (rlcore.export.reading_untrusted_run)
     from rlcore.export import export_checkpoint
 
-    dest = export_checkpoint(args.run, args.step, args.out, args.overrides)
+    dest = export_checkpoint(args.run, args.step, args.out, args.overrides,
+                             allow_config_change=args.allow_config_change,
+                             on_note=lambda note: print(f"rlcore: note: {note}", file=sys.stderr))
     print(f"exported {dest}")
+    return 0
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    """Write a starter config: one of the example configs shipped in the wheel (rlcore/examples,
+    the repository's examples/), verbatim under a header that says how to run it."""
+    import os
+    import shlex
+    from importlib.resources import files
+    from pathlib import Path
+
+    shipped = {p.name[: -len(".yaml")]: p for p in (files("rlcore") / "examples").iterdir() if p.name.endswith(".yaml")}
+    if args.list:
+        for name in sorted(shipped):
+            first = next((ln.lstrip("# ").strip() for ln in shipped[name].read_text().splitlines() if ln.strip()), "")
+            print(f"{name:24s} {first}")
+        return 0
+    name = args.example[: -len(".yaml")] if args.example.endswith(".yaml") else args.example
+    if name not in shipped:
+        raise RLCoreError(f"--example {args.example}: no such example config; the shipped ones are "
+                          f"{', '.join(sorted(shipped))} (rlcore init --list says what each is)")
+    path = Path(args.path)
+    if path.is_dir():
+        raise RLCoreError(f"{path} is a directory; give the file to write, e.g. {path / 'rlcore.yaml'}")
+    if not path.parent.is_dir():
+        raise RLCoreError(f"the directory {path.parent} of {path} does not exist")
+    shown, runs = shlex.quote(str(path)), shlex.quote(f"runs/{path.stem}")
+    text = (f"# Written by `rlcore init` (rlcore {__version__}) from its example config {name}.yaml. Edit it, then:\n"
+            f"#   rlcore check {shown}\n#   rlcore train {shown} --output {runs}\n#\n" + shipped[name].read_text())
+    try:
+        if args.force:  # replaced whole or not at all
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        else:
+            with open(path, "x") as f:  # "x": never over a file, also one created since is_dir() above
+                f.write(text)
+    except FileExistsError:
+        raise RLCoreError(f"{path} exists; pass --force to replace it, or give another path") from None
+    except OSError as exc:
+        raise RLCoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    print(f"wrote {path} (example {name}); next: rlcore check {shown}; rlcore train {shown} --output {runs}")
     return 0
 
 
@@ -175,11 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "affect training (each difference is printed)")
     tr.set_defaults(func=_cmd_train)
 
+    it = sub.add_parser("init", help="write a starter config (an example config shipped with rlcore)")
+    it.add_argument("path", nargs="?", default="rlcore.yaml", help="the file to write (default: rlcore.yaml)")
+    it.add_argument("--example", default="tiny", help="which shipped example (default: tiny, GRPO on a tiny "
+                                                      "local model, CPU); --list shows them")
+    it.add_argument("--list", action="store_true", help="list the shipped example configs and exit")
+    it.add_argument("--force", action="store_true", help="replace the file if it exists")
+    it.set_defaults(func=_cmd_init)
+
     ex = sub.add_parser("export", help="write a checkpoint of a run as a Hugging Face model directory")
     ex.add_argument("run", help="the run directory (its --output)")
     ex.add_argument("overrides", nargs="*", help="dotlist changes to the run's config, e.g. engine.device=cpu")
     ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
     ex.add_argument("--out", help="where to write it (default: RUN/export-step-N; must not exist)")
+    ex.add_argument("--allow-config-change", action="store_true",
+                    help="export even though the run's config.yaml (or an override) differs from the config the "
+                         "checkpoint was written with in keys that change what the weights mean (each is printed)")
     ex.set_defaults(func=_cmd_export)
     return p
 

@@ -25,6 +25,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,26 @@ def _entries(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
 
 
+def precious_dir(path: Path | str) -> str | None:
+    """Why no message may suggest deleting ``path`` and ``--overwrite`` never clears it, or ``None``:
+    the root, a top-level directory (``/usr``, ``/home``), the home directory, or a directory that
+    holds the home directory, the current directory, Python's installation or rlcore's."""
+    p = Path(os.path.realpath(path))
+    if p == p.parent:
+        return "the root directory"
+    if p.parent == p.parent.parent:
+        return "a top-level directory"
+    holds = {"your home directory": Path.home(), "the current directory": Path.cwd(),
+             "Python's installation": Path(sys.prefix), "rlcore's installation": Path(__file__).parent}
+    for what, q in holds.items():
+        q = Path(os.path.realpath(q))
+        if what == "your home directory" and p == q:
+            return "your home directory"
+        if p in q.parents:
+            return f"a directory that holds {what}"
+    return None
+
+
 def _topmost_missing(out: Path) -> Path | None:
     top = None
     for d in [out, *out.parents]:
@@ -129,9 +150,9 @@ def prepare_output_dir(out: Path | str, *, resume: bool, overwrite: bool, info: 
             if not _entries(out):
                 raise RunOutputError(f"--resume: {out} is empty or absent, there is nothing to resume; "
                                      f"start the run without --resume")
+            fresh = ("another --output" if precious_dir(out) else f"--overwrite (deletes {out}) or another --output")
             raise RunOutputError(
-                f"--resume: no complete checkpoint in {out / CHECKPOINT_DIR}{why}. Start a new run with "
-                f"--overwrite (deletes {out}) or another --output"
+                f"--resume: no complete checkpoint in {out / CHECKPOINT_DIR}{why}. Start a new run with {fresh}"
             )
         return RunDirectory(out, RunLock.acquire(out), new=False, created=None)
     created = None
@@ -140,11 +161,17 @@ def prepare_output_dir(out: Path | str, *, resume: bool, overwrite: bool, info: 
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         if RunLock.holder(out) is not None:  # in use: say by whom, before anything else
             RunLock.acquire(out).release()  # raises naming the holder (unless it just ended)
+        precious = precious_dir(out)
         if not overwrite:
+            if precious:  # never suggest deleting /, $HOME, or what holds the current directory
+                raise RunOutputError(f"output directory {out} is not empty ({shown}) and is {precious}: choose "
+                                     f"another --output (a new or empty directory)")
             raise RunOutputError(
                 f"output directory {out} is not empty ({shown}): pass --resume to continue the run in it, "
                 f"--overwrite to delete it and start over, or choose another --output"
             )
+        if precious:
+            raise RunOutputError(f"--overwrite: refusing to clear {out}: it is {precious}; choose another --output")
         if not is_rlcore_run(out):
             raise RunOutputError(
                 f"--overwrite: {out} is not an rlcore run directory (no rlcore {RUN_MARKER}; it holds {shown}); "
@@ -241,9 +268,13 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"))
-            except Exception as exc:  # noqa: BLE001 - tensorboard is optional
-                self.tb_note = (f"tensorboard not available ({type(exc).__name__}: {exc}); no event files: "
-                                f"pip install 'rlcore[tensorboard]', or set output.tensorboard=false")
+            except ImportError as exc:  # the optional extra is not installed: said once, in the banner
+                self.tb_note = (f"no TensorBoard event files: tensorboard is not installed ({exc}); every metric "
+                                f"is in {METRICS_FILE}. pip install 'rlcore[tensorboard]' for event files, or set "
+                                f"output.tensorboard=false to drop this note")
+            except Exception as exc:  # noqa: BLE001 - installed, but cannot write: say why, the run goes on
+                self.tb_note = (f"no TensorBoard event files: {type(exc).__name__}: {exc}; every metric is in "
+                                f"{METRICS_FILE} (output.tensorboard=false turns event files off)")
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps after ``step`` (a resumed run rewrites them); atomic."""
@@ -308,10 +339,20 @@ def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
     return [_decode_row(r) for r in _read_lines(path)]
 
 
-def plot_rewards(out_dir: Path, title: str = "") -> Path | None:
-    rows = read_metrics(out_dir)
-    if not rows:
-        return None
+def reward_axis_limits(rewards: list[float]) -> tuple[float, float]:
+    """The reward plot's y-range: the fixed frame [0, 1] (padded) when every finite reward lies in
+    it, so runs of 0/1 rewards compare at a glance; else the data's own range, padded, so that
+    negative or large rewards are never cut off."""
+    finite = [float(r) for r in rewards if isinstance(r, (int, float)) and math.isfinite(r)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    if lo >= 0.0 and hi <= 1.0:
+        lo, hi = 0.0, 1.0
+    pad = 0.02 * hi - 0.02 * lo if hi > lo else max(0.02 * abs(hi), 0.02)  # (hi - lo) may overflow
+    return max(lo - pad, -sys.float_info.max), min(hi + pad, sys.float_info.max)
+
+
+def reward_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
+    """The reward (left) and entropy/KL (right) figure of the metrics rows, a matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,8 +367,8 @@ def plot_rewards(out_dir: Path, title: str = "") -> Path | None:
     ax[0].plot(steps, smooth, label=f"{window}-step average")
     ax[0].set_xlabel("step")
     ax[0].set_ylabel("reward")
-    ax[0].set_ylim(-0.02, 1.02 if max(reward) <= 1 else None)
-    ax[0].legend(loc="lower right")
+    ax[0].set_ylim(*reward_axis_limits(reward))
+    ax[0].legend(loc="best")
     ax[0].grid(alpha=0.3)
     if "entropy" in rows[0]:
         ax[1].plot(steps, [r.get("entropy", float("nan")) for r in rows], color="tab:green", label="entropy")
@@ -338,6 +379,16 @@ def plot_rewards(out_dir: Path, title: str = "") -> Path | None:
     ax[1].grid(alpha=0.3)
     fig.suptitle(title or "rlcore train")
     fig.tight_layout()
+    return fig
+
+
+def plot_rewards(out_dir: Path, title: str = "") -> Path | None:
+    rows = read_metrics(out_dir)
+    if not rows:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = reward_figure(rows, title)
     path = Path(out_dir) / PLOT_FILE
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -388,7 +439,8 @@ def _write_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 4 MiB blocks (checkpoint records, export manifests)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -458,7 +510,7 @@ def save_checkpoint(out_dir: Path, state: dict[str, Any], meta: dict[str, Any], 
             os.fsync(f.fileno())
         fault_point("checkpoint_write")
         record = dict(meta, format=CHECKPOINT_FORMAT, state_file=final.name, state_bytes=tmp.stat().st_size,
-                      state_sha256=_sha256(tmp), written=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                      state_sha256=sha256_file(tmp), written=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         os.replace(tmp, final)
         _fsync_dir(d)
         fault_point("checkpoint_meta")
@@ -546,7 +598,7 @@ def load_checkpoint_state(state_path: Path, record: dict[str, Any], hint: str = 
     if size != want_size:
         raise CheckpointError(f"checkpoint file {state_path} is truncated or altered: {size} bytes, its record "
                               f"says {want_size}{hint}")
-    if _sha256(state_path) != want_sha:
+    if sha256_file(state_path) != want_sha:
         raise CheckpointError(f"checkpoint file {state_path} is corrupt: its sha256 differs from the one recorded "
                               f"when it was written{hint}")
     try:

@@ -15,6 +15,36 @@ from rlcore.run_output import METRICS_FILE, plot_rewards, read_metrics
 from rlcore.sync import sync_level
 
 
+def critic_fields(m: dict[str, Any]) -> str:
+    """The critic's value loss and explained variance, for the step line ("" without a critic)."""
+    if "critic/vf_loss" not in m and "critic/explained_variance" not in m:
+        return ""
+    text = "critic"
+    if "critic/vf_loss" in m:
+        text += f" vf_loss {m['critic/vf_loss']:.4f}"
+    if "critic/explained_variance" in m:
+        text += f" ev {m['critic/explained_variance']:.2f}"
+    return text + (" (policy frozen)" if m.get("critic/policy_frozen") else "")
+
+
+def environment_fields(m: dict[str, Any]) -> str:
+    """A multi-turn environment's turns (mean/max), tool calls and failures over every tool, and
+    the share of samples cut short by a limit, for the step line ("" for single-turn)."""
+    if "env/turns_mean" not in m:
+        return ""
+    text = f"env turns {m['env/turns_mean']:.1f}/{m.get('env/turns_max', m['env/turns_mean']):.0f}"
+    calls = [v for k, v in m.items() if k.startswith("env/tool_calls/")]
+    if calls:
+        failed = sum(v for k, v in m.items() if k.startswith("env/tool_failures/"))
+        text += f" tools {sum(calls):.0f} ({failed:.0f} failed)"
+    # end reasons an environment chooses are its own; rlcore's limits (max_turns, max_tool_calls,
+    # max_total_tokens) cutting conversations short is what a user watches for
+    cut = sum(v for k, v in m.items() if k.startswith("env/end/max_"))
+    if cut:
+        text += f" cut {cut:.0%}"
+    return text
+
+
 class RunReport:
     def __init__(self, console: Any, stack: Any, algorithm_name: str, out: Path):
         self.console, self.stack, self.out = console, stack, out
@@ -51,7 +81,8 @@ class RunReport:
         self.console.print(
             f"step {m['step']:4d}/{self.cfg.training.steps}  reward {m['reward_mean']:.3f}  "
             f"kl {m.get('kl', 0.0):.4f}  entropy {m.get('entropy', 0.0):.3f}  "
-            f"tok/s {m['tokens_per_second']:7.0f}  sync {report.seconds * 1e3:6.1f} ms {ok} v{report.version}  "
+            + "".join(f"{part}  " for part in (critic_fields(m), environment_fields(m)) if part)
+            + f"tok/s {m['tokens_per_second']:7.0f}  sync {report.seconds * 1e3:6.1f} ms {ok} v{report.version}  "
             f"wall {m['wall_seconds']:.1f}s"
             + (f"  stale {m['loop/staleness_mean']:.1f}/{m['loop/staleness_max']:.0f}"
                f" waited {m['loop/trainer_wait_s']:.2f}s" if "loop/staleness_max" in m else "")

@@ -53,7 +53,7 @@ from rlcore.errors import CheckpointError, RLCoreError
 from rlcore.parallel.data_parallel import DistributedRanks, all_reduce_gradients, shard_bounds
 from rlcore.pass_metrics import PassMetrics
 from rlcore.ranks import on_writer
-from rlcore.run_output import CHECKPOINT_DIR, _sha256, _stem, save_checkpoint
+from rlcore.run_output import CHECKPOINT_DIR, _stem, save_checkpoint, sha256_file
 
 #: the config keys of each layout dimension, named by a layout error
 LAYOUT_KEYS = {"tp": "cluster.trainer.tp / megatron.tensor_parallel_size",
@@ -146,7 +146,7 @@ class ModelParallel(DistributedRanks):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, shard)
-        mine = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": _sha256(shard)}
+        mine = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": sha256_file(shard)}
         files: list[Any] = [None] * self.ranks.world
         dist.all_gather_object(files, mine)  # also the barrier: every shard is on disk
         state = {"engine": {"sharded": dict(self.layout)}, **run_state}
@@ -171,7 +171,7 @@ class ModelParallel(DistributedRanks):
         shard = path.parent / str(info["file"])
         if not shard.is_file():
             raise CheckpointError(f"checkpoint shard {shard} of rank {self.ranks.rank} is missing")
-        if shard.stat().st_size != int(info["bytes"]) or _sha256(shard) != str(info["sha256"]):
+        if shard.stat().st_size != int(info["bytes"]) or sha256_file(shard) != str(info["sha256"]):
             raise CheckpointError(f"checkpoint shard {shard} is truncated or altered (size or sha256 differs from "
                                   f"the record {path.with_suffix('.json')})")
         try:

@@ -30,6 +30,28 @@ def make_model_dir(path: str | Path, arch: str = "qwen2", seed: int = 0, **overr
     return save_tiny(path, tiny_config(arch, seed, **overrides), WORDS)
 
 
+def model_dir_tensors(model_dir: str | Path) -> dict[str, Any]:
+    """Every tensor of a model directory's ``*.safetensors`` files, by name (fails on a directory
+    without weights)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    assert files, f"no safetensors in {model_dir}: {sorted(p.name for p in Path(model_dir).iterdir())}"
+    out: dict[str, Any] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def assert_same_tensors(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """The same names and, for each, bit-identical tensors (one process's values, never stored ones)."""
+    import torch
+
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def make_mixed_moe_dir(path: str | Path) -> tuple[Path, Any, Any]:
     """A tiny Qwen3-MoE with a dense middle layer (``mlp_only_layers=[1]``: routed layers 0 and 2)
     saved as an HF directory at ``path``: ``(path, model, tokenizer)``."""
