@@ -215,7 +215,6 @@ def test_a_task_returning_the_wrong_prompts_is_named(tmp_path, monkeypatch, task
 
     (tmp_path / "badtasks.py").write_text(BAD_TASKS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    trainer = Trainer(load_stack(TINY, [f"output.dir={tmp_path / 'run'}", *SMALL, f"data.task=badtasks:{task}"]))
-    with pytest.raises(ConfigError, match=match) as e:
-        trainer.run()
+    with pytest.raises(ConfigError, match=match) as e:  # preflight makes the first steps' prompts: before a step
+        Trainer(load_stack(TINY, [f"output.dir={tmp_path / 'run'}", *SMALL, f"data.task=badtasks:{task}"])).run()
     assert e.value.key == "data.task" and f"task {task!r}" in str(e.value)

@@ -86,3 +86,20 @@ def gloo_ranks() -> Callable[..., RankExits]:
         return RankExits([None if kill else p.exitcode for p, kill in zip(procs, killed, strict=True)], got)
 
     return spawn
+
+
+@pytest.fixture
+def check_refusal(capsys) -> Callable[..., str]:
+    """``check_refusal(config, *overrides)``: ``rlcore check`` refuses in one line (exit code 2,
+    no traceback); returns the line."""
+    from rlcore.cli import main
+
+    def refused(config: str, *overrides: str) -> str:
+        rc = main(["check", config, *overrides])
+        out, err = capsys.readouterr()
+        assert rc == 2, f"check accepted {overrides}: {out[-400:]}"
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("rlcore: error: "), err
+        return lines[0]
+
+    return refused

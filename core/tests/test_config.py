@@ -105,3 +105,28 @@ def test_a_tiny_model_no_engine_can_build_is_refused_by_the_config(overrides, ke
     assert e.value.key == key and key in str(e.value)
     if key != "engine.model.dtype":  # a model directory is built from its own config.json: tiny is unused
         load_config(None, ["engine.model.path=/any/dir", *overrides])
+
+
+def test_every_problem_of_a_config_is_named_at_once_with_the_closest_key(tmp_path):
+    """Issue 38: one run of ``rlcore check`` names every problem of the file, not the first only;
+    an unknown key gets the known key it most likely meant."""
+    from rlcore import errors
+
+    text = ("trainig: {steps: 3}\n"              # unknown section
+            "training: {lrr: 0.1, steps: 0}\n"   # unknown key, out of range
+            "rollout: {n: lots, top_p: 2.0}\n"    # wrong type, out of range
+            "data: {taskk: x}\n")                 # unknown key
+    with pytest.raises(getattr(errors, "ConfigErrors", ConfigError)) as e:
+        load_config(_yaml(tmp_path, text))
+    msg = str(e.value)
+    keys = [p.key for p in e.value.problems]
+    assert keys == ["trainig", "training.lrr", "rollout.n", "data.taskk", "training.steps", "rollout.top_p"], msg
+    assert "did you mean 'training'?" in msg and "did you mean 'lr'?" in msg and "did you mean 'task'?" in msg
+    assert msg.splitlines()[0] == "6 problems in the config:" and len(msg.splitlines()) == 7
+
+
+def test_a_single_problem_is_still_one_line_naming_its_key(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_yaml(tmp_path, "training: {lrr: 0.1}\n"))
+    assert type(e.value) is ConfigError and e.value.key == "training.lrr"
+    assert "\n" not in str(e.value) and "did you mean 'lr'?" in str(e.value)

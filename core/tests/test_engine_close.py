@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rlcore.errors import PluginHookError
 from rlcore.stack import load_stack
 from rlcore.trainer import Trainer
 
@@ -45,7 +46,8 @@ def test_a_build_that_fails_after_the_engine_exists_closes_it(tmp_path):
         raise RuntimeError("the rollout backend could not be built")
 
     stack.rollout_backend = replace(stack.rollout_backend, factory=failing_backend)
-    with pytest.raises(RuntimeError, match="could not be built"):
+    with pytest.raises(PluginHookError, match="the factory of rollout_backend 'local' raised RuntimeError: the rollout "
+                                              "backend could not be built"):
         Trainer(stack)
     assert closed == ["closed"]
     assert not (tmp_path / "run").exists()  # and the directory it took is given back, as before

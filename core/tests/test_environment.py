@@ -258,7 +258,7 @@ def test_single_turn_gives_the_metrics_the_rollout_gave_without_an_environment(t
         out = tmp_path / name
         trainer = Trainer(load_stack(str(TINY), ["training.steps=3", f"output.dir={out}", "output.checkpoint_every=0",
                                                  "output.plot=false", "data.prompts_per_step=4"]))
-        assert isinstance(trainer.built.environment, SingleTurnEnvironment)
+        assert isinstance(trainer.built.environment.inner, SingleTurnEnvironment)  # as built, its plugin named
         if not keep:
             trainer.built.environment = None
         trainer.run()

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from rlcore.batch import PackedBatch, sample_routes
 from rlcore.errors import RLCoreError
+from rlcore.preflight import MAX_LR
 from rlcore.sync import iter_buckets, tensor_checksum
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
@@ -274,6 +275,10 @@ def valid_documents(draw) -> dict[str, Any]:
             put(key, st.sampled_from(["float32", "bfloat16", "float16"]))
         elif key == "sync.name":
             put(key, st.sampled_from(["inproc", "disk"]))
+        elif key == "training.lr":  # preflight.check_optimizer: below MAX_LR, and lr x weight_decay < 1
+            put(key, st.floats(0.0, MAX_LR, exclude_max=True))
+        elif key == "training.weight_decay":
+            put(key, st.floats(0.0, 1.0, exclude_max=True))
         else:
             strategy = _leaf_strategy(key)
             assert strategy is not None, f"{key}: no rule makes its valid values; add one, or hold it (HELD)"

@@ -130,9 +130,12 @@ def test_the_trainer_runs_preflight_first(tmp_path):
 
 
 def test_sizes_a_real_machine_runs_pass(capsys):
-    """Absurd-only bounds: a large step and a larger model than the tiny one are not refused."""
+    """Absurd-only bounds: a large step and a larger model than the tiny one are not refused (a
+    0.7B model in bfloat16: 8.7 GB to train, weights, gradients, AdamW's moments and the local
+    rollout's two copies counted)."""
     assert main(["check", TINY, "rollout.n=64", "data.prompts_per_step=512", "rollout.max_new_tokens=256",
-                 "engine.model.tiny.hidden_size=2048", "engine.model.tiny.num_layers=24",
+                 "engine.model.dtype=bfloat16",
+                 "engine.model.tiny.hidden_size=2048", "engine.model.tiny.num_layers=12",
                  "engine.model.tiny.intermediate_size=8192", "engine.model.tiny.num_heads=16",
                  "engine.model.tiny.num_kv_heads=4", "engine.model.tiny.head_dim=128", "rollout.temperature=0.6"]) == 0
     assert "config OK" in capsys.readouterr().out
@@ -164,7 +167,8 @@ def test_a_model_directory_is_read_for_its_context_and_tokenizer(capsys, model_d
     assert "data.task" in line and f"more than the model's 512 positions ({model_dir} (qwen2)" in line
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_text((model_dir / "config.json").read_text())
+    for name in ("config.json", "model.safetensors"):  # weights, but no tokenizer files
+        (bare / name).write_bytes((model_dir / name).read_bytes())
     line = _check_error(capsys, f"engine.model.path={bare}")  # transformers builds an empty tokenizer
     assert line.startswith(f"rlcore: error: engine.model.path: the tokenizer of {bare} (qwen2) (1 tokens) turns "
                            f"prompt 0 of step 0 ") and "into no tokens" in line

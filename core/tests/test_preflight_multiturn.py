@@ -12,15 +12,6 @@ from rlcore.cli import main
 TOOLS = "examples/tiny_tools.yaml"  # longest prompt 4 tokens, max_turns 2, observation_tokens 8, max_total_tokens 16
 
 
-def _refusal(capsys, *overrides: str) -> str:
-    rc = main(["check", TOOLS, *overrides])
-    out, err = capsys.readouterr()
-    assert rc == 2, f"check accepted {overrides}: {out[-400:]}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rlcore: error: "), err
-    return lines[0]
-
-
 REFUSED = [
     # every turn fits alone; 100 turns and their observations do not (4 + 100 x 1 + 99 x 8 = 896)
     (["environment.max_total_tokens=0", "environment.max_turns=100"], "environment.max_turns", "= 896 tokens"),
@@ -36,8 +27,8 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("overrides,key,says", REFUSED, ids=[" ".join(c[0]) for c in REFUSED])
-def test_the_longest_conversation_is_refused_naming_the_key(capsys, overrides, key, says):
-    line = _refusal(capsys, *overrides)
+def test_the_longest_conversation_is_refused_naming_the_key(check_refusal, overrides, key, says):
+    line = check_refusal(TOOLS, *overrides)
     assert f"rlcore: error: {key}:" in line and says in line and "512 positions" in line, line
 
 

@@ -10,6 +10,7 @@ that name the full key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from collections.abc import Iterator, Sequence
@@ -24,7 +25,7 @@ from rlcore.algorithm_settings import DapoConfig, KLControlConfig, MismatchConfi
 from rlcore.algorithms.spec import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
 from rlcore.environment_settings import EnvironmentConfig, check_environment
-from rlcore.errors import ConfigError
+from rlcore.errors import ConfigError, ConfigErrors
 from rlcore.loop_settings import LoopConfig, check_loop
 from rlcore.model_settings import ATTENTION_CHOICES, check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
@@ -306,59 +307,132 @@ def schema_with_plugins(settings: Sequence[Any], algorithm: Any) -> type:
     return dataclasses.make_dataclass("RunConfigWithPlugins", extra, bases=(RunConfig,))
 
 
+class _Problems:
+    """The config's problems, collected so that one run of ``rlcore check`` names them all."""
+
+    def __init__(self) -> None:
+        self.found: list[ConfigError] = []
+
+    def add(self, err: ConfigError) -> None:
+        if not any(str(e) == str(err) for e in self.found):
+            self.found.append(err)
+
+    def attempt(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; a :class:`ConfigError` it raises is collected. Once a problem is known, a
+        later check may trip over that bad value in another way: what it raises then is not news."""
+        try:
+            return fn(*args)
+        except ConfigErrors as errs:
+            for e in errs.problems:
+                self.add(e)
+        except ConfigError as err:
+            self.add(err)
+        except Exception:
+            if not self.found:
+                raise
+        return None
+
+    def raise_if_any(self) -> None:
+        if len(self.found) == 1:
+            raise self.found[0]
+        if self.found:
+            raise ConfigErrors(self.found)
+
+
 def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sections: dict[str, str] | None = None,
              algorithms: dict[str, Any] | None = None) -> DictConfig:
-    """Merge ``raw`` into the structured schema. Errors name the full key. ``algorithms``: the
-    registered algorithm specs by name (default: core's built-ins)."""
-    algo = selected_algorithm(raw, algorithms if algorithms is not None else builtin_algorithms())
-    schema = schema_with_plugins(settings, algo)
+    """Merge ``raw`` into the structured schema. Errors name the full key; every problem of the
+    document is reported at once (:class:`~rlcore.errors.ConfigErrors` when there are several),
+    unknown keys with the closest known one. ``algorithms``: the registered algorithm specs by
+    name (default: core's built-ins)."""
+    problems = _Problems()
+    known_algorithms = algorithms if algorithms is not None else builtin_algorithms()
+    algo = problems.attempt(selected_algorithm, raw, known_algorithms)
+    schema = schema_with_plugins(settings, algo or known_algorithms.get("grpo") or next(iter(known_algorithms.values())))
     active_sections = {ps.section for ps in settings}
-    for key in raw.keys():
-        key = str(key)
+    top_level = CORE_SECTIONS + tuple(sorted(active_sections))
+    raw = raw.copy()
+    for key in [str(k) for k in raw.keys()]:
         if key in CORE_SECTIONS or key in active_sections:
             continue
         owner = (known_plugin_sections or {}).get(key)
         if owner:
-            raise ConfigError(
-                f"config section {key!r} belongs to plugin {owner!r}, which is not active: add "
-                f"{owner!r} to plugins:",
-                key=key,
-            )
-        raise ConfigError(
-            f"unknown config key {key!r}. Top-level keys: {', '.join(CORE_SECTIONS + tuple(sorted(active_sections)))}",
-            key=key,
-        )
+            problems.add(ConfigError(f"config section {key!r} belongs to plugin {owner!r}, which is not active: add "
+                                     f"{owner!r} to plugins:", key=key))
+        else:
+            problems.add(ConfigError(f"unknown config key {key!r}. Top-level keys: {', '.join(top_level)}"
+                                     f"{_did_you_mean(key, top_level)}", key=key))
+        del raw[key]
+    if algo is None and "algorithm" in raw:  # the algorithm's own keys cannot be checked without it
+        raw.algorithm = {k: v for k, v in raw.algorithm.items()
+                         if k in {f.name for f in dataclasses.fields(AlgorithmConfig)}}
     engine = raw.get("engine")
     if isinstance(engine, DictConfig) and isinstance(engine.get("model"), str):  # engine.model=DIR: the model's path
         engine.model = {"path": engine.model}
     base = OmegaConf.structured(schema)
     try:
         merged = OmegaConf.merge(base, raw)
-    except oc_errors.ConfigKeyError as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        known = _known_keys(base, parent)
-        raise ConfigError(
-            f"unknown config key {key!r}" + (f"; {parent} has: {', '.join(known)}" if known else ""),
-            key=key,
-        ) from exc
-    except (oc_errors.ValidationError, oc_errors.ConfigTypeError) as exc:
-        key = getattr(exc, "full_key", None) or _container_mismatch(base, raw) or "?"
-        msg = str(exc).splitlines()[0]
-        raise ConfigError(f"bad value for config key {key!r}: {msg}", key=key) from exc
-    except (TypeError, ValueError) as exc:  # omegaconf: a mapping where the schema has a list, ...
-        key = _container_mismatch(base, raw) or "?"
-        raise ConfigError(f"bad value for config key {key!r}: {exc}", key=key) from exc
+    except (oc_errors.ConfigKeyError, oc_errors.ValidationError, oc_errors.ConfigTypeError, TypeError,
+            ValueError) as exc:
+        merged = _merge_each_leaf(base, raw, problems, exc)
     OmegaConf.set_readonly(merged, False)
-    _check_values(merged)
-    _resolve_algorithm(merged, algo)
+    problems.attempt(_check_values, merged, problems)
+    if algo is not None:
+        problems.attempt(_resolve_algorithm, merged, algo)
     for ps in settings:
         if ps.validate is not None:
             if _takes_two_arguments(ps.validate):
-                ps.validate(merged[ps.section], merged)
+                problems.attempt(ps.validate, merged[ps.section], merged)
             else:
-                ps.validate(merged[ps.section])
+                problems.attempt(ps.validate, merged[ps.section])
+    problems.raise_if_any()
     return merged  # type: ignore[return-value]
+
+
+def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _merge_error(base: DictConfig, raw: Any, exc: Exception) -> ConfigError:
+    """The :class:`ConfigError` for omegaconf's merge error ``exc`` (naming the key)."""
+    if isinstance(exc, oc_errors.ConfigKeyError):
+        key = getattr(exc, "full_key", None) or "?"
+        parent, _, leaf = key.rpartition(".")
+        known = _known_keys(base, parent)
+        return ConfigError(f"unknown config key {key!r}" + (f"; {parent} has: {', '.join(known)}" if known else "")
+                           + _did_you_mean(leaf, known), key=key)
+    if isinstance(exc, (oc_errors.ValidationError, oc_errors.ConfigTypeError)):
+        key = getattr(exc, "full_key", None) or _container_mismatch(base, raw) or "?"
+        return ConfigError(f"bad value for config key {key!r}: {str(exc).splitlines()[0]}", key=key)
+    key = _container_mismatch(base, raw) or "?"  # omegaconf: a mapping where the schema has a list, ...
+    return ConfigError(f"bad value for config key {key!r}: {exc}", key=key)
+
+
+def _merge_each_leaf(base: DictConfig, raw: DictConfig, problems: _Problems, first: Exception) -> DictConfig:
+    """The whole merge failed: merge each leaf of ``raw`` on its own to name every key that does
+    not fit (runs only for a document with errors), and return the merge of the leaves that fit."""
+    good: list[tuple[str, Any]] = []
+    for key, value in _flat(OmegaConf.to_container(raw, resolve=False)):
+        one = OmegaConf.create()
+        OmegaConf.update(one, key, value, force_add=True)
+        try:
+            OmegaConf.merge(base, one)
+        except (oc_errors.ConfigKeyError, oc_errors.ValidationError, oc_errors.ConfigTypeError, TypeError,
+                ValueError) as exc:
+            problems.add(_merge_error(base, one, exc))
+            continue
+        good.append((key, value))
+    if not problems.found:  # the leaves fit one by one but not together: say what omegaconf said
+        problems.add(_merge_error(base, raw, first))
+    ok = OmegaConf.create()
+    for key, value in good:
+        OmegaConf.update(ok, key, value, force_add=True)
+    try:
+        return OmegaConf.merge(base, ok)  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001 - what is wrong is already collected
+        problems.raise_if_any()
+        raise
 
 
 def _takes_two_arguments(fn: Any) -> bool:
@@ -411,22 +485,26 @@ _CHOICES = {
 }
 
 
-def _check_values(cfg: DictConfig) -> None:
+def _check_values(cfg: DictConfig, problems: _Problems | None = None) -> None:
+    """Every value check of core's sections; with ``problems``, each check's refusal is collected
+    and the others still run (without, the first refusal is raised)."""
+    own = problems is None  # called alone: raise what it finds
+    problems = problems if problems is not None else _Problems()
     for key, choices in _CHOICES.items():
         val = OmegaConf.select(cfg, key)
         if val not in choices:
-            raise ConfigError(f"bad value for config key {key!r}: {val!r}; choose one of: {', '.join(choices)}", key=key)
-    _check_ranges(cfg)
-    check_local_rollout(cfg)
+            problems.add(ConfigError(f"bad value for config key {key!r}: {val!r}; choose one of: {', '.join(choices)}",
+                                     key=key))
+    _check_ranges(cfg, problems)
     for key in ("data.task", "data.reward"):
         val = OmegaConf.select(cfg, key)
         if ":" not in val:
-            raise ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key)
-    check_model(cfg)
-    check_cluster(cfg)
-    check_loop(cfg)
-    check_environment(cfg)
-    resolve_seed_per_prompt(cfg)
+            problems.add(ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key))
+    for check in (check_local_rollout, check_model, check_cluster, check_loop, check_environment,
+                  resolve_seed_per_prompt):
+        problems.attempt(check, cfg)
+    if own:
+        problems.raise_if_any()
 
 
 #: numeric keys of core's sections and the range each must lie in (an algorithm's own keys, e.g.
@@ -475,23 +553,29 @@ def _flat(node: Any, prefix: str = "", *, into_lists: bool = False) -> Iterator[
         yield prefix[:-1], node
 
 
-def _check_ranges(cfg: DictConfig) -> None:
+def _check_ranges(cfg: DictConfig, problems: _Problems | None = None) -> None:
+    own = problems is None  # called alone: raise what it finds
+    problems = problems if problems is not None else _Problems()
     for key, val in _flat(OmegaConf.to_container(cfg, resolve=True), into_lists=True):
         if isinstance(val, float) and not math.isfinite(val):  # NaN passes every < and >
-            raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be a finite number", key=key)
+            problems.add(ConfigError(f"bad value for config key {key!r}: {val!r}; must be a finite number", key=key))
     for key, (lo, hi, lo_in, hi_in) in _RANGES.items():
         val = OmegaConf.select(cfg, key)
-        if val is None or (lo < val < hi) or (val == lo and lo_in) or (val == hi and hi_in):
+        if (val is None or (isinstance(val, float) and not math.isfinite(val)) or (lo < val < hi)
+                or (val == lo and lo_in) or (val == hi and hi_in)):
             continue
         if hi == math.inf:
-            raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be {'>=' if lo_in else '>'} {lo:g}",
-                              key=key)
-        raise ConfigError(f"bad value for config key {key!r}: {val!r}; must be in {'[' if lo_in else '('}{lo:g}, "
-                          f"{hi:g}{']' if hi_in else ')'}", key=key)
+            problems.add(ConfigError(f"bad value for config key {key!r}: {val!r}; must be "
+                                     f"{'>=' if lo_in else '>'} {lo:g}", key=key))
+        else:
+            problems.add(ConfigError(f"bad value for config key {key!r}: {val!r}; must be in "
+                                     f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}", key=key))
     betas = list(cfg.training.betas)
     if len(betas) != 2 or not all(isinstance(b, float) and 0.0 <= b < 1.0 for b in betas):
-        raise ConfigError(f"bad value for config key 'training.betas': {betas!r}; must be two numbers in [0, 1)",
-                          key="training.betas")
+        problems.add(ConfigError(f"bad value for config key 'training.betas': {betas!r}; must be two numbers in "
+                                 f"[0, 1)", key="training.betas"))
+    if own:
+        problems.raise_if_any()
 
 
 #: keys that do not change what a run computes, so resuming with another value is fine: where the

@@ -15,6 +15,17 @@ class ConfigError(RLCoreError, ValueError):
         self.key = key
 
 
+class ConfigErrors(ConfigError):
+    """Every problem found in one config at once (each a :class:`ConfigError` naming its key), so
+    one edit fixes them all; the message is one line per problem. ``key`` is the first one's."""
+
+    def __init__(self, problems: list[ConfigError]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problems in the config:\n{lines}",
+                         key=self.problems[0].key if self.problems else None)
+
+
 class PluginError(RLCoreError):
     """Base of plugin loading and selection errors."""
 
@@ -37,6 +48,27 @@ class PluginConflictError(PluginError):
 
 class PluginValidationError(PluginError):
     """A hook implementation does not fit its spec, or implements a hook that does not exist."""
+
+
+class PluginHookError(PluginError):
+    """A plugin's hook (or what a hook provided: a factory, an environment's ``reset``/``step``/
+    ``final_reward``) raised; the one-line message names the plugin, its distribution, the hook
+    and the exception. ``plugin`` and ``hook`` say the same for code; ``__cause__`` is the
+    original exception."""
+
+    def __init__(self, message: str, plugin: str | None = None, hook: str | None = None):
+        super().__init__(message)
+        self.plugin = plugin
+        self.hook = hook
+
+    def __reduce__(self):  # picklable with its fields: ranks and Ray actors pass it on
+        return (type(self), (str(self), self.plugin, self.hook))
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc``'s message on one line, cut to ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    return text[:limit] + ("..." if len(text) > limit else "")
 
 
 class UnknownProviderError(PluginError, ConfigError):

@@ -60,7 +60,7 @@ from rlcore.types import (
     WeightSyncSpec,
 )
 
-__all__ = ["PluginManager", "load_plugin_manager"]
+__all__ = ["PluginManager", "call_hook", "hook_error", "load_plugin_manager"]
 
 
 class PluginManager:
@@ -308,8 +308,10 @@ class PluginManager:
         out = []
         for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):
             ld = by_module[id(impl.plugin)]
-            answer = impl.function(*[kwargs[a] for a in impl.argnames])
-            for item in (list(answer or ()) if many else [answer] if answer is not None else []):
+            answer = call_hook(ld, hook, impl.function, *[kwargs[a] for a in impl.argnames])
+            if many:  # a generator's body runs while it is read: read it under the same error
+                answer = call_hook(ld, hook, lambda a=answer: list(a or ()))
+            for item in (answer if many else [answer] if answer is not None else []):
                 if not isinstance(item, expected):
                     raise errors.PluginValidationError(
                         f"Plugin {ld.name!r} ({ld.label}): hook {hook!r} must return "
@@ -455,7 +457,16 @@ class PluginManager:
         return bool(self._pm.hook.router_hook.get_hookimpls())
 
     def router_hook(self, call: Any) -> RouterDecision | None:
-        return self._pm.hook.router_hook(call=call)
+        """The first active plugin's answer that is not None (config order), as pluggy's
+        ``firstresult``; an implementation that raises is named (:func:`call_hook`)."""
+        by_module = {id(ld.module): ld for ld in self._loaded.values()}
+        for impl in reversed(self._pm.hook.router_hook.get_hookimpls()):
+            ld = by_module.get(id(impl.plugin))
+            args = [{"call": call}[a] for a in impl.argnames]
+            answer = impl.function(*args) if ld is None else call_hook(ld, "router_hook", impl.function, *args)
+            if answer is not None:
+                return answer
+        return None
 
     def step_end(self, ctx: Any) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -470,6 +481,25 @@ class PluginManager:
         without activating anything (see :func:`rlcore.listing.describe_plugins`)."""
         return describe_plugins(self.installed(), self._loaded, selected=selected,
                                 disabled=self.disabled_plugins())
+
+
+def hook_error(plugin: str, label: str, hook: str, exc: BaseException) -> errors.PluginHookError:
+    """The one-line error for plugin ``plugin`` (``label``: its distribution and version) whose
+    ``hook`` (a hook, or what one provided: ``environment 'x'.reset``, a factory) raised ``exc``."""
+    return errors.PluginHookError(f"plugin {plugin!r} ({label}): {hook} raised {type(exc).__name__}: "
+                                  f"{errors.one_line(exc)}", plugin=plugin, hook=hook)
+
+
+def call_hook(ld: Any, hook: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, plugin ``ld``'s implementation of ``hook``: an exception it raises becomes
+    one :class:`~rlcore.errors.PluginHookError` naming the plugin and the hook (the original as
+    its ``__cause__``). rlcore's own errors pass unchanged: they already say what to do."""
+    try:
+        return fn(*args)
+    except errors.RLCoreError:
+        raise
+    except Exception as exc:
+        raise hook_error(ld.name, ld.label, hook, exc) from exc
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str | None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from rlcore.config import DataConfig, RolloutConfig, TinyModelConfig
 from rlcore.errors import ConfigError
+from rlcore.errors import one_line as _one_line
 from rlcore.model_settings import DTYPE_BYTES
 from rlcore.types import Cap
 
@@ -42,6 +43,16 @@ from rlcore.types import Cap
 #: the smallest temperature that is still greedy decoding and not rounding noise (examples/
 #: vllm_tiny_mtp.yaml decodes greedily at it); RL samples at 0.6 to 1.2.
 MIN_TEMPERATURE = 1e-6
+#: at or above this ``training.lr`` (or ``algorithm.critic.lr``) a run is refused. The engines
+#: train with AdamW, whose first update moves every weight with a gradient by exactly ``lr``
+#: (bias-corrected m/sqrt(v) is the gradient's sign), whatever the gradient's size: at lr >= 1 one
+#: step replaces every weight (initialised at std 0.02 to 0.08, pretrained mostly |w| < 1) by
+#: noise of that amplitude. Measured on examples/tiny.yaml: lr 1 and 100 collapse the entropy to 0
+#: within 4 steps, 1e10 overflows float32 activations (inf in the sampler, a traceback). LLM RL
+#: uses 1e-7 to 1e-5, pretraining at most about 1e-2; the tiny example 1e-3.
+MAX_LR = 1.0
+#: the largest float32: a loss or reward coefficient above it is inf in the trainer's float32 math
+FLOAT32_MAX = 3.4028234663852886e38
 #: a lower bound of the bytes a step holds per token however it is split: the token id (int64),
 #: its behaviour log-prob and advantage (fp32 each); activations and KV cache come on top
 BATCH_BYTES_PER_TOKEN = 16
@@ -81,6 +92,11 @@ class PreflightReport:
             size = f", {_count(m.parameters)} parameters" if m.parameters else ""
             size += f", weights {_bytes(m.weight_bytes)}" if m.weight_bytes else ""
             out.append(f"model {m.source}{size}")
+            if m.parameters:
+                copies, held = model_copies(cfg)
+                dtype = str(cfg.engine.model.dtype)
+                out.append(f"training holds at least {_bytes(m.parameters * DTYPE_BYTES[dtype] * copies)} of "
+                           f"{dtype} model state ({held})")
         if self.longest_prompt is not None and m is not None and m.max_positions:
             total, how = longest_conversation(cfg, self.longest_prompt)
             adds_up = f"{how} = {total}" if multi_turn(cfg) else how
@@ -97,12 +113,14 @@ def preflight(stack: Any) -> PreflightReport:
     task and reward; raise :class:`ConfigError` naming the key of the first problem."""
     cfg = stack.config
     report = PreflightReport()
+    check_optimizer(cfg)
     check_temperature(cfg)
     check_device(stack, report)
     task = load_task(cfg)
     load_reward(cfg)
     memory = reachable_memory(stack, report)
     report.memory_bytes = memory
+    check_tools(cfg, memory)
     # the step's size first: an absurd data.prompts_per_step must not be generated to be measured
     check_step_size(cfg, memory, prompt_tokens=1, measured=False)
     if Cap.ENGINE_MODEL not in stack.engine.capabilities:  # its model comes from its own settings
@@ -129,6 +147,94 @@ def check_temperature(cfg: Any) -> None:
                           f"log-probs decided by rounding, not the model (far below, NaN gradients and a failing "
                           f"sampler); use {MIN_TEMPERATURE:g} to decode greedily, 0.6 to 1.2 to train by RL",
                           key="rollout.temperature")
+
+
+# ---------------------------------------------------------------------------- optimizer --
+
+def check_optimizer(cfg: Any) -> None:
+    """Optimizer and loss settings that make training diverge or non-finite whatever the data:
+    a learning rate of :data:`MAX_LR` or more, decoupled weight decay that multiplies every weight
+    by ``1 - lr * weight_decay`` <= 0 each step (0 wipes the model, below 0 flips its signs and, below
+    -1, grows it geometrically to inf), and any ``algorithm.`` float (core's and the algorithm's
+    own keys) or ``environment.tool_call_reward`` beyond float32's range (inf once in a tensor)."""
+    from omegaconf import OmegaConf
+
+    from rlcore.config import _flat
+
+    t = cfg.training
+    rates = {"training.lr": float(t.lr)}
+    critic_lr = _select(cfg, "algorithm.critic.lr")
+    if critic_lr:
+        rates["algorithm.critic.lr"] = float(critic_lr)
+    for key, lr in rates.items():
+        if lr >= MAX_LR:
+            raise ConfigError(f"{key}={lr:g}: AdamW's first step moves every weight by lr whatever the gradient, so "
+                              f"at {MAX_LR:g} or more one step turns the model into noise (and from about 1e9 "
+                              f"float32 activations overflow); use below {MAX_LR:g} (LLM RL: 1e-7 to 1e-5)", key=key)
+        decay = lr * float(t.weight_decay)
+        if decay >= 1:
+            raise ConfigError(f"training.weight_decay={float(t.weight_decay):g}: with {key}={lr:g} decoupled decay "
+                              f"multiplies every weight by 1 - lr x weight_decay = {1 - decay:g} each step (0 wipes "
+                              f"the model; below 0 flips it, and grows it to inf below -1); keep lr x weight_decay "
+                              f"below 1 (usually weight_decay 0 to 0.1)", key="training.weight_decay")
+    floats = [(f"algorithm.{k}", v) for k, v in _flat(OmegaConf.to_container(cfg.algorithm, resolve=True))]
+    floats.append(("environment.tool_call_reward", _select(cfg, "environment.tool_call_reward")))
+    for key, val in floats:
+        if isinstance(val, float) and math.isfinite(val) and abs(val) > FLOAT32_MAX:
+            raise ConfigError(f"{key}={val:g} is beyond float32's range ({FLOAT32_MAX:.4g}): the trainer's float32 "
+                              f"losses and rewards would hold inf", key=key)
+
+
+# -------------------------------------------------------------------------------- tools --
+
+#: the tools the built-in ``tools`` environment has (rlcore.environments.standard.builtin_registry)
+BUILTIN_TOOLS = ("calc", "python")
+#: the longest a tool limit may be: a limit is there to stop a call, and one call holds its
+#: conversation's turn, so the whole step, for that long (a day is already no limit; Python's
+#: thread timeouts overflow past threading.TIMEOUT_MAX, about 292 years, and the kernel's CPU limit
+#: past 2**63 seconds)
+MAX_TOOL_SECONDS = 86_400.0
+
+
+def check_tools(cfg: Any, memory: int | None) -> None:
+    """The built-in ``tools`` environment's tools (``environment.tools``: each a built-in tool,
+    once) and, wherever a tool could run, its limits: no time limit beyond
+    :data:`MAX_TOOL_SECONDS`, no size limit beyond this machine's memory."""
+    env = getattr(cfg, "environment", None)
+    if env is None or str(env.name) == "single_turn":
+        return
+    import difflib
+
+    if str(env.name) == "tools":
+        names = [str(n) for n in env.tools]
+        for name in names:
+            if name not in BUILTIN_TOOLS:
+                close = difflib.get_close_matches(name, BUILTIN_TOOLS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"environment.tools: {name!r} is not a tool of environment 'tools' (it has: "
+                                  f"{', '.join(BUILTIN_TOOLS)}){hint} (a plugin's environment brings its own tools)",
+                                  key="environment.tools")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"environment.tools lists {', '.join(map(repr, twice))} more than once",
+                              key="environment.tools")
+    code = env.code
+    for key, seconds in {"environment.tool_timeout_seconds": env.tool_timeout_seconds,
+                         "environment.code.wall_seconds": code.wall_seconds,
+                         "environment.code.cpu_seconds": code.cpu_seconds}.items():
+        if float(seconds) > MAX_TOOL_SECONDS:
+            raise ConfigError(f"{key}={float(seconds):g}: a tool limit of more than {MAX_TOOL_SECONDS:g} s (a day) "
+                              f"does not limit anything (one call holds the whole step that long); use seconds to "
+                              f"minutes", key=key)
+    if memory is None:
+        return
+    for key, size in {"environment.code.memory_mb": int(code.memory_mb) << 20,
+                      "environment.code.scratch_mb": int(code.scratch_mb) << 20,
+                      "environment.code.output_bytes": int(code.output_bytes),
+                      "environment.tool_output_chars": int(env.tool_output_chars) * 4}.items():
+        if size > memory:
+            raise ConfigError(f"{key}={_select(cfg, key)}: {_bytes(size)}, more than this machine's "
+                              f"{_bytes(memory)} (RAM, swap and GPUs)", key=key)
 
 
 # ------------------------------------------------------------------------------- device --
@@ -221,16 +327,49 @@ def load_reward(cfg: Any) -> Callable[..., Any]:
 def model_facts(cfg: Any, task: Any, memory: int | None) -> ModelFacts:
     model = cfg.engine.model
     dtype = str(model.dtype)  # a known one: rlcore.model_settings checked it, and the tiny model's shapes
+    copies, held = model_copies(cfg)
     if model.path:
-        return _directory_facts(Path(str(model.path)))
+        facts = _directory_facts(Path(str(model.path)))
+        if memory is not None and facts.parameters:
+            need = facts.parameters * DTYPE_BYTES[dtype] * copies
+            if need > memory:
+                raise ConfigError(f"engine.model.path={model.path}: its {_count(facts.parameters)} parameters in "
+                                  f"{dtype} need at least {_bytes(need)} to train ({copies} copies: {held}), more "
+                                  f"than this machine's {_bytes(memory)} (RAM, swap and GPUs)", key="engine.model.path")
+        return facts
     facts = _tiny_facts(cfg, task, DTYPE_BYTES[dtype])
-    if memory is not None and facts.weight_bytes > memory:
-        key = _culprit(lambda t: tiny_parameters(t, _tiny_vocab(t, facts.tokenizer)) * DTYPE_BYTES[dtype],
+    if memory is not None and facts.weight_bytes * copies > memory:
+        alone = facts.weight_bytes > memory
+        times = 1 if alone else copies
+        key = _culprit(lambda t: tiny_parameters(t, _tiny_vocab(t, facts.tokenizer)) * DTYPE_BYTES[dtype] * times,
                        model.tiny, _TINY_DEFAULTS, prefix="engine.model.tiny.")
+        need = (f"{_bytes(facts.weight_bytes)} of {dtype} weights alone" if alone else
+                f"{_bytes(facts.weight_bytes * copies)} to train ({copies} copies of its {_bytes(facts.weight_bytes)} "
+                f"of {dtype} weights: {held})")
         raise ConfigError(f"{key}={model.tiny[key.rsplit('.', 1)[1]]}: the tiny model has at least "
-                          f"{_count(facts.parameters)} parameters, {_bytes(facts.weight_bytes)} of {dtype} weights "
-                          f"alone, more than this machine's {_bytes(memory)} (RAM, swap and GPUs)", key=key)
+                          f"{_count(facts.parameters)} parameters, {need}, more than this machine's "
+                          f"{_bytes(memory)} (RAM, swap and GPUs)", key=key)
     return facts
+
+
+def model_copies(cfg: Any) -> tuple[int, str]:
+    """How many model-sized tensors of ``engine.model.dtype`` a run holds at least, and which:
+    the engines train with torch's AdamW on the model's own parameters (no separate master
+    copy), so the policy is its weights, their gradients and AdamW's two moments (``exp_avg``,
+    ``exp_avg_sq``, each shaped and typed as its parameter); a KL reference (``algorithm.kl_coef``
+    > 0) is a frozen copy, PPO's critic another trained model, the ``local`` rollout backend its
+    own copy (and one more staged for each push with ``rollout.local_update=staged``).
+    Activations, KV cache and the step's batch come on top."""
+    parts = [(1, "weights"), (1, "gradients"), (2, "AdamW's exp_avg and exp_avg_sq")]
+    if float(cfg.algorithm.kl_coef) > 0:
+        parts.append((1, "the KL reference"))
+    if "critic" in cfg.algorithm:
+        parts.append((4, "PPO's critic with its gradients and moments"))
+    if str(cfg.rollout.backend) == "local":
+        parts.append((1, "the local rollout's copy"))
+        if str(cfg.rollout.local_update) == "staged":
+            parts.append((1, "its staged push"))
+    return sum(n for n, _ in parts), ", ".join(what for _, what in parts)
 
 
 def _directory_facts(path: Path) -> ModelFacts:
@@ -261,11 +400,126 @@ def _directory_facts(path: Path) -> ModelFacts:
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises for a directory it cannot read
         raise ConfigError(f"{key}={path}: cannot load its tokenizer: {type(exc).__name__}: {_one_line(exc)}",
                           key=key) from exc
-    weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern))
+    weights, parameters = check_weight_files(path)
     positions = text.get("max_position_embeddings")
     return ModelFacts(source=f"{path} ({raw.get('model_type', '?')})",
                       max_positions=positions if isinstance(positions, int) and positions > 0 else None,
-                      weight_bytes=weights or None, tokenizer=tokenizer)
+                      parameters=parameters, weight_bytes=weights or None, tokenizer=tokenizer)
+
+
+#: bytes per element of each safetensors dtype (the format's names)
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+                           "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+                           "F8_E8M0": 1}
+#: a safetensors header larger than this is not one (the format caps it at 100 MB)
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def check_weight_files(path: Path) -> tuple[int, int | None]:
+    """The bytes of the directory's weight files and the parameters they hold, checked as
+    transformers would load them, without reading the tensors: every ``*.safetensors`` file's
+    header parsed and its tensors' offsets checked against their shapes and the file's size (a
+    truncated or damaged file), every shard a ``*.safetensors.index.json`` names present; with no
+    safetensors, ``*.bin`` pickles opened as torch's ``weights_only`` loader opens them
+    (memory-mapped: what is not plain tensors is refused without running it). No weight file at
+    all is refused too (transformers would fail, or initialise the model randomly)."""
+    key = "engine.model.path"
+    tensors = sorted(path.glob("*.safetensors"))
+    for index in sorted(path.glob("*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{key}={path}: {index.name} is not a readable safetensors index: {_one_line(exc)}",
+                              key=key) from exc
+        missing = sorted(str(s) for s in shards if not (path / str(s)).is_file())
+        if missing:
+            raise ConfigError(f"{key}={path}: {index.name} names {len(missing)} shard(s) that are not there: "
+                              f"{', '.join(missing[:3])}", key=key)
+    if tensors:
+        parameters = sum(_safetensors_elements(f, key) for f in tensors)
+        return sum(f.stat().st_size for f in tensors), parameters
+    pickles = sorted(path.glob("*.bin"))
+    if not pickles:
+        raise ConfigError(f"{key}={path}: no weights there (no *.safetensors or *.bin file next to config.json)",
+                          key=key)
+    for f in pickles:
+        _check_pickle(f, key)
+    return sum(f.stat().st_size for f in pickles), None
+
+
+def _safetensors_elements(file: Path, key: str) -> int:
+    """The elements of the tensors in ``file``, from its header; a file transformers could not
+    load (short, a header that is not one, tensors past its end) is refused naming it."""
+    size = file.stat().st_size
+    where = f"{key}={file.parent}: {file.name} ({size} bytes)"
+    try:
+        with file.open("rb") as fh:
+            head = fh.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= min(size - 8, SAFETENSORS_MAX_HEADER):
+                raise ConfigError(f"{where} is not a complete safetensors file (its header of {max(length, 0)} bytes "
+                                  f"does not fit in it): truncated or not safetensors", key=key)
+            header = json.loads(fh.read(length))
+    except OSError as exc:
+        raise ConfigError(f"{where} cannot be read: {_one_line(exc)}", key=key) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: its safetensors header is not JSON ({_one_line(exc)}): damaged", key=key) from exc
+    if not isinstance(header, dict):
+        raise ConfigError(f"{where}: its safetensors header is not a JSON object: damaged", key=key)
+    elements, end = 0, 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shape, (begin, stop), dtype = [int(d) for d in t["shape"]], t["data_offsets"], str(t["dtype"])
+            begin, stop = int(begin), int(stop)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: tensor {name!r} has a malformed header entry: damaged", key=key) from exc
+        count = math.prod(shape)
+        width = SAFETENSORS_DTYPE_BYTES.get(dtype)
+        if begin < 0 or stop < begin or (width is not None and stop - begin != count * width):
+            raise ConfigError(f"{where}: tensor {name!r} ({dtype} {shape}) has data offsets {begin}..{stop} that do "
+                              f"not fit its shape: damaged", key=key)
+        elements += count
+        end = max(end, stop)
+    if 8 + length + end != size:
+        raise ConfigError(f"{where}: its tensors need {8 + length + end} bytes"
+                          f"{'; the file is truncated' if size < 8 + length + end else ', the file holds more'} "
+                          f"(transformers cannot load it)", key=key)
+    return elements
+
+
+def _check_pickle(file: Path, key: str) -> None:
+    """A ``*.bin`` weight file opened as transformers opens it (torch's ``weights_only`` loader),
+    memory-mapped so that the tensors are not read; a pickle of anything but tensors is refused
+    without being run."""
+    import pickle
+
+    import torch
+
+    where = f"{key}={file.parent}: {file.name}"
+    try:
+        torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        import re
+
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f": it calls {found.group(1)}" if found else ""
+        raise ConfigError(f"{where} is a pickle of more than tensors{what}, which rlcore does not run (torch's "
+                          f"weights_only loader refuses it); convert the weights to safetensors", key=key) from exc
+    except RuntimeError as exc:
+        if "mmap" in str(exc):  # torch's legacy (pre-1.6) format cannot be mapped: check it without mapping
+            try:
+                torch.load(file, map_location="meta", weights_only=True)
+                return
+            except pickle.UnpicklingError as inner:
+                raise ConfigError(f"{where} is a pickle of more than tensors, which rlcore does not run; convert the "
+                                  f"weights to safetensors", key=key) from inner
+            except Exception as inner:  # noqa: BLE001 - a damaged legacy file
+                exc = inner  # type: ignore[assignment]
+        raise ConfigError(f"{where} cannot be loaded: {type(exc).__name__}: {_one_line(exc, 160)}", key=key) from exc
+    except Exception as exc:  # noqa: BLE001 - a truncated zip, not a torch file at all
+        raise ConfigError(f"{where} cannot be loaded: {type(exc).__name__}: {_one_line(exc, 160)}", key=key) from exc
 
 
 _TINY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TinyModelConfig)}
@@ -275,13 +529,40 @@ def _tiny_facts(cfg: Any, task: Any, dtype_bytes: int) -> ModelFacts:
     from rlcore.engines.tiny import make_tokenizer
 
     t, p = cfg.engine.model.tiny, "engine.model.tiny."
-    tokenizer = make_tokenizer(task.vocab)
+    check_vocab(cfg, task)
+    try:
+        tokenizer = make_tokenizer(task.vocab)
+    except Exception as exc:  # noqa: BLE001 - what the tokenizers library refuses past check_vocab
+        raise ConfigError(f"data.task: the tiny model's tokenizer cannot be built from task {task.name!r}'s vocab "
+                          f"({cfg.data.task}): {type(exc).__name__}: {_one_line(exc, 200)}", key="data.task") from exc
     if t.vocab_size and t.vocab_size < len(tokenizer):
         raise ConfigError(f"{p}vocab_size={t.vocab_size}: the task's tokenizer has {len(tokenizer)} tokens; use 0 "
                           f"(the tokenizer's size) or at least {len(tokenizer)}", key=f"{p}vocab_size")
     params = tiny_parameters(t, _tiny_vocab(t, tokenizer))
     return ModelFacts(source=f"tiny {t.arch}", max_positions=TINY_MAX_POSITIONS, parameters=params,
                       weight_bytes=params * dtype_bytes, tokenizer=tokenizer)
+
+
+def check_vocab(cfg: Any, task: Any) -> None:
+    """The task's vocabulary as the tiny model's word-level tokenizer needs it: each word a
+    non-empty str of UTF-8 encodable characters (no lone surrogates) without whitespace (the
+    tokenizer splits text at whitespace, so such a word could never be a token)."""
+    for i, word in enumerate(task.vocab):
+        what = None
+        if not isinstance(word, str):
+            what = f"is a {type(word).__name__}, not a str"
+        elif not word:
+            what = "is empty"
+        elif any(ch.isspace() for ch in word):
+            what = "holds whitespace (the tokenizer splits text there: it could never be one token)"
+        else:
+            try:
+                word.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                what = f"holds {word[exc.start]!r} at {exc.start}, which is not encodable text (a lone surrogate)"
+        if what is not None:
+            raise ConfigError(f"data.task: word {i} of task {getattr(task, 'name', '?')!r}'s vocab ({cfg.data.task}), "
+                              f"{word!r:.60}, {what}", key="data.task")
 
 
 def _tiny_vocab(t: Any, tokenizer: Any) -> int:
@@ -385,10 +666,11 @@ def _culprit(estimate: Callable[[Any], int], settings: Any, defaults: dict[str, 
 
 def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
     """The longest prompt of the first steps (up to :data:`PROMPTS_CHECKED` prompts, made with the
-    trainer's seeds), tokenized as the trainer does; refused when it and ``rollout.max_new_tokens``
-    exceed the model's positions. Returns (longest prompt in tokens, prompts measured). Prompts a
-    task returns malformed are left to the trainer, which names them at the step they come in."""
-    from rlcore.tasks import TaskPrompt
+    trainer's seeds), checked and tokenized as the trainer does; refused when the task returns
+    other than the prompts asked for (none, too few, not :class:`~rlcore.tasks.TaskPrompt`), or
+    the longest and ``rollout.max_new_tokens`` exceed the model's positions. Returns (longest
+    prompt in tokens, prompts measured)."""
+    from rlcore.tasks import make_prompts
 
     per_step = int(cfg.data.prompts_per_step)
     steps = max(1, min(int(cfg.training.steps), PROMPTS_CHECKED // max(per_step, 1)))
@@ -396,16 +678,16 @@ def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
     for step in range(steps):
         rng = random.Random(int(cfg.training.seed) * 1_000_003 + step)  # as Trainer._prompts
         try:
-            prompts = task.make_prompts(rng, min(per_step, PROMPTS_CHECKED))
+            prompts = make_prompts(task, rng, min(per_step, PROMPTS_CHECKED), f"step {step}")
+        except ConfigError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the user's task
             raise ConfigError(f"data.task: {cfg.data.task}: make_prompts(rng, {per_step}) raised "
                               f"{type(exc).__name__}: {_one_line(exc)} (at step {step})", key="data.task") from exc
-        if not isinstance(prompts, list):
-            break
-        texts = {i: p.text for i, p in enumerate(prompts) if isinstance(p, TaskPrompt) and isinstance(p.text, str)}
+        texts = {i: p.text for i, p in enumerate(prompts)}
         if not texts:
             continue
-        ids = facts.tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"]  # one call per step
+        ids = _tokenize(cfg, facts, texts, step)
         measured += len(ids)
         for i, row in zip(texts, ids, strict=True):
             if not row and texts[i].strip():
@@ -434,6 +716,23 @@ def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
                           f"({where} is the longest prompt), more than the model's {limit} positions "
                           f"({facts.source} max_position_embeddings); {fix}", key=key)
     return longest, measured
+
+
+def _tokenize(cfg: Any, facts: ModelFacts, texts: dict[int, str], step: int) -> list[list[int]]:
+    """``texts`` tokenized in one call (as the trainer does); text the tokenizer cannot take (a
+    lone surrogate, which is not encodable) is refused naming the prompt."""
+    try:
+        return facts.tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"]
+    except Exception as exc:  # noqa: BLE001 - find the prompt it cannot take
+        for i, text in texts.items():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as bad:
+                raise ConfigError(f"data.task: prompt {i} of step {step} from {cfg.data.task} holds "
+                                  f"{text[bad.start]!r} at {bad.start}, which is not encodable text (a lone "
+                                  f"surrogate): {text[:60]!r}", key="data.task") from exc
+        raise ConfigError(f"data.task: the tokenizer of {facts.source} cannot take the prompts of step {step} from "
+                          f"{cfg.data.task}: {type(exc).__name__}: {_one_line(exc, 200)}", key="data.task") from exc
 
 
 def multi_turn(cfg: Any) -> bool:
@@ -477,10 +776,6 @@ def _select(cfg: Any, key: str) -> Any:
 
     return OmegaConf.select(cfg, key)
 
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text[:300] + ("..." if len(text) > 300 else "")
 
 
 def _count(n: int | None) -> str:

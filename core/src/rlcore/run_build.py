@@ -29,7 +29,9 @@ from rlcore.algorithms.losses import TokenObjective
 from rlcore.algorithms.mismatch import MismatchCorrection
 from rlcore.config import training_fingerprint
 from rlcore.critic import Critic, build_critic
-from rlcore.errors import ConfigError, RolloutError
+from rlcore.environments.conversation import NamedEnvironment
+from rlcore.errors import ConfigError, RLCoreError, RolloutError
+from rlcore.manager import hook_error
 from rlcore.parallel.strategy import RankStrategy
 from rlcore.platforms import resolve_device
 from rlcore.preflight import preflight
@@ -152,17 +154,22 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
     resolved = resolve_device(cfg.engine.device, ctx=platform_ctx, spec=stack.platform)
     platform, device = resolved.platform, resolved.device
 
-    engine = stack.engine.factory(ctx_for(stack.engine))
+    engine = _make(stack.engine, "engine", ctx_for(stack.engine))
     engines.append(engine)
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is None:
         raise ConfigError("the training engine provides no tokenizer; set engine.model.path", key="engine.model.path")
     check_engine_head(stack, engine)
-    forward_fn = stack.forward_fn.factory(ctx_for(stack.forward_fn, engine))
-    backend = stack.rollout_backend.factory(ctx_for(stack.rollout_backend, engine))
-    sync = stack.weight_sync.factory(ctx_for(stack.weight_sync, engine))
-    # what takes the model's turns (a stack built by hand may have none: the single-turn rollout)
-    environment = stack.environment.factory(ctx_for(stack.environment, engine)) if stack.environment else None
+    forward_fn = _make(stack.forward_fn, "forward_fn", ctx_for(stack.forward_fn, engine))
+    backend = _make(stack.rollout_backend, "rollout_backend", ctx_for(stack.rollout_backend, engine))
+    sync = _make(stack.weight_sync, "weight_sync", ctx_for(stack.weight_sync, engine))
+    # what takes the model's turns (a stack built by hand may have none: the single-turn rollout); its
+    # reset/step/final_reward raising is an error naming its plugin, as a hook's is
+    environment = None
+    if stack.environment:
+        spec = stack.environment
+        environment = NamedEnvironment(_make(spec, "environment", ctx_for(spec, engine)), str(spec.plugin),
+                                       str(spec.distribution), spec.name, tokenizer)
     engine.setup_optimizer(cfg.training)
     reference = engine.make_reference() if cfg.algorithm.kl_coef > 0 else None
     algorithm_spec = stack.algorithm or stack.plugins.select("algorithm", cfg.algorithm.name, key="algorithm.name")
@@ -181,6 +188,17 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
         metrics=MetricsWriter(out, tensorboard=cfg.output.tensorboard) if ranks.writer else NullMetrics(),
         report=RunReport(console, stack, algorithm_spec.name, out), environment=environment,
     )
+
+
+def _make(spec: Any, hook: str, ctx: BuildContext) -> Any:
+    """``spec.factory(ctx)``: what raises there is one line naming the plugin, the provider and its
+    factory (:func:`rlcore.manager.hook_error`), as a hook's exception is; rlcore's own errors pass."""
+    try:
+        return spec.factory(ctx)
+    except RLCoreError:
+        raise
+    except Exception as exc:
+        raise hook_error(str(spec.plugin), str(spec.distribution), f"the factory of {hook} {spec.name!r}", exc) from exc
 
 
 def check_started_rollout(stack: Stack, backend: Any, report: RunReport) -> bool:

@@ -117,7 +117,8 @@ def make_prompts(task: Task, rng: random.Random, count: int, where: str) -> list
     ``text`` is a str and ``meta`` a dict (``where`` names the step in the error)."""
     prompts = task.make_prompts(rng, count)
     if not isinstance(prompts, list) or len(prompts) != count:
-        got = f"a list of {len(prompts)}" if isinstance(prompts, list) else type(prompts).__name__
+        got = (("no prompts (an empty list)" if not prompts else f"a list of {len(prompts)}")
+               if isinstance(prompts, list) else type(prompts).__name__)
         raise ConfigError(f"data.task: task {task.name!r} returned {got} from make_prompts(rng, {count}) at {where}; "
                           f"expected a list of {count} TaskPrompt (docs/tasks.md)", key="data.task")
     for i, p in enumerate(prompts):

@@ -517,9 +517,14 @@ class Trainer:
             print(f"rlcore: {exc}", file=sys.stderr, flush=True)
 
     def _end_run(self, started: bool) -> None:
-        """Release the output directory; a start that failed first removes what a new run created."""
+        """Release the output directory; a start that failed first removes what a new run created.
+        A run that stops before it recorded a step (its first rollout, environment or reward raised)
+        failed to start too: it holds nothing to keep, and keeping it would make the retry need
+        --overwrite (a --resume start deletes nothing either way)."""
         if self.run_dir is not None:
-            self.run_dir.release() if started else self.run_dir.abandon()
+            metrics = self.out / "metrics.jsonl"
+            recorded = self.step > 0 or (metrics.is_file() and metrics.stat().st_size > 0)
+            self.run_dir.release() if started and recorded else self.run_dir.abandon()
 
     def _checkpoint_final(self, wall: float) -> None:
         # the last step's checkpoint may be committed already: a committed file is never rewritten

@@ -35,12 +35,71 @@ from typing import Any
 
 import torch
 
-from rlcore.errors import RolloutError
+from rlcore.errors import RLCoreError, RolloutError, one_line
 from rlcore.types import EnvStep, Prompt, Sample, SamplingSettings, ToolCall, Turn
 
 #: what separates the turns of one round in the sampling seed (below ``ROUND_STRIDE`` = 2**53 for
 #: any turn count a config can ask: max_turns < 256)
 TURN_STRIDE = 1 << 45
+
+
+class NamedEnvironment:
+    """An environment provider's object with where it comes from: a ``reset``, ``step`` or
+    ``final_reward`` that raises is one :class:`~rlcore.errors.PluginHookError` naming the plugin,
+    its distribution, the environment and the method, whichever it is (the build wraps every
+    environment in it: :func:`rlcore.run_build.build_run`). Everything else is the object's."""
+
+    def __init__(self, inner: Any, plugin: str, label: str, name: str, tokenizer: Any = None):
+        self.inner, self.plugin, self.label, self.name = inner, plugin, label, name
+        #: ``<unk>`` in an observation is warned about once (:class:`~rlcore.environments.standard.UnknownWordsWarning`)
+        self.unk_id = getattr(tokenizer, "unk_token_id", None)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        from rlcore.manager import hook_error
+
+        try:
+            return getattr(self.inner, method)(*args)
+        except RLCoreError:
+            raise
+        except Exception as exc:
+            raise hook_error(self.plugin, self.label, f"environment {self.name!r}.{method}()", exc) from exc
+
+    def reset(self, prompt: Any, task_prompt: Any) -> Any:
+        return self._call("reset", prompt, task_prompt)
+
+    def step(self, state: Any, turn: Turn) -> EnvStep:
+        step = self._call("step", state, turn)
+        if (self.unk_id is not None and not getattr(self.inner, "warned_unknown", False)
+                and isinstance(step, EnvStep) and self.unk_id in step.observation_ids):
+            from rlcore.environments.standard import warn_unknown_words
+
+            try:  # an environment that names the words itself (the built-in tools) has warned already
+                self.inner.warned_unknown = True
+            except AttributeError:
+                pass
+            count = sum(1 for i in step.observation_ids if i == self.unk_id)
+            self.unk_id = None  # once
+            warn_unknown_words([f"<unk> x{max(count, 1)}"], f"environment {self.name!r} (plugin {self.plugin!r})",
+                               "its observations hold words outside the tokenizer's vocabulary; with the tiny model, "
+                               "add them to data.task's vocab")
+        return step
+
+    def final_reward(self, state: Any) -> float | None:
+        return self._call("final_reward", state)
+
+
+def _env_call(environment: Any, method: str, name: str, where: str, *args: Any) -> Any:
+    """``environment.<method>(*args)``; an exception is one line naming ``name``, the method and
+    ``where`` (rlcore's own errors, a :class:`NamedEnvironment`'s included, pass unchanged)."""
+    try:
+        return getattr(environment, method)(*args)
+    except RLCoreError:
+        raise
+    except Exception as exc:
+        raise RolloutError(f"{name}.{method}() raised {type(exc).__name__}: {one_line(exc)} {where}") from exc
 
 
 @dataclass(frozen=True)
@@ -98,7 +157,9 @@ def run_conversations(environment: Any, backend: Any, prompts: Sequence[Prompt],
     convs = []
     for s in backend.generate(prompts, first_params):
         prompt = by_index[s.prompt_index]
-        c = _Conversation(prompt, s, environment.reset(prompt, task_prompts[s.prompt_index]), list(s.prompt_ids))
+        state = _env_call(environment, "reset", name, f"for prompt {s.prompt_index}", prompt,
+                          task_prompts[s.prompt_index])
+        c = _Conversation(prompt, s, state, list(s.prompt_ids))
         c.add_turn(s)
         convs.append(c)
     active = list(convs)
@@ -116,7 +177,8 @@ def run_conversations(environment: Any, backend: Any, prompts: Sequence[Prompt],
                 raise RolloutError(f"rollout returned {len(got)} samples for {len(group)} conversations in turn {turn}")
             for c, s in zip(group, got, strict=True):
                 c.add_turn(s)
-    return [_sample(c, environment.final_reward(c.state)) for c in convs]
+    return [_sample(c, _env_call(environment, "final_reward", name, f"for a conversation of prompt {c.first.prompt_index}",
+                                 c.state)) for c in convs]
 
 
 def _calls(active: list[_Conversation], max_new_tokens: int,
@@ -143,8 +205,10 @@ def _answer(environment: Any, c: _Conversation, turn: int, limits: Limits, name:
                tool_calls_left=max(limits.max_tool_calls - len(c.tool_calls), 0))
     try:
         step = environment.step(c.state, ask)
+    except RLCoreError:
+        raise
     except Exception as exc:
-        raise RolloutError(f"{name} raised {type(exc).__name__}: {exc} on turn {turn} of a conversation (an "
+        raise RolloutError(f"{name} raised {type(exc).__name__}: {one_line(exc)} on turn {turn} of a conversation (an "
                            f"environment answers anything the model writes with an observation)") from exc
     if not isinstance(step, EnvStep):
         raise RolloutError(f"{name}.step returned {type(step).__name__}, expected rlcore.types.EnvStep")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,6 +47,33 @@ def builtin_registry(names: Iterable[str], code_settings: object = None) -> Tool
                               f"(calc, python); a plugin's environment brings its own tools",
                               key="environment.tools")
     return registry
+
+
+#: how many of the words a tokenizer cannot encode a warning names
+UNKNOWN_WORDS_SHOWN = 5
+
+
+class UnknownWordsWarning(RuntimeWarning):
+    """An environment inserted text the run's tokenizer encodes as ``<unk>`` (the tiny model's
+    tokenizer knows only ``data.task``'s vocabulary): the model sees the token, not the words."""
+
+
+def unknown_words(tokenizer: Any, text: str, ids: list[int]) -> list[str]:
+    """The words of ``text`` the tokenizer turns into its ``<unk>`` token (``ids``: ``text``
+    encoded; checked first, so text without one costs nothing more)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in ids:
+        return []
+    words = dict.fromkeys(text.split())
+    return [w for w in words if unk in tokenizer(w, add_special_tokens=False)["input_ids"]]
+
+
+def warn_unknown_words(words: list[str], environment: str, fix: str) -> None:
+    """The one warning an environment gives for words outside the tokenizer's vocabulary."""
+    shown = ", ".join(repr(w) for w in words[:UNKNOWN_WORDS_SHOWN])
+    more = f" and {len(words) - UNKNOWN_WORDS_SHOWN} more" if len(words) > UNKNOWN_WORDS_SHOWN else ""
+    warnings.warn(f"{environment} wrote words its tokenizer does not know, which the model sees as <unk>: {shown}"
+                  f"{more} (warned once; {fix})", UnknownWordsWarning, stacklevel=3)
 
 
 class SingleTurnEnvironment:
@@ -92,6 +120,8 @@ class ToolEnvironment:
         self.tokenizer = tokenizer
         self.settings = settings
         self.registry = registry if registry is not None else builtin_registry(settings.tools, settings.code)
+        #: whether words outside the tokenizer's vocabulary were warned about (once per environment)
+        self.warned_unknown = False
 
     def reset(self, prompt: Any, task_prompt: Any) -> Any:
         return {"meta": dict(getattr(task_prompt, "meta", None) or getattr(prompt, "meta", {}) or {})}
@@ -129,4 +159,9 @@ class ToolEnvironment:
                 text = after[len(before):]
         else:
             text = " " + text
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        if not self.warned_unknown and (words := unknown_words(tok, text, ids)):
+            self.warned_unknown = True
+            warn_unknown_words(words, "environment 'tools'", "the tiny model's tokenizer has data.task's vocab: add "
+                               "the words a tool writes to the task's vocab, or use a model with its own tokenizer")
+        return ids
