@@ -98,7 +98,8 @@ def read_settings(config: str | Path, overrides: list[str]) -> dict[str, Any]:
         "tis_cap": float(mismatch.get("tis_cap", 0.0)), "tis_level": str(mismatch.get("level", "token")),
         "gpu_memory_utilization": float(vllm.get("gpu_memory_utilization", 0.9)),
         "max_model_len": int(vllm.get("max_model_len", 0)) or None,
-        "enforce_eager": bool(vllm.get("enforce_eager", True)),
+        # unset: what rlcore-vllm does on a GPU (CUDA graphs); the CPU dry run forces eager itself
+        "enforce_eager": vllm.get("enforce_eager") is not None and bool(vllm.get("enforce_eager")),
         "kv_cache_gib": float(vllm.get("kv_cache_gib", 0.0)),
     }
 
@@ -360,7 +361,10 @@ def rlcore_rows(run_dir: Path) -> list[dict]:
                "sleep_wake": sleep + r.get("rollout/wake_seconds", 0.0) + r.get("rollout/wake_kv_seconds", 0.0),
                "old_lp": r.get("old_logprob_seconds", 0.0), "step": r["step_seconds"],
                "tokens": r.get("response_len", 0) * r.get("samples", 0), "sync_bytes": r.get("sync_bytes"),
-               "sync_level": r.get("sync_level"), "reward": r.get("reward_mean")}
+               "sync_level": r.get("sync_level"), "reward": r.get("reward_mean"),
+               # generate's parts (rlcore-vllm): inside LLM.generate, reading its outputs, the rest
+               # of the backend's call (requests, Sample objects)
+               "in_vllm": r.get("rollout/engine_seconds"), "outputs": r.get("rollout/outputs_seconds")}
         row["rest"] = row["step"] - sum(row[k] for k in ("generate", "sleep_wake", "sync", "old_lp"))
         rows.append(row)
     return rows
@@ -424,6 +428,11 @@ def cmd_report(args: argparse.Namespace) -> None:
               "pass (both: for the TIS correction); rest = the step minus those: rewards, batch preparation, forward + "
               "backward + AdamW; step = the whole step (rlcore: `step_seconds`; TRL: HF Trainer's step begin to end)."]
     lines.append("\nTRL's rest: " + ", ".join(f"{k} {fmt(median(trl_steady, k))}" for k in ("reward", "prep", "train")))
+    in_vllm, outputs, gen = (median(rl_steady, k) for k in ("in_vllm", "outputs", "generate"))
+    if in_vllm is not None:
+        lines.append(f"rlcore's generate: {fmt(in_vllm)} inside LLM.generate (TRL's whole generate row is that call), "
+                     f"{fmt(outputs)} reading its outputs, {fmt(gen - in_vllm - (outputs or 0.0) if gen else None)} "
+                     f"the rest of the backend's call (prompts, seeds, Sample objects)")
     for label, rows in (("rlcore", rl_steady), ("TRL", trl_steady)):
         tok, gen, step = median(rows, "tokens"), median(rows, "generate"), median(rows, "step")
         lines.append(f"{label}: new tokens/step {fmt(tok, 0)}, generate {fmt(tok / gen if tok and gen else None, 0)} "

@@ -32,6 +32,7 @@ small="engine.model.tiny.hidden_size=128 engine.model.tiny.num_layers=2 engine.m
   engine.model.tiny.num_kv_heads=1 engine.model.tiny.intermediate_size=256 engine.model.tiny.vocab_size=0
   engine.model.tiny.tie_word_embeddings=false engine.model.dtype=float32 engine.device=cpu
   data.prompts_per_step=4 rollout.n=4 rollout.max_new_tokens=8 training.steps=3 vllm.kv_cache_gib=0
-  vllm.transport=shm vllm.sleep_for_training=false vllm.enable_sleep_mode=false rollout.release_kv_cache=auto"
+  vllm.transport=shm vllm.sleep_for_training=false vllm.enable_sleep_mode=false rollout.release_kv_cache=auto
+  vllm.enforce_eager=true"
 OUT="${OUT:-$ROOT/runs/peer-trl-dry}" WORK="${WORK:-/tmp/rlcore-peer-trl-dry}" NO_INSTALL=1 PYTHON="$VENV/bin/python" \
   OVERRIDES="$(echo $small)" D2D_BYTES=100000000 VLLM_CPU_KVCACHE_SPACE=1 bash "$ROOT/scripts/gpu/peer_trl.sh"

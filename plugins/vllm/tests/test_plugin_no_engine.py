@@ -124,6 +124,50 @@ def test_engine_kwargs_follow_the_platform():
     assert "weight_transfer_config" not in cpu
     assert gpu["enable_sleep_mode"] and gpu["enable_return_routed_experts"]
     assert gpu["weight_transfer_config"] == {"backend": "nccl"}
+    # unset enforce_eager: CUDA graphs on a GPU, eager on CPU; a value given wins on both
+    assert cpu["enforce_eager"] is True and gpu["enforce_eager"] is False
+    for forced in (True, False):
+        for is_cpu in (True, False):
+            kw = engine_kwargs(VLLMSettings(enforce_eager=forced), "/m", "float32", is_cpu=is_cpu,
+                               routed_experts=False, transport="shm")
+            assert kw["enforce_eager"] is forced
+
+
+class _FlatColumns:
+    """The column surface of vLLM's ``FlatLogprobs`` (``start_indices``, ``end_indices``,
+    ``token_ids``, ``logprobs``), as rlcore_vllm.logprobs.sampled_logprobs reads it."""
+
+    def __init__(self, positions):
+        self.start_indices, self.end_indices, self.token_ids, self.logprobs = [], [], [], []
+        for entries in positions:
+            self.start_indices.append(len(self.token_ids))
+            for tok, lp in entries:
+                self.token_ids.append(tok)
+                self.logprobs.append(lp)
+            self.end_indices.append(len(self.token_ids))
+
+
+class _Logprob:
+    def __init__(self, logprob):
+        self.logprob = logprob
+
+
+def test_sampled_logprobs_read_flat_columns_and_dicts_alike():
+    from rlcore_vllm.logprobs import sampled_logprobs
+
+    ids = [5, 7, 2]
+    # vLLM's order: the sampled token first, then the top-k (which may hold it again)
+    positions = [[(5, -0.5)], [(7, -1.25), (3, -0.25), (7, -1.25)], [(2, -3.0), (9, -0.1)]]
+    as_dicts = [{t: _Logprob(lp) for t, lp in reversed(entries)} for entries in positions]
+    assert sampled_logprobs(_FlatColumns(positions), ids) == [-0.5, -1.25, -3.0]
+    assert sampled_logprobs(as_dicts, ids) == [-0.5, -1.25, -3.0]
+    # a position where the sampled token is not first is searched; one without it raises as a dict does
+    assert sampled_logprobs(_FlatColumns([[(3, -0.25), (7, -1.5)]]), [7]) == [-1.5]
+    with pytest.raises(KeyError):
+        sampled_logprobs(_FlatColumns([[(3, -0.25)]]), [7])
+    with pytest.raises(KeyError):
+        sampled_logprobs([{3: _Logprob(-0.25)}], [7])
+    assert sampled_logprobs(None, ids) == [] and sampled_logprobs(_FlatColumns([]), []) == []
 
 
 def test_engine_environment():
@@ -141,7 +185,10 @@ def test_serve_command_uses_vllm_flags():
     joined = " ".join(cmd)
     assert "--port 9000" in joined and "--logprobs-mode processed_logprobs" in joined
     assert "--worker-extension-cls rlcore_vllm.worker_ext.RLCoreWorkerExtension" in joined
-    assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+    assert "--no-enable-prefix-caching" in cmd and "--no-enforce-eager" in cmd  # a GPU: CUDA graphs by default
+    eager = serve_command(engine_kwargs(VLLMSettings(), "/m", "float32", is_cpu=True, routed_experts=False,
+                                        transport="shm"), port=9000, python="py")
+    assert "--enforce-eager" in eager
     assert cmd[cmd.index("--weight-transfer-config") + 1] == json.dumps({"backend": "nccl"})
 
 

@@ -89,3 +89,22 @@ def test_sleep_for_training_is_refused_without_sleep_mode(tiny_model_dirs):
     with pytest.raises(RolloutError, match="sleep_for_training needs vLLM's sleep mode.*no sleep mode"):
         asleep.start(str(tiny_model_dirs["dense_a"]))
     assert asleep.engine is None
+
+
+@pytest.mark.engine("vllm")
+def test_sampled_logprobs_read_this_vllms_flat_container():
+    """vLLM's own ``FlatLogprobs`` (this vLLM has ``SamplingParams.flat_logprobs``, which the
+    offline engine sets): the sampled tokens' log-probs read from its columns equal those of the
+    dict form vLLM returns without it."""
+    from rlcore_vllm.logprobs import sampled_logprobs, supports_flat_logprobs
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    assert supports_flat_logprobs()
+    ids = [11, 4, 4, 9]
+    positions = [{11: Logprob(-0.75, rank=2), 3: Logprob(-0.5, rank=1)}, {4: Logprob(-0.125, rank=1)},
+                 {4: Logprob(-2.0, rank=5), 1: Logprob(-0.25, rank=1)}, {9: Logprob(-1.5, rank=3)}]
+    flat = FlatLogprobs()
+    for entry in positions:
+        flat.append(entry)
+    assert sampled_logprobs(flat, ids) == sampled_logprobs(positions, ids) == [-0.75, -0.125, -2.0, -1.5]
+

@@ -303,6 +303,12 @@ class VLLMBackend:
             completions = self._generate_resumable(engine, [list(p.ids) for p in prompts], sp, seeds, temper)
         else:
             completions = engine.generate([list(p.ids) for p in prompts], sp, seeds)
+        # seconds inside LLM.generate and reading its outputs (offline engine, one call; a
+        # resumable rollout steps the engine itself and has no such split)
+        for key in ("rollout/engine_seconds", "rollout/outputs_seconds"):
+            self._rollout_metrics.pop(key, None)
+        if not self._resumable(params):
+            self._rollout_metrics.update(getattr(engine, "last_timing", None) or {})
         if before is not None:
             self._account_acceptance(engine.spec_counters().minus(before))
         samples = []

@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from rlcore.errors import RolloutError
 from rlcore.serving import LOOPBACK, JSONClient, ServerProcess, launch_server, local_url, wait_healthy
 
 from rlcore_vllm.liveness import EngineCoreWatch
+from rlcore_vllm.logprobs import sampled_logprobs, supports_flat_logprobs
 from rlcore_vllm.speculative import (
     SpecCounters,
     counters_from_metrics,
@@ -98,7 +100,8 @@ def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, ro
         "dtype": dtype,
         "seed": int(settings.seed),
         "max_model_len": int(settings.max_model_len),
-        "enforce_eager": bool(settings.enforce_eager),
+        # unset: CUDA graphs on a GPU, eager on CPU (graph mode there is a torch.compile per start)
+        "enforce_eager": bool(is_cpu) if settings.enforce_eager is None else bool(settings.enforce_eager),
         "gpu_memory_utilization": float(settings.gpu_memory_utilization),
         "tensor_parallel_size": int(settings.tensor_parallel_size),
         "enable_prefix_caching": bool(settings.enable_prefix_caching),
@@ -154,10 +157,18 @@ class OfflineEngine:
     or waiting when it dies, raises :class:`~rlcore.errors.RolloutError` naming it
     (:class:`~rlcore_vllm.liveness.EngineCoreWatch`)."""
 
+    #: ``flat_logprobs=True`` where this vLLM has it (set at start): the sampled tokens' log-probs
+    #: come back in a few flat columns instead of a dict and a Logprob object per token, which
+    #: vLLM's output processor builds in this process while the engine waits
+    flat_logprobs: dict[str, bool] = {}
+    #: seconds of the last :meth:`generate`: inside ``LLM.generate``, and reading its outputs
+    last_timing: dict[str, float] = {}
+
     def __init__(self, kw: dict[str, Any], in_process: bool):
         from vllm import LLM
 
         self.llm = LLM(**kw)
+        self.flat_logprobs = {"flat_logprobs": True} if supports_flat_logprobs() else {}
         self.in_process = in_process
         self.watch = EngineCoreWatch(self.llm)
         self.lock = threading.RLock()  # one thread drives the engine at a time
@@ -180,14 +191,17 @@ class OfflineEngine:
         """Each prompt's ``n`` completions, prompt *i* sampled with ``seeds[i]`` (``sp``'s seed unused)."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(detokenize=False, **{**sp, "seed": int(seed)}) for seed in seeds]
+        flat = self.flat_logprobs
+        params = [SamplingParams(detokenize=False, **flat, **{**sp, "seed": int(seed)}) for seed in seeds]
+        t0 = time.perf_counter()
         outs = self._call(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        t1 = time.perf_counter()
         result = []
         for out in outs:
             comps = []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
-                lps = [float(entry[tok].logprob) for tok, entry in zip(ids, c.logprobs or [], strict=False)]
+                lps = sampled_logprobs(c.logprobs, ids)
                 comp = {"token_ids": ids, "logprobs": lps, "finish_reason": c.finish_reason or "length",
                         "routed_experts": getattr(c, "routed_experts", None)}
                 if sp.get("logprobs"):  # the top log-probs of every position too (rlcore_vllm.logprobs)
@@ -195,6 +209,7 @@ class OfflineEngine:
                                             for entry in (c.logprobs or [])]
                 comps.append(comp)
             result.append(comps)
+        self.last_timing = {"rollout/engine_seconds": t1 - t0, "rollout/outputs_seconds": time.perf_counter() - t1}
         return result
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
@@ -220,7 +235,7 @@ class OfflineEngine:
         from vllm.sampling_params import RequestOutputKind
 
         request = f"rlcore-{next(_REQUEST_IDS)}"
-        params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **sp)
+        params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **self.flat_logprobs, **sp)
         with self.lock:
             self._call(self.llm.llm_engine.add_request, request, {"prompt_token_ids": list(prompt)}, params)
             self._live[request] = None
@@ -250,12 +265,11 @@ class OfflineEngine:
         out = self._live.pop(request)
         c = out.outputs[0] if out is not None and out.outputs else None
         ids = list(c.token_ids) if c is not None else []
-        entries = list(c.logprobs or []) if c is not None else []
-        comp: dict[str, Any] = {"token_ids": ids, "logprobs": [float(e[t].logprob) for t, e in zip(ids, entries,
-                                                                                                 strict=False)],
+        comp: dict[str, Any] = {"token_ids": ids, "logprobs": sampled_logprobs(c.logprobs if c is not None else None, ids),
                                 "finish_reason": (c.finish_reason or "length") if out is not None and out.finished
                                 else None}
         if top_logprobs:
+            entries = list(c.logprobs or []) if c is not None else []
             comp["top_logprobs"] = [{int(t): float(lp.logprob) for t, lp in e.items()} for e in entries]
         return comp
 

@@ -20,6 +20,7 @@ more than 1 nat on average, every token clipped.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 #: log-probs vLLM returns per position for the recomputation (vLLM's default ``max_logprobs``)
 TOP_LOGPROBS = 20
@@ -52,3 +53,36 @@ def needs_tempering(temperature: float, sent_temperature: float, raw_logprobs: b
     if temperature <= 0:
         return False
     return sent_temperature != temperature or (raw_logprobs and temperature != 1.0)
+
+
+def sampled_logprobs(container: Any, token_ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token from a completion's ``logprobs``: vLLM's flat container
+    (``SamplingParams(flat_logprobs=True)``: columns ``start_indices``, ``end_indices``,
+    ``token_ids``, ``logprobs``, read once each, no Python object per position) or the list of
+    ``{token id: Logprob}`` dicts. vLLM puts the sampled token first at every position; a
+    position where it is not first is searched (a container that lacks the token raises
+    ``KeyError``, as the dict form does)."""
+    if container is None:
+        return []
+    starts = getattr(container, "start_indices", None)
+    if starts is None:  # one {token id: Logprob} dict per position
+        return [float(entry[tok].logprob) for tok, entry in zip(token_ids, container, strict=False)]
+    starts, ends = list(starts), list(container.end_indices)
+    flat_ids, flat_lps = list(container.token_ids), list(container.logprobs)
+    n = min(len(token_ids), len(starts))
+    out = [float(flat_lps[starts[i]]) if ends[i] > starts[i] and flat_ids[starts[i]] == token_ids[i] else None
+           for i in range(n)]
+    for i, value in enumerate(out):
+        if value is None:  # not first: look through the position's entries
+            found = [flat_lps[j] for j in range(starts[i], ends[i]) if flat_ids[j] == token_ids[i]]
+            if not found:
+                raise KeyError(token_ids[i])
+            out[i] = float(found[0])
+    return out  # type: ignore[return-value]
+
+
+def supports_flat_logprobs() -> bool:
+    """Whether this vLLM's ``SamplingParams`` has ``flat_logprobs`` (a msgspec struct's field)."""
+    from vllm import SamplingParams
+
+    return "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
