@@ -22,7 +22,8 @@
 #
 # Device call (warm machine with the tworay wheels; about 4-5 min, at most ~6.5 with both limits hit):
 #   bash scripts/gpu/peer_trl.sh        carry [".device-carry/peer_trl"]
-# OVERRIDES="key=value ..." changes the config for both sides; PYTHON (default python3) and
+# OVERRIDES="key=value ..." changes the config for both sides; SKIP_TRL=1 runs rlcore's side only (a
+# variant of rlcore beside a full call's table); PYTHON (default python3) and
 # NO_INSTALL=1 (use PYTHON's own packages) serve the CPU check, scripts/gpu/peer_trl_dry.sh.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -85,8 +86,12 @@ report() {
 gpu_host_cleanup
 peer d2d "$PARTS/d2d.json" ${D2D_BYTES:+--bytes "$D2D_BYTES"} 2>&1 | tee -a "$OUT/log.txt"
 peer model "$MODEL" 2>&1 | tee -a "$OUT/log.txt"
-limited trl "${LIMIT_TRL:-160}" peer trl "$MODEL" "$PARTS/trl.json"
-report  # a call stopped later still brings back TRL's half
+if [ -z "${SKIP_TRL:-}" ]; then
+  limited trl "${LIMIT_TRL:-160}" peer trl "$MODEL" "$PARTS/trl.json"
+  report  # a call stopped later still brings back TRL's half
+else
+  log "=== trl skipped (SKIP_TRL): the TRL column of this summary is empty"
+fi
 limited rlcore "${LIMIT_RLCORE:-160}" "$PY" -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" "${OVR[@]}" \
   --output "$PARTS/rlcore-run" --overwrite
 report

@@ -108,3 +108,58 @@ def test_sampled_logprobs_read_this_vllms_flat_container():
         flat.append(entry)
     assert sampled_logprobs(flat, ids) == sampled_logprobs(positions, ids) == [-0.75, -0.125, -2.0, -1.5]
 
+
+
+class _RecordingLLM:
+    """Stands in for ``vllm.LLM.generate``: records the SamplingParams it is given and answers
+    each prompt with ``n`` completions in vLLM's own output types (flat log-probs)."""
+
+    def __init__(self):
+        self.params = None
+
+    def generate(self, prompts, sampling_params, use_tqdm=False):
+        from vllm.logprobs import FlatLogprobs, Logprob
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        self.params = sampling_params
+        first = sampling_params[0] if isinstance(sampling_params, list) else sampling_params
+        outs = []
+        for i, p in enumerate(prompts):
+            comps = []
+            for c in range(first.n):
+                lps = FlatLogprobs()
+                for t in (3, 4):
+                    lps.append({t: Logprob(-0.5 - c)})
+                comps.append(CompletionOutput(index=c, text="", token_ids=[3, 4], cumulative_logprob=None, logprobs=lps,
+                                              finish_reason="length"))
+            outs.append(RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=p["prompt_token_ids"],
+                                      prompt_logprobs=None, outputs=comps, finished=True))
+        return outs
+
+
+@pytest.mark.engine("vllm")
+@pytest.mark.parametrize("seeded", [True, False])
+def test_requests_are_seeded_per_prompt_unless_told_not_to(seeded):
+    """vllm.seeded_requests (default true): one SamplingParams per prompt with its own seed;
+    false: one unseeded SamplingParams for the call. Both ask for flat log-probs and read them."""
+    from rlcore.types import Prompt, SamplingSettings
+    from rlcore_vllm.engines import OfflineEngine
+    from rlcore_vllm.liveness import EngineCoreWatch
+
+    engine = OfflineEngine.__new__(OfflineEngine)
+    engine.llm = _RecordingLLM()
+    engine.in_process = True
+    engine.watch = EngineCoreWatch(engine.llm)
+    engine.flat_logprobs = {"flat_logprobs": True}
+    backend = VLLMBackend(VLLMSettings(seeded_requests=seeded), dtype="float32", seed=0)
+    backend.engine, backend._version = engine, 0
+    samples = backend.generate([Prompt(ids=[1, 2], index=0), Prompt(ids=[1, 5], index=1)],
+                               SamplingSettings(n=2, max_new_tokens=2))
+    assert [s.logprobs.tolist() for s in samples] == [[-0.5, -0.5], [-1.5, -1.5]] * 2
+    params = engine.llm.params
+    if seeded:
+        assert isinstance(params, list) and len({sp.seed for sp in params}) == 2
+        assert all(sp.flat_logprobs for sp in params)
+    else:
+        assert not isinstance(params, list) and params.seed is None and params.flat_logprobs
+    assert set(backend.rollout_metrics()) >= {"rollout/engine_seconds", "rollout/outputs_seconds"}

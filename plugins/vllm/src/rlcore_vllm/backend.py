@@ -302,7 +302,9 @@ class VLLMBackend:
         if self._resumable(params):
             completions = self._generate_resumable(engine, [list(p.ids) for p in prompts], sp, seeds, temper)
         else:
-            completions = engine.generate([list(p.ids) for p in prompts], sp, seeds)
+            # vllm.seeded_requests false: no per-request generators (vLLM samples those one request at a time)
+            completions = engine.generate([list(p.ids) for p in prompts], sp, seeds if self.settings.seeded_requests
+                                          else None)
         # seconds inside LLM.generate and reading its outputs (offline engine, one call; a
         # resumable rollout steps the engine itself and has no such split)
         for key in ("rollout/engine_seconds", "rollout/outputs_seconds"):

@@ -187,12 +187,17 @@ class OfflineEngine:
                 raise RolloutError(self.watch.dead) from exc
             raise
 
-    def generate(self, prompts: list[list[int]], sp: dict[str, Any], seeds: list[int]) -> list[list[dict[str, Any]]]:
-        """Each prompt's ``n`` completions, prompt *i* sampled with ``seeds[i]`` (``sp``'s seed unused)."""
+    def generate(self, prompts: list[list[int]], sp: dict[str, Any],
+                 seeds: list[int] | None) -> list[list[dict[str, Any]]]:
+        """Each prompt's ``n`` completions, prompt *i* sampled with ``seeds[i]`` (``sp``'s seed unused);
+        ``seeds`` None: one unseeded SamplingParams for all (vLLM's engine-wide random stream)."""
         from vllm import SamplingParams
 
         flat = self.flat_logprobs
-        params = [SamplingParams(detokenize=False, **flat, **{**sp, "seed": int(seed)}) for seed in seeds]
+        if seeds is None:
+            params: Any = SamplingParams(detokenize=False, **flat, **{**sp, "seed": None})
+        else:
+            params = [SamplingParams(detokenize=False, **flat, **{**sp, "seed": int(seed)}) for seed in seeds]
         t0 = time.perf_counter()
         outs = self._call(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         t1 = time.perf_counter()
@@ -358,14 +363,19 @@ class HTTPEngine:
     def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
         return self.client.request(method, path, body, query=query)
 
-    def generate(self, prompts: list[list[int]], sp: dict[str, Any], seeds: list[int]) -> list[list[dict[str, Any]]]:
-        """Each prompt's ``n`` completions, prompt *i* sampled with ``seeds[i]`` (``sp``'s seed unused).
+    def generate(self, prompts: list[list[int]], sp: dict[str, Any],
+                 seeds: list[int] | None) -> list[list[dict[str, Any]]]:
+        """Each prompt's ``n`` completions, prompt *i* sampled with ``seeds[i]`` (``sp``'s seed unused;
+        ``seeds`` None: unseeded requests).
 
         The completions route gives every prompt of one request the same seed, so each prompt is a
         request of its own; they are sent together and the server batches them."""
         if not prompts:
             return []
         with ThreadPoolExecutor(max_workers=min(len(prompts), HTTP_CONCURRENT_REQUESTS)) as pool:
+            if seeds is None:
+                unseeded = {k: v for k, v in sp.items() if k != "seed"}
+                return list(pool.map(lambda ids: self._completions(ids, unseeded), prompts))
             return list(pool.map(lambda ids, seed: self._completions(ids, {**sp, "seed": int(seed)}), prompts, seeds))
 
     def _completions(self, prompt: list[int], sp: dict[str, Any]) -> list[dict[str, Any]]:

@@ -31,6 +31,12 @@ class VLLMSettings:
     * ``multiprocessing``: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``. False keeps engine and
       worker in this process (seconds to start instead of ~20 s on a small CPU machine).
     * ``dtype``: ``auto`` serves in the training engine's dtype (``engine.model.dtype``).
+    * ``seeded_requests``: true (default): every prompt's request carries its own seed
+      (``rlcore.rollout_seeds``), so a call's samples are reproducible and do not depend on what
+      shares the engine's batch. False sends one unseeded SamplingParams: vLLM then samples from
+      its engine-wide stream (seeded once by ``vllm.seed``), faster because vLLM's sampler draws a
+      seeded request's noise one request at a time, but the samples depend on the batch and a
+      resumed run does not repeat them. Partial rollouts (``loop.in_flight: abort``) stay seeded.
     * ``enforce_eager``: vLLM's own flag. Unset (``null``, the default): CUDA graphs on a GPU
       (measured on an H200: generate 3.2 s against 7.3 s eager for 32 x 8 x 256 tokens of a 0.5 B
       model, pushes and sleep mode verified alike: docs/benchmarks/gpu_e2e.md), eager on CPU,
@@ -82,6 +88,7 @@ class VLLMSettings:
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float = 1.0
     enforce_eager: bool | None = None
+    seeded_requests: bool = True
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = True
