@@ -10,7 +10,6 @@ that name the full key.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import typing
 from collections.abc import Iterator, Sequence
@@ -25,7 +24,7 @@ from rlcore.algorithm_settings import DapoConfig, KLControlConfig, MismatchConfi
 from rlcore.algorithms.spec import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
 from rlcore.environment_settings import EnvironmentConfig, check_environment
-from rlcore.errors import ConfigError, ConfigErrors
+from rlcore.errors import ConfigError, ConfigErrors, closest_name
 from rlcore.loop_settings import LoopConfig, check_loop
 from rlcore.model_settings import ATTENTION_CHOICES, check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
@@ -390,8 +389,8 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
 
 
 def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    close = closest_name(name, candidates)
+    return f"; did you mean {close!r}?" if close else ""
 
 
 def _merge_error(base: DictConfig, raw: Any, exc: Exception) -> ConfigError:

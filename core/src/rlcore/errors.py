@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class RLCoreError(Exception):
     """Base class of every error rlcore raises on purpose."""
@@ -63,6 +65,14 @@ class PluginHookError(PluginError):
 
     def __reduce__(self):  # picklable with its fields: ranks and Ray actors pass it on
         return (type(self), (str(self), self.plugin, self.hook))
+
+
+def closest_name(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate a misspelled ``name`` most likely meant, if any is close (difflib)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1)
+    return close[0] if close else None
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:

@@ -14,7 +14,6 @@ external ones. ``rlcore plugins`` is :meth:`PluginManager.describe` (:mod:`rlcor
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 from collections.abc import Iterable, Sequence
@@ -384,7 +383,7 @@ class PluginManager:
         else:
             # a misspelling of a provider here, or of a first-party plugin not yet active
             inactive = [p for p in KNOWN_DISTRIBUTIONS if p not in self._loaded]
-            close = _closest(norm, [*available, *inactive])
+            close = errors.closest_name(norm, [*available, *inactive])
             hint = f" Did you mean {close!r}?" if close else ""
             if close in inactive and close not in available:
                 hint += f" It comes with the plugin {close!r}" + self._activation_hint(close)
@@ -502,15 +501,9 @@ def call_hook(ld: Any, hook: str, fn: Any, *args: Any) -> Any:
         raise hook_error(ld.name, ld.label, hook, exc) from exc
 
 
-def _closest(name: str, candidates: Iterable[str]) -> str | None:
-    """The candidate a misspelled ``name`` most likely meant, if any is close."""
-    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1)
-    return close[0] if close else None
-
-
 def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """``Did you mean 'x'?`` for the closest of ``candidates`` to a misspelled ``name``, or ''."""
-    close = _closest(name, candidates)
+    close = errors.closest_name(name, candidates)
     return f"Did you mean {close!r}?" if close else ""
 
 

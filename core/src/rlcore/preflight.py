@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.config import DataConfig, RolloutConfig, TinyModelConfig
-from rlcore.errors import ConfigError
+from rlcore.errors import ConfigError, closest_name
 from rlcore.errors import one_line as _one_line
 from rlcore.model_settings import DTYPE_BYTES
 from rlcore.types import Cap
@@ -187,8 +187,6 @@ def check_optimizer(cfg: Any) -> None:
 
 # -------------------------------------------------------------------------------- tools --
 
-#: the tools the built-in ``tools`` environment has (rlcore.environments.standard.builtin_registry)
-BUILTIN_TOOLS = ("calc", "python")
 #: the longest a tool limit may be: a limit is there to stop a call, and one call holds its
 #: conversation's turn, so the whole step, for that long (a day is already no limit; Python's
 #: thread timeouts overflow past threading.TIMEOUT_MAX, about 292 years, and the kernel's CPU limit
@@ -203,14 +201,14 @@ def check_tools(cfg: Any, memory: int | None) -> None:
     env = getattr(cfg, "environment", None)
     if env is None or str(env.name) == "single_turn":
         return
-    import difflib
+    from rlcore.environments.tools import BUILTIN_TOOLS
 
     if str(env.name) == "tools":
         names = [str(n) for n in env.tools]
         for name in names:
             if name not in BUILTIN_TOOLS:
-                close = difflib.get_close_matches(name, BUILTIN_TOOLS, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                close = closest_name(name, BUILTIN_TOOLS)
+                hint = f"; did you mean {close!r}?" if close else ""
                 raise ConfigError(f"environment.tools: {name!r} is not a tool of environment 'tools' (it has: "
                                   f"{', '.join(BUILTIN_TOOLS)}){hint} (a plugin's environment brings its own tools)",
                                   key="environment.tools")

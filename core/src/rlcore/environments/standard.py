@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from rlcore.environments.sandbox import python_tool
-from rlcore.environments.tools import CALC, ToolRegistry, call_tool
+from rlcore.environments.tools import BUILTIN_TOOLS, CALC, ToolRegistry, call_tool
 from rlcore.errors import ConfigError
 from rlcore.types import EnvStep, ToolCall, Turn
 
@@ -44,7 +44,7 @@ def builtin_registry(names: Iterable[str], code_settings: object = None) -> Tool
             registry.add(python_tool(code_settings))
         else:
             raise ConfigError(f"bad value in config key 'environment.tools': {name!r} is not a built-in tool "
-                              f"(calc, python); a plugin's environment brings its own tools",
+                              f"({', '.join(BUILTIN_TOOLS)}); a plugin's environment brings its own tools",
                               key="environment.tools")
     return registry
 

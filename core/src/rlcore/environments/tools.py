@@ -98,6 +98,11 @@ def call_tool(registry: ToolRegistry, name: str, argument: str, *, timeout: floa
     return ToolResult(name, True, output=value[:max_chars], seconds=seconds, truncated=len(value) > max_chars)
 
 
+#: the tools of the built-in ``tools`` environment (``environment.tools``; built by
+#: :func:`rlcore.environments.standard.builtin_registry`)
+BUILTIN_TOOLS = ("calc", "python")
+
+
 # ------------------------------------------------------------------------------- calc ------
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
