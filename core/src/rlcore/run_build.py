@@ -147,7 +147,9 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
     def ctx_for(spec: Any, engine: Any = None) -> BuildContext:
         section = sections.get(spec.plugin)
         return BuildContext(config=cfg, settings=cfg[section] if section else None, output_dir=str(out),
-                            engine=engine, extras={"task": task}, device=device, platform=platform)
+                            engine=engine, extras={"task": task}, device=device, platform=platform,
+                            engine_capabilities=frozenset(stack.engine.capabilities) if engine is not None else
+                            frozenset())
 
     # the device platform first: a vendor extension (torch_npu) is imported by its factory
     platform_ctx = ctx_for(stack.platform) if stack.platform is not None else BuildContext(config=cfg)

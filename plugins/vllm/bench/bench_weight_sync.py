@@ -116,7 +116,7 @@ def main() -> None:
                 reps.append(rep)
             rows.append((label, rep.num_buckets, verify, statistics.median(times), statistics.median(rpcs)))
             mid = reps[times.index(statistics.median(times))] if len(times) % 2 else reps[0]
-            phase_rows.append((label, verify, mid.seconds, mid.details["phases"], mid.details["worker_phases"]))
+            phase_rows.append((label, verify, mid.seconds, mid.details["loader_phases"], mid.details["worker_phases"]))
             print(f"  {label:>12}  buckets {rep.num_buckets:5d}  verify {verify!s:5}  {statistics.median(times):7.3f} s  "
                   f"{nbytes / statistics.median(times) / 1e9:6.2f} GB/s", flush=True)
         finally:

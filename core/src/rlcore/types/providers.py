@@ -343,7 +343,8 @@ class BuildContext:
     ``config`` is the whole resolved run config (an omegaconf ``DictConfig``); ``settings`` is
     the providing plugin's own section (or ``None``); ``output_dir`` is where the run writes;
     ``engine`` is the training engine once built (weight syncs and backends may need its model
-    info, e.g. the route layout); ``device`` / ``platform`` where it runs.
+    info, e.g. the route layout) and ``engine_capabilities`` what its descriptor declares;
+    ``device`` / ``platform`` where it runs.
     """
 
     config: Any
@@ -356,3 +357,6 @@ class BuildContext:
     #: a factory is called outside a run: :func:`rlcore.platforms.resolve_device` then)
     device: Any = None
     platform: Platform | None = None
+    #: what the training engine's descriptor declares (``Cap`` values), once the engine is built:
+    #: a sync may lend storages only from an engine that declares ``exports_own_parameters``
+    engine_capabilities: frozenset[str] = frozenset()

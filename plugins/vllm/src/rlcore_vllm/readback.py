@@ -30,7 +30,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from rlcore.sync import tensor_checksum
+from rlcore.sync import ChecksumSlots
+
+from rlcore_vllm.direct import Located
 
 _MARK = "_rlcore_readback"
 
@@ -42,6 +44,11 @@ class ReadBack:
     def __init__(self, models: list[torch.nn.Module]):
         self.models = [m for m in models if m is not None]
         self.sums: dict[str, int] = {}
+        # queued checksums of the regions read (one device read for the push, in report())
+        self._slots = ChecksumSlots()
+        self._slot_of: dict[str, int] = {}
+        #: where each read tensor was found (rlcore_vllm.direct learns direct copies from it)
+        self.located: dict[str, Located] = {}
         self.unreadable: dict[str, str] = {}
         # received tensors by address: (start, end, name, shape, stride, dtype); no references kept
         self._ranges: list[tuple[int, int, str, tuple, tuple, torch.dtype]] = []
@@ -149,12 +156,19 @@ class ReadBack:
             if region is None:
                 self.unreadable[name] = why
                 continue
-            self.sums[name] = tensor_checksum(region)
+            # queued, not waited for: a region freed after processing goes back to the caching allocator,
+            # whose reuse is ordered after the queued kernel on the same stream
+            self._slot_of[name] = self._slots.checksum([region])[0]
+            self.located[name] = Located(layer, param_name, args, loaded)
             self.unreadable.pop(name, None)
 
     def report(self, received: set[str]) -> dict[str, Any]:
         """What the finish report carries: ``read_back`` checksums, ``unreadable`` names with
         the reason, and ``not_stored``: received tensors no processed layer held."""
+        if self._slot_of:
+            values = self._slots.values()
+            self.sums.update({name: values[slot] for name, slot in self._slot_of.items()})
+            self._slot_of = {}
         not_stored = sorted(received - self.sums.keys() - self.unreadable.keys())
         return {"read_back": dict(self.sums), "unreadable": dict(sorted(self.unreadable.items())[:20]),
                 "num_unreadable": len(self.unreadable), "not_stored": not_stored[:20], "num_not_stored": len(not_stored)}

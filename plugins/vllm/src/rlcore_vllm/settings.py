@@ -11,7 +11,7 @@ from rlcore.serving import LOOPBACK, check_bind_host
 from rlcore_vllm.speculative import check_speculative
 
 MODES = ("offline", "http")
-TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast", "nccl", "ipc")
+TRANSPORTS = ("auto", "mapped", "shm", "cuda_ipc", "broadcast", "nccl", "ipc")
 #: server flags rlcore sets from its own settings; ``engine_args`` may not set them again
 OWNED_SERVER_ARGS = {"host": "vllm.host", "port": "vllm.port", "served_model_name": "(rlcore's own name)"}
 
@@ -52,8 +52,16 @@ class VLLMSettings:
       to its worker by the ``cuda_ipc`` (GPU: needs ``multiprocessing``) or ``shm`` path, with
       the same checks (``coverage+exact``); for an engine on a GPU of its own
       (:mod:`rlcore_vllm.broadcast`);
-      ``nccl`` / ``ipc``: vLLM's native weight-transfer API (GPU only; verified by a probe only).
-      ``auto``: ``cuda_ipc`` when trainer and engine share a GPU, else ``shm``.
+      ``nccl`` / ``ipc``: vLLM's native weight-transfer API (GPU only; verified by a probe only);
+      ``mapped`` (offline engine on the trainer's machine, an engine that exports its own
+      parameters, needs rlcore-ray's transport): the first push goes through vLLM's loaders by
+      ``cuda_ipc`` (``shm`` on CPU) and learns where each tensor lands; once that is verified,
+      every push is a direct copy out of the trainer's parameters (lent by CUDA IPC, no bucket)
+      into those parameter slices, ``coverage+exact`` (:mod:`rlcore_vllm.direct`); where vLLM's
+      processing changes the weights (CPU's prepacked GEMMs, quantization) it says why and keeps
+      the loaders.
+      ``auto``: ``mapped`` when trainer and engine share a GPU and rlcore-ray is installed
+      (``cuda_ipc`` with a warning naming the install line otherwise), else ``shm``.
     * ``sleep_for_training``: after every ``generate``, put the engine to sleep (level 1: weights
       to host memory, KV cache released) so that training has the GPU memory; the weights come
       back before the next push, the KV cache after it. The memory freed and the sleep / wake
@@ -127,9 +135,13 @@ def check_settings(settings: Any, config: Any = None) -> None:
                           key="vllm.gpu_memory_utilization")
     if settings.kv_cache_gib < 0:
         raise ConfigError("bad value for config key 'vllm.kv_cache_gib': must be >= 0", key="vllm.kv_cache_gib")
-    if settings.transport == "cuda_ipc" and settings.mode != "offline":
-        raise ConfigError("bad value for config key 'vllm.transport': 'cuda_ipc' needs vllm.mode 'offline' (the "
-                          "engine on this machine's GPU, colocated); a server receives weights by 'shm' or 'nccl'",
+    if settings.transport in ("cuda_ipc", "mapped") and settings.mode != "offline":
+        raise ConfigError(f"bad value for config key 'vllm.transport': {settings.transport!r} needs vllm.mode "
+                          f"'offline' (the engine on this machine's GPU, colocated); a server receives weights by "
+                          f"'shm' or 'nccl'", key="vllm.transport")
+    if settings.transport == "mapped" and not mapped_transport_installed():
+        raise ConfigError("bad value for config key 'vllm.transport': 'mapped' lends the trainer's parameters "
+                          "through rlcore-ray's transport, which is not installed: pip install rlcore-ray",
                           key="vllm.transport")
     if settings.sleep_for_training and not settings.enable_sleep_mode:
         raise ConfigError("bad value for config key 'vllm.sleep_for_training': needs vllm.enable_sleep_mode true",
@@ -186,9 +198,20 @@ def check_ray_replicas(settings: Any, config: Any) -> None:
                           "cluster.backend=local", key="vllm.speculative")
 
 
+def mapped_transport_installed() -> bool:
+    """Whether rlcore-ray's transport (``rlcore_ray.transport``, no Ray import) can be imported."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("rlcore_ray.transport") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def choose_transport(settings: Any, config: Any = None) -> str:
-    """``vllm.transport`` resolved: ``auto`` is ``shm`` for Ray rollout replicas; otherwise
-    ``cuda_ipc`` when the trainer runs on a GPU and the engine is offline (colocated), else ``shm``."""
+    """``vllm.transport`` resolved: ``auto`` is ``shm`` for Ray rollout replicas; otherwise, when the
+    trainer runs on a GPU and the engine is offline (colocated), ``mapped`` (``cuda_ipc``, with a
+    warning naming the install line, without rlcore-ray), else ``shm``."""
     if settings.transport != "auto":
         return settings.transport
     if config is not None and runs_as_ray_replicas(config):
@@ -198,5 +221,20 @@ def choose_transport(settings: Any, config: Any = None) -> str:
         import torch
 
         if torch.cuda.is_available():
+            if mapped_transport_installed():
+                return "mapped"
+            _warn_once("vllm.transport 'auto' pushes through vLLM's loaders ('cuda_ipc'): the direct-copy push "
+                       "('mapped', several times faster) needs rlcore-ray's transport: pip install rlcore-ray")
             return "cuda_ipc"
     return "shm"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    import warnings
+
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -17,6 +17,16 @@ Transports (``vllm.transport``):
   worker cannot locate in a parameter (tensor-parallel shards) drops ``exact`` from the level
   (``details["unreadable"]`` says which and why). The engine refuses to compute from the first
   bucket until every check passed and the trainer commits the push.
+* ``mapped`` (offline engine, trainer and engine on one machine): the first push goes through the
+  worker path above (``cuda_ipc`` on a GPU, ``shm`` on CPU) and asks the worker to learn where each
+  tensor landed (:mod:`rlcore_vllm.direct`); once the trainer verified it, every push lends the
+  trainer's parameters to the worker (:class:`rlcore_ray.transport.MappedSender`: their storages
+  shared once by CUDA IPC, or shared memory on CPU; no bucket) and the worker copies them straight
+  into those parameter slices, checksummed as they land, in one RPC (``coverage+exact``: names,
+  shapes and completeness against the engine's checkpoint, every tensor's bytes against the
+  trainer's checksums). Where the worker cannot take direct copies (vLLM's processing changes the
+  weights, a speculative draft, tensor parallelism) the learning push says why
+  (``details["direct_refused"]``, warned once) and pushes keep the loaders.
 * ``broadcast`` (Ray rollout replicas only): every bucket's bytes go from the writer trainer rank
   to all replicas by one collective broadcast (NCCL from GPU to GPU, gloo on CPU;
   :mod:`rlcore_vllm.broadcast`), only names and places through Ray; each replica hands them to
@@ -37,11 +47,12 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from rlcore.errors import WeightSyncError
+from rlcore.errors import ConfigError, WeightSyncError
 from rlcore.sync import (
     LEVEL_CHECKS,
     Bucket,
@@ -50,7 +61,7 @@ from rlcore.sync import (
     verification_level,
     verify_checksums,
 )
-from rlcore.types import SyncReport
+from rlcore.types import Cap, SyncReport
 
 from rlcore_vllm import native
 from rlcore_vllm.backend import VLLMBackend
@@ -102,6 +113,10 @@ class VLLMWeightSync:
         self._broadcast_group: BroadcastGroup | None = None
         # the sender's checksums, summed by the copies that fill each bucket (kept across pushes)
         self._sent = SentChecksums() if self.verify else None
+        # vllm.transport 'mapped': the worker's learned direct copies, and the sender lending the parameters
+        self._direct_ready = False
+        self._direct_refused: str | None = None
+        self._mapped_sender: Any = None
 
     # ------------------------------------------------------------------------ push -----
 
@@ -120,6 +135,8 @@ class VLLMWeightSync:
         try:
             if self.transport in ("shm", "cuda_ipc"):
                 checked, details = self._push_shm(weights, target, version, stats)
+            elif self.transport == "mapped":
+                checked, details = self._push_mapped(weights, target, version, stats)
             else:
                 checked, details = self._push_native(weights, target, version, stats)
         except Exception as exc:
@@ -159,10 +176,12 @@ class VLLMWeightSync:
         """The slots a push's bucket fills checksum into (None when not verifying)."""
         return self._sent.start() if self._sent is not None else None
 
-    def _push_shm(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
+    def _push_shm(self, weights, target, version: int, stats: dict[str, int], *, cuda: bool | None = None,
+                  learn_direct: bool = False) -> tuple[int, dict[str, Any]]:
         """The worker path: ``shm`` (buckets in shared host memory) or ``cuda_ipc`` (buckets on the
-        trainer's GPU, opened by the worker through CUDA IPC); the checks are the same."""
-        cuda = self.transport == "cuda_ipc"
+        trainer's GPU, opened by the worker through CUDA IPC); the checks are the same.
+        ``learn_direct``: the worker also learns the direct copies of ``mapped``."""
+        cuda = self.transport == "cuda_ipc" if cuda is None else cuda
         if cuda:
             import torch
 
@@ -181,12 +200,12 @@ class VLLMWeightSync:
         # rpc = each bucket's collective_rpc round trip), worker side (summed over workers' calls:
         # check_map, verify, load = vLLM's loaders, detach), begin/finish (layerwise reload set-up
         # and finalisation); rpc minus the worker's own time is the RPC's transfer overhead
-        phases = dict.fromkeys(("begin", "fill", "checksum", "rpc", "finish"), 0.0)
+        phases = dict.fromkeys(("begin", "fill", "checksum", "rpc", "finish", "commit"), 0.0)
         worker: dict[str, float] = {}
         tb = time.perf_counter()
         skip_draft = skips_draft(self.settings, version)
         workers = target.rpc("rlcore_begin_update", {"version": version, "skip_draft": skip_draft,
-                                                     "verify": self.verify})
+                                                     "verify": self.verify, "learn_direct": learn_direct})
         phases["begin"] = time.perf_counter() - tb
         sent: dict[str, int] = {}
         # (the bucket's names, a worker's checksums of them) for every bucket and worker: compared once all are sent
@@ -236,7 +255,9 @@ class VLLMWeightSync:
             read_back = (check_read_back(sent, finish) if self.verify
                          else {"read_back": 0, "not_loaded": 0, "unreadable": {}})
             draft = draft_details(finish, target, version, skip_draft)
-            target.rpc("rlcore_commit_update", {"version": version})
+            tcommit = time.perf_counter()
+            committed = target.rpc("rlcore_commit_update", {"version": version})
+            phases["commit"] = time.perf_counter() - tcommit
         except BaseException as exc:
             if pool is not None:
                 pool.release_all()
@@ -249,12 +270,63 @@ class VLLMWeightSync:
                  and read_back["read_back"] + read_back["not_loaded"] == len(sent))
         checks = (["coverage"] if all(w.get("coverage") for w in workers) else []) + (["exact"] if exact else [])
         details = {**draft, "workers": len(workers), "rpc_load_seconds": t_load, "pending_copies": pending_copies,
-                   "phases": phases, "worker_phases": worker, "read_back": read_back["read_back"],
+                   "phases": loader_push_phases(phases, worker, len(workers)), "loader_phases": phases,
+                   "worker_phases": worker, "read_back": read_back["read_back"],
                    "unreadable": dict(list(read_back["unreadable"].items())[:10]),
                    "checks": checks, "tied_refreshed": sorted({n for f in finish for n in f.get("refreshed", [])}),
                    "shm_resident_bytes": pool.resident_bytes if pool is not None else 0,
                    "moe_fix": any(w.get("moe_fix") for w in workers)}
+        if learn_direct:
+            reports = [f.get("direct") or {} for f in finish]
+            ready = bool(reports) and all(r.get("ready") for r in reports) and all(c.get("direct_ready")
+                                                                                   for c in committed)
+            details["direct_ready"] = ready
+            if not ready:
+                details["direct_refused"] = next((r["reason"] for r in reports if r.get("reason")),
+                                                 "a worker did not take the direct copies")
         return (len(sent) if self.verify else 0), details
+
+    def _push_mapped(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
+        """``vllm.transport: mapped``: a loader push that learns the direct copies until the worker
+        holds them, then every push a direct copy out of the lent parameters (module docstring)."""
+        from rlcore.sync import Phases
+
+        weights = iter(weights)
+        first = next(weights, None)
+        if first is None:
+            raise RuntimeError("the push carried no tensors")
+        weights = itertools.chain([first], weights)
+        cuda = first[1].device.type == "cuda"
+        if not self._direct_ready:
+            learn = self._direct_refused is None
+            checked, details = self._push_shm(weights, target, version, stats, cuda=cuda, learn_direct=learn)
+            if learn and details.get("direct_ready"):
+                self._direct_ready = True
+            elif learn:
+                self._direct_refused = details["direct_refused"]
+                warnings.warn(f"vllm.transport 'mapped': this engine cannot take direct copies "
+                              f"({self._direct_refused}); every push goes through vLLM's loaders "
+                              f"({'cuda_ipc' if cuda else 'shm'}), verified as before", stacklevel=2)
+            if self._direct_refused:
+                details["direct_refused"] = self._direct_refused
+            details["path"] = "loaders"
+            return checked, details
+        from rlcore_ray.mapped_sync import transport_phases
+        from rlcore_ray.transport import MappedSender
+
+        pairs = lendable(weights)
+        if self._mapped_sender is None:
+            self._mapped_sender = MappedSender(WorkerChannel(target), verify=self.verify,
+                                               timeout=float(self.settings.request_timeout_s))
+        report = self._mapped_sender.send(pairs, version)  # a failed push raises (TransportError)
+        phases = Phases()
+        transport_phases(phases, report.details)
+        stats["bytes"] += report.bytes
+        stats["tensors"] += report.num_tensors
+        details = dict(report.details, phases=dict(phases.seconds), path="direct",
+                       checks=[c for c in report.details["level"].split("+") if c in LEVEL_CHECKS])
+        details.pop("level")
+        return report.checked, details
 
     # ------------------------------------------------------- Ray rollout replicas -----
 
@@ -451,11 +523,80 @@ class VLLMWeightSync:
         if self._broadcast_group is not None:
             self._broadcast_group.close()
             self._broadcast_group = self._broadcast_store = None
+        if self._mapped_sender is not None:
+            self._mapped_sender = None  # its exports (the lent storages' handles) go with it
         if self._nccl_group is not None:
             destroy = getattr(self._nccl_group, "destroy", None)
             if callable(destroy):
                 destroy()
             self._nccl_group = None
+
+
+def loader_push_phases(own: dict[str, float], worker: dict[str, float], workers: int) -> dict[str, float]:
+    """A loader push's seconds under :data:`rlcore.sync.PUSH_PHASES` (what the run's metrics carry
+    as ``sync/<phase>_seconds``): ``copy`` the bucket fill and vLLM's loaders (layerwise reload, in
+    the worker), ``sender_checksum`` reading the trainer's checksums, ``receiver_checksum`` the
+    worker's of what it received, ``commit`` the finish (layerwise finalisation, read-back,
+    coverage) and the commit, ``control`` the begin and each bucket's RPC less the worker's work
+    in it. ``worker`` is summed over the workers, which run in parallel: divided by their count."""
+    n = max(1, workers)
+    inside = sum(worker.values()) / n
+    return {"control": own["begin"] + max(0.0, own["rpc"] - inside),
+            "copy": own["fill"] + (worker.get("check_map", 0.0) + worker.get("load", 0.0)
+                                   + worker.get("detach", 0.0)) / n,
+            "sender_checksum": own["checksum"], "receiver_checksum": worker.get("verify", 0.0) / n, "wait": 0.0,
+            "commit": own["finish"] + own.get("commit", 0.0)}
+
+
+def lendable(weights: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The pairs of a mapped push; CPU parameters are moved into shared memory first (in place:
+    ``share_memory_()`` keeps the tensors, so the model and the optimizer hold them still)."""
+    import torch.multiprocessing
+
+    pairs = list(weights)
+    for _, t in pairs:
+        if t.device.type == "cpu" and not t.untyped_storage().is_shared():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            t.share_memory_()
+    return pairs
+
+
+class WorkerChannel:
+    """:class:`rlcore_ray.transport.Channel` over the engine's RPC: a map message is one
+    ``rlcore_mapped_push`` call on every worker, its result the reply (one worker's, or the first
+    error of any; every worker must commit the same version)."""
+
+    def __init__(self, target: VLLMBackend):
+        self.target = target
+        self._reply: tuple | None = None
+
+    def send(self, msg: tuple) -> None:
+        import base64
+        import pickle
+
+        if msg[0] == "close":
+            return
+        payload = base64.b64encode(pickle.dumps(msg)).decode("ascii")
+        results = self.target.rpc("rlcore_mapped_push", {"msg": payload})
+        replies = [pickle.loads(base64.b64decode(r["reply"])) for r in results]  # noqa: S301 - our own workers
+        errors = [f"worker {i}: {r[1]}" for i, r in enumerate(replies) if r[0] == "error"]
+        if errors:
+            self._reply = ("error", "; ".join(errors))
+        elif len({r[1] for r in replies}) != 1:
+            self._reply = ("error", f"the workers committed different versions {sorted({r[1] for r in replies})}")
+        else:
+            self._reply = replies[0]
+
+    def recv(self, timeout: float | None) -> tuple:
+        reply, self._reply = self._reply, None
+        if reply is None:
+            from rlcore_ray.transport import TransportError
+
+            raise TransportError("protocol error: nothing was sent to the workers")
+        return reply
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._reply is not None
 
 
 def verify_replicas(fleet: Any, sent: dict[str, int], version: int) -> None:
@@ -520,5 +661,14 @@ def build_sync(ctx: Any) -> VLLMWeightSync:
     settings = ctx.settings if ctx.settings is not None else VLLMSettings()
     check_settings(settings)
     cfg = ctx.config
+    transport = choose_transport(settings, cfg)
+    if transport == "mapped" and Cap.EXPORTS_OWN_PARAMETERS not in set(getattr(ctx, "engine_capabilities", ())):
+        if settings.transport == "mapped":
+            raise ConfigError(f"bad value for config key 'vllm.transport': 'mapped' lends the trainer's own parameters, "
+                              f"and engine {cfg.engine.name!r} does not declare "
+                              f"{Cap.EXPORTS_OWN_PARAMETERS!r} (its export computes tensors: gathered, fused or "
+                              f"cast); use 'cuda_ipc' or 'auto'", key="vllm.transport")
+        transport = "cuda_ipc"  # auto: the loaders' path is this engine's
     return VLLMWeightSync(int(cfg.sync.bucket_mb * MB), verify=bool(cfg.sync.verify),
-                          transport=choose_transport(settings, cfg), settings=settings, probe_engine=ctx.engine)
+                          transport=transport, settings=settings, probe_engine=ctx.engine)
+

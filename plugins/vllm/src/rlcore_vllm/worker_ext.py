@@ -50,6 +50,13 @@ import torch
 from rlcore.errors import WeightSyncError
 from rlcore.sync import ChecksumSlots, WeightManifest
 
+from rlcore_vllm.direct import (
+    DirectTarget,
+    attribute_identities,
+    learn_plan,
+    rebuilt_attributes,
+    weight_module_ids,
+)
 from rlcore_vllm.readback import ReadBack
 from rlcore_vllm.shm import map_segment
 from rlcore_vllm.worker_draft import DraftUpdate, draft_model, draft_model_config
@@ -271,6 +278,10 @@ class RLCoreWorkerExtension:
         state["moe_fix"] = install_cpu_moe_update_fix()
         model = self._rlcore_model()
         self._rlcore_end_read_back()
+        # a push through the loaders: direct copies only after one that learns them is verified (rlcore_vllm.direct)
+        state["direct_plan"] = state["direct_pending"] = None
+        state["direct_before"] = attribute_identities(model) if req.get("learn_direct") else None
+        state["received_sums"] = {}
         state["coverage"] = ParameterCoverage(model)
         state["received"] = set()
         state["manifest"] = _manifest_of(str(self.vllm_config.model_config.model))
@@ -342,6 +353,7 @@ class RLCoreWorkerExtension:
         if req.get("verify", True):  # one kernel and one wait for the bucket, not a few and a wait per tensor
             sums = ChecksumSlots(buf.device, capacity=len(views))
             checksums = dict(zip((n for n, _ in views), sums.values(sums.checksum([t for _, t in views])), strict=True))
+            state["received_sums"].update(checksums)
         t2 = time.perf_counter()
         model = self._rlcore_model()
         read_back: ReadBack | None = state.get("read_back")
@@ -413,12 +425,69 @@ class RLCoreWorkerExtension:
             self._rlcore_guard(True, f"is partial or failed: {len(not_sent)} checkpoint tensor(s) did not arrive, "
                                      f"{len(missing)} parameter(s) not reached")
         state["finished"] = state["version"]
-        return {"missing": missing[:20], "num_missing": len(missing), "num_params": len(coverage.expected),
+        direct = self._rlcore_learn_direct(model, draft, read_back, bool(not_sent or missing), refreshed)
+        return {"direct": direct, "missing": missing[:20], "num_missing": len(missing), "num_params": len(coverage.expected),
                 "not_sent": not_sent[:20], "num_not_sent": len(not_sent),
                 "num_manifest": len(manifest.shapes) if manifest is not None else 0, "refreshed": refreshed,
                 **draft_report, "draft_version": state.get("draft_version"),
                 **(read_back.report(state["received"] - draft.not_loaded) if read_back is not None else {}),
                 "num_not_loaded": len(draft.not_loaded)}
+
+    def _rlcore_learn_direct(self, model: torch.nn.Module, draft: DraftUpdate, read_back: ReadBack | None,
+                             partial: bool, refreshed: list[str]) -> dict[str, Any] | None:
+        """At the finish of a push that asked for it: learn the direct copies (rlcore_vllm.direct),
+        kept pending until the trainer commits this push."""
+        state = self._rlcore_state()
+        before = state.pop("direct_before", None)
+        if before is None:
+            return None
+        refusal = None
+        if read_back is None:
+            refusal = "the push was not verified (sync.verify=false): direct copies are learned from the read-back"
+        elif partial:
+            refusal = "the push that would teach them was partial"
+        elif draft.model is not None:
+            refusal = "the engine has a speculative draft, whose weights take their own reload"
+        elif read_back.unreadable:
+            name, why = next(iter(sorted(read_back.unreadable.items())))
+            refusal = f"{len(read_back.unreadable)} tensor(s) were not located in a parameter (e.g. {name}: {why})"
+        located = read_back.located if read_back is not None else {}
+        rebuilt = rebuilt_attributes(before, model, weight_module_ids(located, model, refreshed))
+        plan, why = learn_plan(located, state["received_sums"], rebuilt, refusal)
+        state["direct_pending"] = plan
+        state["direct_manifest"] = state["manifest"]
+        return {"ready": plan is not None, "reason": why, "tensors": len(plan or {})}
+
+    def rlcore_mapped_push(self, request: str) -> dict:
+        """One push of ``vllm.transport: mapped``: the trainer's map message (base64 pickle,
+        rlcore's own trainer over the offline engine's RPC) served by
+        :class:`rlcore_ray.transport.MappedReceiver` into the learned direct destinations; returns
+        its reply (``("mapped", ...)`` or ``("error", text)``), also when the push failed here."""
+        import base64
+        import pickle
+
+        from rlcore_ray.mapped_sync import ReplyBox
+        from rlcore_ray.transport import MappedReceiver
+
+        state = self._rlcore_state()
+        msg = pickle.loads(base64.b64decode(json.loads(request)["msg"]))  # noqa: S301 - rlcore's trainer, offline
+        if state["active"]:
+            self.rlcore_abort_update("{}")  # a loader push whose trainer died: end it first
+        box = ReplyBox()
+        if state.get("direct_plan") is None:
+            box.send(("error", "this worker holds no learned direct copies (a verified push through vLLM's loaders "
+                               "that learns them comes first)"))
+        else:
+            receiver = state.get("mapped_receiver")
+            if receiver is None:
+                receiver = state["mapped_receiver"] = MappedReceiver(box)
+            receiver.channel = box
+            try:
+                receiver.serve_one(DirectTarget(self), msg)
+            except Exception as exc:  # noqa: BLE001 - the reply says it (serve_one sent it)
+                if box.reply is None:
+                    box.send(("error", f"{type(exc).__name__}: {exc}"))
+        return {"reply": base64.b64encode(pickle.dumps(box.reply)).decode("ascii")}
 
     def rlcore_commit_update(self, request: str) -> dict:
         """The trainer verified the push of ``version``: lift the guard. Refused unless that push
@@ -432,7 +501,11 @@ class RLCoreWorkerExtension:
         if status and status.startswith("is partial"):
             raise RuntimeError(f"rlcore: commit of weight version {version}, which {status}")
         self._rlcore_guard(False)
-        return {"version": version}
+        if state.get("direct_pending") is not None:  # learned in a push the trainer has now verified
+            state["direct_plan"], state["direct_pending"] = state["direct_pending"], None
+            state["direct_learned_at"] = version
+            state["mapped_receiver"] = None
+        return {"version": version, "direct_ready": state.get("direct_plan") is not None}
 
     def rlcore_abort_update(self, request: str) -> dict:
         """End a failed push: layers that got no weight get their old tensors back, partially
