@@ -423,7 +423,7 @@ def cmd_report(args: argparse.Namespace) -> None:
               "generate = vLLM's generate alone (rlcore: `generate_seconds` minus the sleep after it; TRL: `LLM.generate`); "
               "sleep_wake = vLLM's sleep and wake-ups (rlcore: level 1, weights back before the push, KV cache after it; "
               "TRL: level 2, weights woken before its sync, KV cache before generating); sync = the weight push without "
-              "the wake-up (rlcore: `sync_seconds`, bucketed CUDA IPC, verified; TRL: one `load_weights` per parameter "
+              "the wake-up (rlcore: `sync_seconds`, vllm.transport mapped: direct copies out of the lent parameters after a first push through vLLM's loaders, verified coverage+exact; TRL: one `load_weights` per parameter "
               "in vLLM's in-process worker, unverified, and `reset_prefix_cache`); old_lp = the trainer's old-log-prob "
               "pass (both: for the TIS correction); rest = the step minus those: rewards, batch preparation, forward + "
               "backward + AdamW; step = the whole step (rlcore: `step_seconds`; TRL: HF Trainer's step begin to end)."]
