@@ -14,7 +14,9 @@ pushed weights, and refusing what it must."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,9 +31,18 @@ pytestmark = [pytest.mark.engine("vllm"), pytest.mark.slow]
 pytest.importorskip("rlcore_ray.transport", reason="the mapped transport is rlcore-ray's")
 
 
-def make_backend() -> VLLMBackend:
-    return VLLMBackend(VLLMSettings(multiprocessing=False, max_model_len=256, kv_cache_gib=0.25),
-                       dtype="float32", seed=0)
+@contextlib.contextmanager
+def mapped_engine(model_dir) -> Iterator[tuple[VLLMBackend, VLLMWeightSync]]:
+    """An in-process engine (float32, a small KV cache) started on ``model_dir``, and a ``mapped`` sync."""
+    backend = VLLMBackend(VLLMSettings(multiprocessing=False, max_model_len=256, kv_cache_gib=0.25),
+                          dtype="float32", seed=0)
+    backend.start(str(model_dir), version=0)
+    sync = VLLMWeightSync(32 * 1024, transport="mapped")
+    try:
+        yield backend, sync
+    finally:
+        sync.close()
+        backend.shutdown()
 
 
 def _gemm_over_the_parameter(self, layer):
@@ -57,10 +68,7 @@ def _diff(backend, model_dir) -> float:
 
 def test_cpu_prepacked_weights_refuse_direct_copies_and_keep_the_loaders(tiny_model_dirs):
     a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
-    backend = make_backend()
-    backend.start(str(a), version=0)
-    sync = VLLMWeightSync(32 * 1024, transport="mapped")
-    try:
+    with mapped_engine(a) as (backend, sync):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             first = sync.push(hf_export(b), backend, 1)
@@ -74,18 +82,12 @@ def test_cpu_prepacked_weights_refuse_direct_copies_and_keep_the_loaders(tiny_mo
             assert report.details["path"] == "loaders" and report.details["level"] == "coverage+exact"
             assert report.verified and report.method == "vllm-mapped"
         assert _diff(backend, a) < 1e-5
-    finally:
-        sync.close()
-        backend.shutdown()
 
 
 def test_direct_pushes_copy_into_the_parameters_verified(tiny_model_dirs, gemm_over_parameters):
     a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
     wa, wb = hf_export(a), hf_export(b)
-    backend = make_backend()
-    backend.start(str(a), version=0)
-    sync = VLLMWeightSync(32 * 1024, transport="mapped")
-    try:
+    with mapped_engine(a) as (backend, sync):
         learned = sync.push(wb, backend, 1)
         assert learned.details["path"] == "loaders" and learned.details["direct_ready"], learned.details
         assert _diff(backend, b) < 1e-5
@@ -114,9 +116,6 @@ def test_direct_pushes_copy_into_the_parameters_verified(tiny_model_dirs, gemm_o
 
         name, tensor = wa[3]
         assert engine.collective_rpc(holds, args=(name, tensor.clone())) == [True]
-    finally:
-        sync.close()
-        backend.shutdown()
 
 
 def test_a_byte_written_while_lent_is_refused_and_the_engine_refuses_until_a_good_push(
@@ -126,10 +125,7 @@ def test_a_byte_written_while_lent_is_refused_and_the_engine_refuses_until_a_goo
 
     a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
     wa, wb = hf_export(a), hf_export(b)
-    backend = make_backend()
-    backend.start(str(a), version=0)
-    sync = VLLMWeightSync(32 * 1024, transport="mapped")
-    try:
+    with mapped_engine(a) as (backend, sync):
         sync.push(wb, backend, 1)
         assert sync.push(wa, backend, 2).details["path"] == "direct"
         victim = wb[5]
@@ -147,18 +143,12 @@ def test_a_byte_written_while_lent_is_refused_and_the_engine_refuses_until_a_goo
         report = sync.push(wb, backend, 4)  # the bytes as they are now, checksummed again
         assert report.details["path"] == "direct" and report.details["level"] == "coverage+exact"
         assert backend.weight_version == 4 and not backend.holds_unknown_weights
-    finally:
-        sync.close()
-        backend.shutdown()
 
 
 def test_a_direct_push_missing_a_tensor_is_refused_naming_it(tiny_model_dirs, gemm_over_parameters):
     a, b = tiny_model_dirs["dense_a"], tiny_model_dirs["dense_b"]
     wa, wb = hf_export(a), hf_export(b)
-    backend = make_backend()
-    backend.start(str(a), version=0)
-    sync = VLLMWeightSync(32 * 1024, transport="mapped")
-    try:
+    with mapped_engine(a) as (backend, sync):
         sync.push(wb, backend, 1)
         missing = "model.layers.1.self_attn.k_proj.weight"
         with pytest.raises(WeightSyncError, match=missing.replace(".", "[.]")):
@@ -167,6 +157,3 @@ def test_a_direct_push_missing_a_tensor_is_refused_naming_it(tiny_model_dirs, ge
         report = sync.push(wa, backend, 3)
         assert report.details["path"] == "direct" and report.verified
         assert _diff(backend, a) < 1e-5
-    finally:
-        sync.close()
-        backend.shutdown()

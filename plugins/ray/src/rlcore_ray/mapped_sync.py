@@ -199,14 +199,6 @@ class MappedFleetSync:
                     f"{here}: parameters can be lent only on one machine. Put them together (cluster.placement="
                     f"colocated with cluster.strategy=STRICT_PACK) or use sync.name=inproc", receiver_version=None)
 
-    @staticmethod
-    def _lendable(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        pairs = list(weights)
-        for _, t in pairs:
-            if t.device.type == "cpu" and not t.untyped_storage().is_shared():
-                t.share_memory_()  # in place: the parameter now lives in shared memory
-        return pairs
-
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: Any, version: int) -> SyncReport:
         import torch.multiprocessing
         from rlcore.sync import ChecksumPlan, Phases, verification_level, verify_checksums
@@ -226,7 +218,7 @@ class MappedFleetSync:
                 self._channel = FleetChannel(fleet)
                 self._sender = MappedSender(self._channel, verify=False, timeout=self.timeout_s)
                 self._fleet = fleet
-            pairs = self._lendable(weights)
+            pairs = lendable(weights)
             names = [n for n, _ in pairs]
             before = fleet.weight_version
         pending = None
@@ -280,6 +272,20 @@ class MappedFleetSync:
         if self._sender is not None:
             self._sender.close()
         self._sender = self._fleet = self._channel = self._plan = self._plan_key = self._covered = None
+
+
+def lendable(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The pairs of a mapped push, CPU parameters moved into shared memory first (in place:
+    ``share_memory_()`` keeps the tensors, so the model and the optimizer still hold them; torch's
+    ``file_system`` sharing, so the receiver opens them by name)."""
+    import torch.multiprocessing
+
+    pairs = list(weights)
+    for _, t in pairs:
+        if t.device.type == "cpu" and not t.untyped_storage().is_shared():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            t.share_memory_()
+    return pairs
 
 
 def transport_phases(phases: Any, details: dict[str, Any]) -> None:

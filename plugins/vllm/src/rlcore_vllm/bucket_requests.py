@@ -25,12 +25,9 @@ def cuda_bucket_request(bucket: Bucket, verify: bool) -> dict[str, Any]:
     """The JSON request of ``rlcore_load_bucket`` for a bucket in the trainer's GPU memory: the
     buffer's CUDA IPC handle (``{gpu_uuid: rebuild_cuda_tensor args}``, base64 pickle) instead of
     a segment path. The worker opens it on the same GPU (``vllm.transport: cuda_ipc``)."""
-    import base64
-    import pickle
-
     handle = native.cuda_ipc_handle(bucket.buffer)
     return {
-        "cuda_ipc": base64.b64encode(pickle.dumps(handle)).decode("ascii"),
+        "cuda_ipc": native.to_rpc_text(handle),
         "capacity": int(bucket.buffer.numel()),
         "verify": bool(verify),
         "tensors": [[m.name, native.dtype_name(m.dtype), list(m.shape), m.offset, m.nbytes] for m in bucket.metas],

@@ -129,15 +129,26 @@ class DirectPlan:
     def destinations(self) -> dict[str, torch.Tensor]:
         bases = self._base_pointers()
         if bases != self._bases:
-            regions = {}
-            for name, loc in self.located.items():
-                region, why = loc.region()
-                if region is None or not region.is_contiguous():
-                    raise RuntimeError(f"rlcore: {name}: after the engine re-allocated its weights the direct copy's "
-                                       f"destination is gone ({why or 'not contiguous'})")
-                regions[name] = region
+            regions, why = resolve_regions(self.located)
+            if regions is None:
+                raise RuntimeError(f"rlcore: after the engine re-allocated its weights a direct copy's destination is "
+                                   f"gone: {why}")
             self.regions, self._bases = regions, bases
         return self.regions
+
+
+def resolve_regions(located: dict[str, Located]) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """Each tensor's contiguous slice of its layer's parameter as the layer holds it now, or
+    ``(None, why)`` for the first that has none."""
+    regions: dict[str, torch.Tensor] = {}
+    for name, loc in located.items():
+        region, why = loc.region()
+        if region is None:
+            return None, f"{name}: after vLLM's processing {why}"
+        if not region.is_contiguous():
+            return None, f"{name}: its slice of the parameter is not contiguous (stride {tuple(region.stride())})"
+        regions[name] = region
+    return regions, ""
 
 
 def weight_module_ids(located: dict[str, Located], model: torch.nn.Module, refreshed: list[str]) -> set[int]:
@@ -163,14 +174,10 @@ def learn_plan(located: dict[str, Located], received_sums: dict[str, int], rebui
     if missing:
         return None, (f"{len(missing)} received tensor(s) were not located in a parameter by the read-back (e.g. "
                       f"{missing[:3]})")
-    plan: dict[str, torch.Tensor] = {}
-    for name in received_sums:
-        region, why = located[name].region()
-        if region is None:
-            return None, f"{name}: after vLLM's processing {why}"
-        if not region.is_contiguous():
-            return None, f"{name}: its slice of the parameter is not contiguous (stride {tuple(region.stride())})"
-        plan[name] = region
+    located = {n: located[n] for n in received_sums}
+    plan, why = resolve_regions(located)
+    if plan is None:
+        return None, why
     names = list(plan)
     held: dict[str, int] = {}
     if names:  # one launch and one read for all
@@ -180,7 +187,7 @@ def learn_plan(located: dict[str, Located], received_sums: dict[str, int], rebui
     if changed:
         return None, (f"after vLLM's processing {len(changed)} parameter slice(s) hold other bytes than were loaded "
                       f"(e.g. {changed[:3]}): processing transforms the weights")
-    return DirectPlan({n: located[n] for n in names}, plan), None
+    return DirectPlan(located, plan), None
 
 
 class DirectTarget:

@@ -30,6 +30,17 @@ from rlcore.errors import WeightSyncError
 from rlcore.sync import Bucket
 
 
+def to_rpc_text(obj: Any) -> str:
+    """``obj`` as one string for the engine's RPC (base64 pickle: the route passes strings only).
+    Only rlcore's own trainer and workers exchange these, over the offline engine's RPC."""
+    return base64.b64encode(pickle.dumps(obj)).decode("ascii")
+
+
+def from_rpc_text(text: str) -> Any:
+    """The object :func:`to_rpc_text` made (from rlcore's own trainer or worker only)."""
+    return pickle.loads(base64.b64decode(text))  # noqa: S301 - rlcore's own processes, offline engine
+
+
 def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (vLLM resolves it with ``getattr(torch, name)``)."""
     return str(dtype).split(".")[-1]
@@ -152,7 +163,7 @@ def ipc_update_info(bucket: Bucket, handle: dict[str, tuple], *, pickled: bool) 
         "tensor_sizes": [m.nbytes for m in bucket.metas],
     }
     if pickled:
-        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handle)).decode("ascii")
+        info["ipc_handles_pickled"] = to_rpc_text(handle)
     else:
         info["ipc_handles"] = handle
     return info

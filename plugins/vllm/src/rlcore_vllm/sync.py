@@ -56,6 +56,7 @@ from rlcore.errors import ConfigError, WeightSyncError
 from rlcore.sync import (
     LEVEL_CHECKS,
     Bucket,
+    Phases,
     SentChecksums,
     iter_buckets,
     verification_level,
@@ -289,8 +290,6 @@ class VLLMWeightSync:
     def _push_mapped(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
         """``vllm.transport: mapped``: a loader push that learns the direct copies until the worker
         holds them, then every push a direct copy out of the lent parameters (module docstring)."""
-        from rlcore.sync import Phases
-
         weights = iter(weights)
         first = next(weights, None)
         if first is None:
@@ -311,7 +310,7 @@ class VLLMWeightSync:
                 details["direct_refused"] = self._direct_refused
             details["path"] = "loaders"
             return checked, details
-        from rlcore_ray.mapped_sync import transport_phases
+        from rlcore_ray.mapped_sync import lendable, transport_phases
         from rlcore_ray.transport import MappedSender
 
         pairs = lendable(weights)
@@ -523,8 +522,7 @@ class VLLMWeightSync:
         if self._broadcast_group is not None:
             self._broadcast_group.close()
             self._broadcast_group = self._broadcast_store = None
-        if self._mapped_sender is not None:
-            self._mapped_sender = None  # its exports (the lent storages' handles) go with it
+        self._mapped_sender = None  # its exports (the lent storages' handles) go with it
         if self._nccl_group is not None:
             destroy = getattr(self._nccl_group, "destroy", None)
             if callable(destroy):
@@ -548,19 +546,6 @@ def loader_push_phases(own: dict[str, float], worker: dict[str, float], workers:
             "commit": own["finish"] + own.get("commit", 0.0)}
 
 
-def lendable(weights: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """The pairs of a mapped push; CPU parameters are moved into shared memory first (in place:
-    ``share_memory_()`` keeps the tensors, so the model and the optimizer hold them still)."""
-    import torch.multiprocessing
-
-    pairs = list(weights)
-    for _, t in pairs:
-        if t.device.type == "cpu" and not t.untyped_storage().is_shared():
-            torch.multiprocessing.set_sharing_strategy("file_system")
-            t.share_memory_()
-    return pairs
-
-
 class WorkerChannel:
     """:class:`rlcore_ray.transport.Channel` over the engine's RPC: a map message is one
     ``rlcore_mapped_push`` call on every worker, its result the reply (one worker's, or the first
@@ -571,14 +556,10 @@ class WorkerChannel:
         self._reply: tuple | None = None
 
     def send(self, msg: tuple) -> None:
-        import base64
-        import pickle
-
         if msg[0] == "close":
             return
-        payload = base64.b64encode(pickle.dumps(msg)).decode("ascii")
-        results = self.target.rpc("rlcore_mapped_push", {"msg": payload})
-        replies = [pickle.loads(base64.b64decode(r["reply"])) for r in results]  # noqa: S301 - our own workers
+        results = self.target.rpc("rlcore_mapped_push", {"msg": native.to_rpc_text(msg)})
+        replies = [native.from_rpc_text(r["reply"]) for r in results]
         errors = [f"worker {i}: {r[1]}" for i, r in enumerate(replies) if r[0] == "error"]
         if errors:
             self._reply = ("error", "; ".join(errors))

@@ -57,6 +57,7 @@ from rlcore_vllm.direct import (
     rebuilt_attributes,
     weight_module_ids,
 )
+from rlcore_vllm.native import from_rpc_text, to_rpc_text
 from rlcore_vllm.readback import ReadBack
 from rlcore_vllm.shm import map_segment
 from rlcore_vllm.worker_draft import DraftUpdate, draft_model, draft_model_config
@@ -134,12 +135,9 @@ def open_cuda_ipc(handle_b64: str) -> torch.Tensor:
     """The trainer's GPU bucket buffer, opened in this worker from its CUDA IPC handle
     (``{gpu_uuid: rebuild_cuda_tensor args}``, base64 pickle; sent by rlcore's own trainer over
     the offline engine's RPC). The buffer must live on this worker's GPU."""
-    import base64
-    import pickle
-
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    handles = pickle.loads(base64.b64decode(handle_b64))  # noqa: S301 - rlcore's trainer, offline engine only
+    handles = from_rpc_text(handle_b64)
     device = torch.cuda.current_device()
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     if uuid not in handles:
@@ -452,7 +450,7 @@ class RLCoreWorkerExtension:
             name, why = next(iter(sorted(read_back.unreadable.items())))
             refusal = f"{len(read_back.unreadable)} tensor(s) were not located in a parameter (e.g. {name}: {why})"
         located = read_back.located if read_back is not None else {}
-        rebuilt = rebuilt_attributes(before, model, weight_module_ids(located, model, refreshed))
+        rebuilt = [] if refusal else rebuilt_attributes(before, model, weight_module_ids(located, model, refreshed))
         plan, why = learn_plan(located, state["received_sums"], rebuilt, refusal)
         state["direct_pending"] = plan
         state["direct_manifest"] = state["manifest"]
@@ -463,14 +461,11 @@ class RLCoreWorkerExtension:
         rlcore's own trainer over the offline engine's RPC) served by
         :class:`rlcore_ray.transport.MappedReceiver` into the learned direct destinations; returns
         its reply (``("mapped", ...)`` or ``("error", text)``), also when the push failed here."""
-        import base64
-        import pickle
-
         from rlcore_ray.mapped_sync import ReplyBox
         from rlcore_ray.transport import MappedReceiver
 
         state = self._rlcore_state()
-        msg = pickle.loads(base64.b64decode(json.loads(request)["msg"]))  # noqa: S301 - rlcore's trainer, offline
+        msg = from_rpc_text(json.loads(request)["msg"])
         if state["active"]:
             self.rlcore_abort_update("{}")  # a loader push whose trainer died: end it first
         box = ReplyBox()
@@ -487,7 +482,7 @@ class RLCoreWorkerExtension:
             except Exception as exc:  # noqa: BLE001 - the reply says it (serve_one sent it)
                 if box.reply is None:
                     box.send(("error", f"{type(exc).__name__}: {exc}"))
-        return {"reply": base64.b64encode(pickle.dumps(box.reply)).decode("ascii")}
+        return {"reply": to_rpc_text(box.reply)}
 
     def rlcore_commit_update(self, request: str) -> dict:
         """The trainer verified the push of ``version``: lift the guard. Refused unless that push
