@@ -30,9 +30,9 @@ class ClosedFormHead:
         out = reference_logprobs(inp)
         if inp.loss is None:
             return out
-        x = inp.loss.inputs
         assert not inp.loss.objective.loss.sequence_level, "core sent a sequence-level loss"
         lp, ent = out.logprobs, out.entropy
+        x = inp.loss.inputs_for(inp.loss.inputs, lp)  # algorithm.old_logprobs current: the ratio's denominator
         tl = inp.loss.objective.closed_form(lp.detach(), ent.detach(), x)
         surrogate = (tl.d_logprobs * lp).sum() + (tl.d_entropy * ent).sum()
         loss = tl.value.sum() + surrogate - surrogate.detach()
@@ -63,6 +63,8 @@ KEYS = ("loss", "grad_norm", "clipfrac", "entropy", "ratio")
 @pytest.mark.parametrize("overrides", [
     ["algorithm.entropy_coef=0.01", "algorithm.updates_per_step=2"],
     ["algorithm.loss_agg=seq-mean-token-mean", "algorithm.kl_coef=0.05", "training.micro_batch_tokens=40"],
+    ["algorithm.old_logprobs=current", "algorithm.mismatch.tis_cap=1.02", "algorithm.mismatch.mask_low=0.98",
+     "training.micro_batch_tokens=40"],
 ])
 def test_trainer_result_is_the_same_with_a_fused_loss_head(tmp_path, overrides):
     plain = _run(tmp_path / "plain", overrides)
@@ -70,7 +72,9 @@ def test_trainer_result_is_the_same_with_a_fused_loss_head(tmp_path, overrides):
     fused = _run(tmp_path / "fused", overrides, head)
     sent = [r for r in head.requests if r is not None]
     assert sent, "core never sent the loss request"
-    assert any(r is None for r in head.requests)  # the no-grad passes get none
+    current = "algorithm.old_logprobs=current" in overrides
+    assert all(r.complete is not None for r in sent) if current else all(r.complete is None for r in sent)
+    assert current or any(r is None for r in head.requests)  # the no-grad passes get none
     for a, b in zip(plain, fused, strict=True):
         for k in KEYS:
             if a.get(k) is not None:

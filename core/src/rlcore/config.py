@@ -28,6 +28,7 @@ from rlcore.errors import ConfigError, ConfigErrors, closest_name
 from rlcore.loop_settings import LoopConfig, check_loop
 from rlcore.model_settings import ATTENTION_CHOICES, check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
+from rlcore.types.providers import Cap
 
 
 @dataclass
@@ -135,8 +136,11 @@ class AlgorithmConfig:
     > 0 adds KL to a frozen copy of the initial policy (``kl_estimator`` k1/k2/k3), as a loss
     term (``kl_in: loss``) or as a per-token reward penalty (``kl_in: reward``).
     ``entropy_coef``: entropy bonus. ``old_logprobs``: the ratio's denominator, the rollout
-    engine's log-probs (``rollout``) or the trainer's recomputation (``recompute``); ``auto``
-    is ``recompute`` when ``mismatch`` corrects, else ``rollout``. ``updates_per_step``:
+    engine's log-probs (``rollout``), the trainer's recomputation in a no-grad pass before
+    training (``recompute``), or the train forward's own log-probs, detached (``current``: with
+    one update per step these are the recomputation's values, so that pass is skipped; the
+    mismatch weights are then computed per token inside the loss, which needs a token-level
+    correction); ``auto`` is ``recompute`` when ``mismatch`` corrects, else ``rollout``. ``updates_per_step``:
     optimizer steps over each step's batch (PPO epochs; metrics are the last update's).
     """
 
@@ -476,7 +480,7 @@ _CHOICES = {
     "algorithm.loss_agg": (*LOSS_AGGREGATIONS, "auto"),
     "algorithm.kl_estimator": KL_ESTIMATORS,
     "algorithm.kl_in": ("loss", "reward"),
-    "algorithm.old_logprobs": ("auto", "rollout", "recompute"),
+    "algorithm.old_logprobs": ("auto", "rollout", "recompute", "current"),
     "algorithm.mismatch.level": ("token", "sequence", "geometric"),
     "training.on_nonfinite": ("stop", "skip"),
     "output.export_hf": ("checkpoints", "final", "never"),
@@ -632,12 +636,46 @@ def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
             "bad value for config key 'algorithm.old_logprobs': 'rollout' cannot be combined with algorithm.mismatch "
             "correction (its weights are trainer/rollout ratios; the PPO ratio must then be against the trainer's "
             "recomputed log-probs): use 'recompute' or 'auto'", key="algorithm.old_logprobs")
+    if a.old_logprobs == "current":
+        _check_current_proximal(cfg, spec)
     if a.loss_agg == "auto":
         a.loss_agg = spec.loss_agg or "token-mean"
     if a.loss_agg == "seq-mean-token-sum-norm" and not a.norm_tokens:
         a.norm_tokens = int(cfg.rollout.max_new_tokens)
     if spec.validate is not None:
         spec.validate(a)
+
+
+def _check_current_proximal(cfg: DictConfig, spec: Any) -> None:
+    """``algorithm.old_logprobs: current`` is exact only where nothing needs the trainer's
+    log-probs before the train pass and the policy takes one optimizer step per batch."""
+    a, mm = cfg.algorithm, cfg.algorithm.mismatch
+    needs = "; use algorithm.old_logprobs: recompute"
+    if int(a.updates_per_step) != 1:
+        raise ConfigError(f"algorithm.old_logprobs 'current' needs algorithm.updates_per_step 1 (from the second "
+                          f"update on the proximal policy is no longer the current one), got {a.updates_per_step}"
+                          + needs, key="algorithm.updates_per_step")
+    level_ok = mm.level == "token" and not mm.reject
+    if (float(mm.tis_cap) > 0 or float(mm.mask_low) > 0 or float(mm.mask_high) > 0 or mm.reject) and not level_ok:
+        key = "algorithm.mismatch.reject" if mm.reject else "algorithm.mismatch.level"
+        raise ConfigError(f"algorithm.old_logprobs 'current' computes the mismatch weights per token inside the loss; "
+                          f"{key} ({mm.reject or mm.level!r}) needs every token of a sequence first" + needs, key=key)
+    if a.kl_in == "reward" and float(a.kl_coef) > 0:
+        raise ConfigError("algorithm.old_logprobs 'current' has no trainer log-probs before the train pass, which "
+                          "algorithm.kl_in 'reward' shapes the rewards with" + needs, key="algorithm.kl_in")
+    if Cap.SUM_PI_SQUARED in tuple(getattr(spec, "head_needs", ())):
+        raise ConfigError(f"algorithm.old_logprobs 'current' skips the no-grad pass that gives algorithm "
+                          f"{spec.name!r} the sum of squared probabilities it needs" + needs,
+                          key="algorithm.old_logprobs")
+    loop = cfg.get("loop")
+    if loop is not None and loop.get("mode", "sync") != "sync" and loop.get("stale") == "rescore":
+        raise ConfigError("algorithm.old_logprobs 'current' has no trainer log-probs to re-score stale samples "
+                          "with (loop.stale rescore): use loop.stale drop" + needs, key="loop.stale")
+    critic = a.get("critic")
+    if critic is not None and int(critic.get("warmup_steps", 0) or 0) > 0:
+        raise ConfigError("algorithm.old_logprobs 'current' needs a train pass every step; "
+                          "algorithm.critic.warmup_steps freezes the policy for the first steps" + needs,
+                          key="algorithm.critic.warmup_steps")
 
 
 def to_yaml(cfg: DictConfig) -> str:

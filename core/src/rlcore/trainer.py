@@ -84,7 +84,9 @@ class Trainer:
         self.objective, self.kl_control, self.correction = built.objective, built.kl_control, built.correction
         a = self.cfg.algorithm
         #: the field the ratio's denominator comes from
-        self.proximal = RECOMPUTED if a.old_logprobs == "recompute" else objmod.ROLLOUT
+        self.proximal = {"recompute": RECOMPUTED, "current": objmod.CURRENT}.get(a.old_logprobs, objmod.ROLLOUT)
+        #: old_logprobs current: no no-grad pass; the train pass leaves its log-probs where that pass would
+        self.current = self.proximal == objmod.CURRENT
         self.sum_pi_squared = Cap.SUM_PI_SQUARED in built.algorithm_spec.head_needs
         self.router = self.pm.router_hook if self.pm.has_router_hooks() else None
         self.reward_calls = RewardCalls(built.reward_fn, self.cfg.data.reward, self.cfg.data.reward_timeout_seconds)
@@ -187,7 +189,8 @@ class Trainer:
         metrics = PassMetrics()
         mbs = self.strategy.micro_batches(batch, int(cfg.training.micro_batch_tokens))
         step_loss_tokens = batch.num_loss_tokens
-        logprob_out = None if train else torch.zeros(batch.num_tokens, device=batch.device)
+        keep_logprobs = not train or self.current
+        logprob_out = torch.zeros(batch.num_tokens, device=batch.device) if keep_logprobs else None
         sum_sq_out = torch.zeros(batch.num_tokens, device=batch.device) \
             if phase == "old_logprob" and self.sum_pi_squared else None
         for i, mb in enumerate(mbs):
@@ -200,7 +203,7 @@ class Trainer:
                 hw = engine.head()
                 request = None  # Cap.FUSED_LOSS: the head forms the loss and its gradients itself
                 if train and Cap.FUSED_LOSS in self.stack.forward_fn.capabilities:
-                    request = objmod.loss_request(mb, self.objective, divisor, self.proximal)
+                    request = objmod.loss_request(mb, self.objective, divisor, self.proximal, self.correction)
                 head = self.forward_fn(self._head_input(mb, out, hw, compute_entropy=train, loss=request,
                                                         sum_sq=sum_sq_out is not None))
                 native = self._native_logprobs(mb, ctx, engine, hw) if req.native_logprobs else None
@@ -215,26 +218,26 @@ class Trainer:
                              for name, term in res.loss_terms.items()]
                     terms += [(f"loss/engine/{name}", term) for name, term in out.aux_losses.items()]
                     self._backward(mb, head, terms, divisor, metrics, f"train micro-batch {i} of {len(mbs)}")
-                else:
+                if keep_logprobs:
                     start = mb.token_offset - batch.token_offset
                     logprob_out[start: start + mb.num_tokens] = head.logprobs.detach().float()
-                    if sum_sq_out is not None:
-                        sum_sq_out[start: start + mb.num_tokens] = head.sum_pi_squared.detach().float()
+                if sum_sq_out is not None:
+                    sum_sq_out[start: start + mb.num_tokens] = head.sum_pi_squared.detach().float()
         if train:
             self.strategy.reduce_gradients(engine.parameters())
-        else:
+        if logprob_out is not None:
             self.strategy.reduce_logprobs(logprob_out)
-            batch.fields[PHASE_OUTPUT[phase]] = logprob_out
-            if sum_sq_out is not None:
-                self.strategy.reduce_logprobs(sum_sq_out)
-                batch.fields[SUM_PI_SQUARED] = sum_sq_out
+            batch.fields[PHASE_OUTPUT.get(phase, RECOMPUTED)] = logprob_out
+        if sum_sq_out is not None:
+            self.strategy.reduce_logprobs(sum_sq_out)
+            batch.fields[SUM_PI_SQUARED] = sum_sq_out
         return self.strategy.reduce_metrics(metrics).result()
 
     def _backward(self, mb: PackedBatch, head: Any, terms: list[tuple[str, torch.Tensor]], divisor: float,
                   metrics: PassMetrics, where: str) -> None:
         """The micro-batch's policy loss plus the plugins' and the engine's loss terms, backward."""
         loss, token_sums = objmod.micro_batch_loss(mb, head.logprobs, head.entropy, self.objective, divisor,
-                                                   self.proximal, head_loss=head.loss)
+                                                   self.proximal, head_loss=head.loss, correction=self.correction)
         for key, term in terms:
             loss = loss + term
             metrics.add_sum(key, term.detach())
@@ -294,16 +297,14 @@ class Trainer:
                                 *self._prompts(self.step, 0), lambda *a: self._rewards(*a, step=self.step),
                                 metrics) if self.algorithm.greedy_baseline else None  # ReMax
         self.engine.train(False)
-        t_old = time.perf_counter()
-        old_metrics = self._forward_pass(batch, "old_logprob", self.engine, weights.divisor, grad=False)
-        metrics["old_logprob_seconds"] = time.perf_counter() - t_old  # inside train_seconds too
-        metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
-        mask = batch.loss_mask
-        d = (batch.fields[RECOMPUTED] - batch.fields["old_logprobs"]).abs()[mask]
-        metrics["logprob_mismatch_mean"] = float(d.mean()) if d.numel() else 0.0
-        metrics["logprob_mismatch_max"] = float(d.max()) if d.numel() else 0.0
+        if not self.current:  # old_logprobs current: the train pass's own log-probs are the proximal policy's
+            t_old = time.perf_counter()
+            old_metrics = self._forward_pass(batch, "old_logprob", self.engine, weights.divisor, grad=False)
+            metrics["old_logprob_seconds"] = time.perf_counter() - t_old  # inside train_seconds too
+            metrics.update({f"old/{k}": v for k, v in old_metrics.items()})
+            metrics.update(self._mismatch_metrics(batch))
         if bool(rescore.any()):  # loop.stale=rescore: too-stale samples' behaviour log-probs are the trainer's
-            stale_tokens = rescore.to(mask.device)[batch.seq_index()]
+            stale_tokens = rescore.to(batch.loss_mask.device)[batch.seq_index()]
             batch.fields[objmod.ROLLOUT] = torch.where(stale_tokens, batch.fields[RECOMPUTED],
                                                        batch.fields[objmod.ROLLOUT])
         if self.reference is not None:
@@ -330,6 +331,10 @@ class Trainer:
                 self._check_weights_finite("push")  # the optimizer stepped with it: stop if it hurt the weights
                 raise self._nonfinite("grad_norm",
                                       f"{grad_norm} reported by the optimizer step (which left the weights finite)")
+        if self.current:  # measured on the train pass's log-probs: the weights the updates had
+            metrics.update(self._mismatch_metrics(batch))
+            metrics.update(mismatch(batch.fields[RECOMPUTED], batch.fields[objmod.ROLLOUT], batch.loss_mask,
+                                    batch.seq_index(), batch.num_seqs, self.correction).metrics)
         t_train = time.perf_counter() - t0 - t_gen
         self.objective, kl_metrics = self.kl_control.step_end(self.objective, batch)  # the next step's β
 
@@ -348,6 +353,13 @@ class Trainer:
         metrics.update(self.pm.step_end(StepContext(self.step, batch, metrics, cfg)))
         return metrics
 
+    @staticmethod
+    def _mismatch_metrics(batch: PackedBatch) -> dict[str, float]:
+        """``|trainer − rollout|`` log-prob statistics over the loss tokens."""
+        d = (batch.fields[RECOMPUTED] - batch.fields[objmod.ROLLOUT]).abs()[batch.loss_mask]
+        return {"logprob_mismatch_mean": float(d.mean()) if d.numel() else 0.0,
+                "logprob_mismatch_max": float(d.max()) if d.numel() else 0.0}
+
     def _algorithm_inputs(self, batch: PackedBatch, samples: list[Sample], rewards: list[float],
                           greedy: dict[int, float] | None = None) -> dict[str, float]:
         """Fill the step batch's mismatch weights and advantages (after the no-grad passes:
@@ -355,9 +367,10 @@ class Trainer:
         a = self.cfg.algorithm
         mask = batch.loss_mask
         seq_index = batch.seq_index()
-        mm = mismatch(batch.fields[RECOMPUTED], batch.fields[objmod.ROLLOUT], mask, seq_index, batch.num_seqs,
-                      self.correction)
-        if mm.correction is not None:
+        # old_logprobs current: no trainer log-probs yet; the loss computes the weights per token from its own
+        mm = None if self.current else mismatch(batch.fields[RECOMPUTED], batch.fields[objmod.ROLLOUT], mask,
+                                                seq_index, batch.num_seqs, self.correction)
+        if mm is not None and mm.correction is not None:
             batch.fields[objmod.CORRECTION] = mm.correction.to(batch.fields[RECOMPUTED].device)
         counts = batch.seq_sum(mask.to(torch.long)).tolist()
         lens = loss_lengths(samples, a)  # 0 for a sample overlong filtering masks
@@ -380,9 +393,9 @@ class Trainer:
         inp = AdvantageInput(rewards=seq_rewards, groups=torch.tensor([s.prompt_index for s in samples]),
                              token_rewards=token_rewards, logprobs=per_sample(batch.fields[objmod.ROLLOUT]),
                              baseline_rewards=baselines_for(greedy, samples), reward_components=components,
-                             recomputed_logprobs=per_sample(batch.fields[RECOMPUTED]),
+                             recomputed_logprobs=None if self.current else per_sample(batch.fields[RECOMPUTED]),
                              sum_pi_squared=per_sample(batch.fields[SUM_PI_SQUARED]) if self.sum_pi_squared else None,
-                             correction=None if mm.correction is None else per_sample(mm.correction))
+                             correction=None if mm is None or mm.correction is None else per_sample(mm.correction))
         inp = self.critic.advantage_input(batch, inp) if self.critic else inp  # PPO: values, returns
         adv = self.algorithm.advantages(inp)
         if len(adv) != len(samples) or [int(x.shape[0]) for x in adv] != counts:
@@ -397,7 +410,7 @@ class Trainer:
         batch.fields[objmod.ADVANTAGES] = flat.to(mask.device)
         batch.seq_fields["advantage"] = torch.stack([x.mean() if x.numel() else torch.zeros(()) for x in adv]).to(mask.device)
         out["advantage_abs_mean"] = float(flat[mask.cpu()].abs().mean()) if bool(mask.any()) else 0.0
-        out.update(mm.metrics)
+        out.update(mm.metrics if mm is not None else {})
         return out
 
     def _push(self, version: int) -> Any:

@@ -46,6 +46,35 @@ class MismatchCorrection:
     def active(self) -> bool:
         return self.tis_cap > 0 or self.mask_low > 0 or self.mask_high > 0 or bool(self.reject)
 
+    @property
+    def per_token(self) -> bool:
+        """Whether each token's weight depends on that token alone (token level, no sequence
+        rejection): what lets a head compute the weights chunk by chunk from its own log-probs
+        (``algorithm.old_logprobs: current``)."""
+        return not self.active or (self.level == "token" and not self.reject)
+
+
+def token_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                  cfg: MismatchCorrection) -> torch.Tensor | None:
+    """``[T]`` float32 correction weights of a :attr:`MismatchCorrection.per_token` correction
+    (``None`` when it is off): ``min(ρ_t, tis_cap)``, 0 where ``ρ_t`` leaves ``[mask_low,
+    mask_high]`` and on tokens outside ``mask``; :func:`mismatch` gives the same weights for the
+    whole step."""
+    if not cfg.active:
+        return None
+    if not cfg.per_token:
+        raise ValueError(f"mismatch correction at level {cfg.level!r} (reject {cfg.reject!r}) is not per token")
+    d = torch.where(mask, trainer_logprobs.double() - rollout_logprobs.double(), torch.zeros_like(trainer_logprobs,
+                                                                                                  dtype=torch.float64))
+    rho = torch.exp(d)
+    weight = rho.clamp(max=cfg.tis_cap) if cfg.tis_cap > 0 else torch.ones_like(rho)
+    masked = torch.zeros_like(mask)
+    if cfg.mask_low > 0:
+        masked |= rho < cfg.mask_low
+    if cfg.mask_high > 0:
+        masked |= rho > cfg.mask_high
+    return torch.where(masked | ~mask, torch.zeros_like(weight), weight).to(torch.float32)
+
 
 @dataclass
 class MismatchResult:

@@ -105,12 +105,25 @@ class LossRequest:
       (old/rollout log-probs, advantages, mask, aggregation weights ``w_t``, correction
       weights, reference log-probs).
 
+    * ``complete``: ``None``, or (``algorithm.old_logprobs: current``) a function
+      ``(inputs, logprobs) -> inputs`` that a head calls through :meth:`inputs_for` on every
+      subset it evaluates: the ratio's denominator is then the head's own log-probs (detached)
+      and the correction weights are computed from them, so ``inputs.old_logprobs`` is NaN and
+      ``inputs.correction`` unset until it is called.
+
     Core sends it only for token-level losses (``objective.loss.sequence_level`` False): a
     sequence-level loss (GSPO) needs every log-prob of a sequence before any derivative.
     """
 
     objective: Any
     inputs: Any
+    complete: Any = None
+
+    def inputs_for(self, inputs: Any, logprobs: torch.Tensor):
+        """``inputs`` (:attr:`inputs` or a subset of it, e.g. from :meth:`inputs_at`) ready for
+        ``objective.closed_form`` at these tokens' ``logprobs``: unchanged unless
+        :attr:`complete` is set."""
+        return inputs if self.complete is None else self.complete(inputs, logprobs)
 
     def inputs_at(self, index: torch.Tensor):
         """``inputs`` restricted to the tokens ``index`` (a ``[n]`` long tensor): what

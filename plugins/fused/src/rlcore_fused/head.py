@@ -210,7 +210,7 @@ def fused_loss(inp: HeadInput, kernels: Any) -> HeadOutput:
         else _closed_form
 
     def closed(lo: int, hi: int, logp: torch.Tensor, ent: torch.Tensor):
-        return closed_form(objective, logp, ent, _token_slice(compact, lo, hi))
+        return closed_form(objective, logp, ent, req.inputs_for(_token_slice(compact, lo, hi), logp))
 
     with torch.no_grad():
         res = kernels.loss_grads(h.detach() if dense else h.detach().index_select(0, idx),
