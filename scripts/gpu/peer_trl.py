@@ -365,6 +365,8 @@ def rlcore_rows(run_dir: Path) -> list[dict]:
                # generate's parts (rlcore-vllm): inside LLM.generate, reading its outputs, the rest
                # of the backend's call (requests, Sample objects)
                "in_vllm": r.get("rollout/engine_seconds"), "outputs": r.get("rollout/outputs_seconds")}
+        if "rollout/trainer_peak_allocated_bytes" in r:  # vllm.release_trainer_cache
+            row["rollout/trainer_peak_allocated_bytes"] = r["rollout/trainer_peak_allocated_bytes"]
         row["rest"] = row["step"] - sum(row[k] for k in ("generate", "sleep_wake", "sync", "old_lp"))
         rows.append(row)
     return rows
@@ -446,9 +448,13 @@ def cmd_report(args: argparse.Namespace) -> None:
             lines.append(f"sync {label}: {weight_bytes / 1e9:.3f} GB in {sec:.3f} s = {gbps:.2f} GB/s, "
                          f"{100 * gbps / copy:.2f} % of the device-to-device copy ({copy:.0f} GB/s)")
     trl_alloc = max((r["max_allocated_gib"] for r in trl_all if "max_allocated_gib" in r), default=None)
-    lines.append(f"peak GPU memory (whole card, nvidia-smi every 500 ms): rlcore "
+    rl_alloc = max((r["rollout/trainer_peak_allocated_bytes"] / 2**30 for r in rl_all
+                    if "rollout/trainer_peak_allocated_bytes" in r), default=None)
+    interval = os.environ.get("RUN_GPUMEM_MS", "500")
+    lines.append(f"peak GPU memory (whole card, nvidia-smi every {interval} ms): rlcore "
                  f"{fmt(peak_gib(parts / 'rlcore.gpumem.csv'), 1)} GiB, TRL {fmt(peak_gib(parts / 'trl.gpumem.csv'), 1)} "
-                 f"GiB (TRL's torch max_memory_allocated {fmt(trl_alloc, 2)} GiB)")
+                 f"GiB (torch max_memory_allocated in the trainer's process: rlcore {fmt(rl_alloc, 2)} GiB, "
+                 f"TRL {fmt(trl_alloc, 2)} GiB, which holds TRL's in-process vLLM too)")
     lines.append("reward per step: rlcore " + ", ".join(fmt(r.get("reward"), 3) for r in rl_all)
                  + "; TRL " + ", ".join(fmt(h.get("reward"), 3) for h in trl.get("trl_logs", [])))
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -18,7 +18,7 @@
 # of its processes dumped (SIGUSR1, faulthandler) 15 s before it, then is killed with everything it
 # started (RUN_FREE_GPU=1: whatever still holds the GPU killed too before the next run, as before lib.sh).
 # Writes $OUT/peer_summary.md, $OUT/log.txt and $OUT/parts.tar.gz (the TRL JSON, rlcore's
-# metrics.jsonl, every run's log, the card's memory every 500 ms).
+# metrics.jsonl, every run's log, the card's memory every RUN_GPUMEM_MS, 50 ms).
 #
 # Device call (warm machine with the tworay wheels; about 4-5 min, at most ~6.5 with both limits hit):
 #   bash scripts/gpu/peer_trl.sh        carry [".device-carry/peer_trl"]
@@ -39,6 +39,9 @@ rm -rf "$PARTS"; mkdir -p "$OUT" "$PARTS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_HOST_IP="${VLLM_HOST_IP:-127.0.0.1}" VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}"
+# the card's memory sampled every 50 ms (lib.sh's default 500 ms missed short peaks: TRL's torch peak
+# was 36.9 GiB while the 500 ms samples said 29.5)
+export RUN_GPUMEM_MS="${RUN_GPUMEM_MS:-50}"
 log() { echo "$*" | tee -a "$OUT/log.txt"; }
 t0=$(date +%s)
 cd "$ROOT" || exit 1

@@ -67,6 +67,12 @@ class VLLMSettings:
       back before the next push, the KV cache after it. The memory freed and the sleep / wake
       seconds are logged (``rollout/sleep_freed_bytes``, ``rollout/sleep_seconds``,
       ``rollout/wake_weights_seconds``, ``rollout/wake_kv_seconds``). Needs sleep mode (GPU).
+    * ``release_trainer_cache`` (with ``sleep_for_training``): before the engine wakes, return the
+      blocks torch's caching allocator keeps in the trainer's process from training (free, but
+      reserved) to the driver, so that vLLM's weights and KV cache reuse that memory instead of
+      stacking on top of it; logged as ``rollout/trainer_cache_released_bytes``,
+      ``rollout/trainer_peak_allocated_bytes`` (the training's peak since the last wake) and
+      ``rollout/trainer_cache_release_seconds``. The next training step allocates them again.
     * ``nccl_master_address`` / ``nccl_master_port``: rendezvous of the ``nccl`` and ``broadcast``
       transports (``broadcast``: the writer rank listens there; replicas on other hosts need its
       host's address).
@@ -101,6 +107,7 @@ class VLLMSettings:
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = True
     sleep_for_training: bool = False
+    release_trainer_cache: bool = True
     seed: int = 0
     transport: str = "auto"
     nccl_master_address: str = "127.0.0.1"
