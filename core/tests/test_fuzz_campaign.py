@@ -220,6 +220,12 @@ HELD = {
     "data.task": "a module path (core/tests/test_preflight.py)", "data.reward": "a module path (same)",
     "output.dir": "where a run writes: check never touches it",
     "environment.code.enable": "runs model code in a sandbox; tested with its limits in core/tests/test_tools.py",
+    **{f"data.{k}": "names dataset files and their columns (core/tests/test_datasets.py)"
+       for k in ("train_files", "val_files", "prompt_key", "answer_key")},
+    **{k: "validation runs on data.val_files (tests/test_gsm8k_example.py)" for k in DEFAULTS
+       if k.startswith("validation.")},
+    **{k: "a tracker needs its package and writes outside check (core/tests/test_tracking.py)" for k in DEFAULTS
+       if k.startswith("tracking.")},
 }
 
 

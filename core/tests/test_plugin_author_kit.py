@@ -237,8 +237,10 @@ def test_a_third_party_estimator_with_the_builtin_ppo_clip_loss_trains(tmp_path,
 def test_tensorboard_note_names_the_extra(tmp_path, monkeypatch):
     import sys
 
-    from rlcore.run_output import MetricsWriter
+    from rlcore.stack import load_stack
 
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as without the tensorboard package
-    note = MetricsWriter(tmp_path, tensorboard=True).tb_note
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as without the tensorboard package
+    stack = load_stack(str(ROOT / "examples" / "tiny.yaml"))  # output.tensorboard: the default, true
+    (note,) = [n for n in stack.notes if "tensorboard" in n.lower()]
     assert "rlcore[tensorboard]" in note and "output.tensorboard=false" in note
+    assert "tensorboard" not in [t.name for t in stack.trackers]

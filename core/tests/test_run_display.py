@@ -96,7 +96,7 @@ def test_without_tensorboard_a_run_says_so_once_and_names_the_extra(tmp_path, ca
     import sys
 
     monkeypatch.delenv("RLCORE_PLUGINS", raising=False)
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as without the tensorboard package
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as without the tensorboard package
     fast = [o for o in FAST if not o.startswith("output.tensorboard")]  # the default: event files wanted
     assert main(["train", str(ROOT / "examples" / "tiny.yaml"), "--output", str(tmp_path / "run"), *fast]) == 0
     out = capsys.readouterr().out

@@ -340,7 +340,7 @@ def test_a_committed_checkpoint_is_never_rewritten(tmp_path):
 # -------------------------------------------------------------------------------- metrics ----
 
 def test_metrics_keep_nan_visible_and_read_back(tmp_path):
-    w = MetricsWriter(tmp_path, tensorboard=False)
+    w = MetricsWriter(tmp_path)
     w.write({"step": 0, "loss": math.nan, "grad_norm": math.inf, "kl": -math.inf, "reward_mean": 0.5})
     line = (tmp_path / "metrics.jsonl").read_text()
     assert json.loads(line) == {"step": 0, "loss": "nan", "grad_norm": "inf", "kl": "-inf", "reward_mean": 0.5}
@@ -352,7 +352,7 @@ def test_torn_last_metrics_line_is_dropped_and_a_bad_middle_line_named(tmp_path)
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "lo')  # killed mid-write
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
-    MetricsWriter(tmp_path, tensorboard=False).truncate_after(0)
+    MetricsWriter(tmp_path).truncate_after(0)
     assert p.read_text() == '{"step": 0}\n'
     p.write_text('{"step": 0}\ngarbage\n{"step": 2}\n')
     with pytest.raises(RunOutputError, match=r"metrics.jsonl:2 is not a metrics record"):

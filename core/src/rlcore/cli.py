@@ -87,6 +87,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if desc.get("launcher"):
         la = desc["launcher"]
         con.print(f"  {'launcher':16s} {la['name']:14s} from {la['distribution']}  {escape(la['describe'])}")
+    trackers = ", ".join(f"{t['name']} ({t['distribution']})" for t in desc.get("trackers", []))
+    con.print(f"  {'trackers':16s} {escape(trackers) or '(none: metrics.jsonl only)'}")
     for hook, names in desc["chains"].items():
         con.print(f"  chain {hook:12s} {' -> '.join(names) if names else '(none)'}")
     for note in desc["notes"]:

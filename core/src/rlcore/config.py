@@ -23,12 +23,21 @@ from omegaconf import errors as oc_errors
 from rlcore.algorithm_settings import DapoConfig, KLControlConfig, MismatchConfig, check_modifiers
 from rlcore.algorithms.spec import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlcore.cluster_settings import ClusterConfig, check_cluster, resolve_seed_per_prompt
+from rlcore.datasets.files import OVERLONG_CHOICES, check_data_files
 from rlcore.environment_settings import EnvironmentConfig, check_environment
 from rlcore.errors import ConfigError, ConfigErrors, closest_name
 from rlcore.loop_settings import LoopConfig, check_loop
 from rlcore.model_settings import ATTENTION_CHOICES, check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
+from rlcore.tracking.settings import (
+    MlflowSettings,
+    TensorBoardSettings,
+    TrackioSettings,
+    WandbSettings,
+    check_tracking,
+)
 from rlcore.types.providers import Cap
+from rlcore.validation import check_validation
 
 
 @dataclass
@@ -180,14 +189,51 @@ class TrainingConfig:
 class DataConfig:
     """``task`` and ``reward`` are ``module:function`` paths. The task builds the tokenizer
     vocabulary and prompts; the reward scores a sample (see docs/tasks.md).
+    ``train_files``: a path or a list of paths of prompt files (JSON lines, Parquet, ``datasets``
+    save_to_disk directories; empty: the prompts come from ``task``), shuffled by
+    ``training.seed`` epoch by epoch; ``val_files`` the same for validation (read and checked).
+    ``prompt_key``: the column holding the prompt (a string, or a list of chat messages rendered
+    with the tokenizer's chat template); ``answer_key``: the column whose value the reward gets as
+    ``meta["answer"]`` (a dotted path reads a nested field: ``reward_model.ground_truth``; empty:
+    none); every other column is in ``meta`` too. ``overlong``: a prompt longer than the context
+    (the model's positions minus ``rollout.max_new_tokens``) is dropped (``filter``, counted) or
+    refused (``error``). See docs/data.md.
     ``reward_timeout_seconds``: the longest one reward call may take before the run stops naming
-    it (0 = no limit; rlcore/rewards.py)."""
+    it (0 = no limit; rlcore/rewards.py). ``reward_by_source``: ``{data_source: module:function}``,
+    the reward of each row by its ``meta["data_source"]``, read when ``reward`` is
+    ``rlcore.scoring:by_data_source_reward`` (rlcore/scoring.py)."""
 
     task: str = "rlcore.tasks:successor"
     reward: str = "rlcore.tasks:successor_reward"
     prompts_per_step: int = 16
     prompt_len: int = 3
+    train_files: Any = None  #: a path or a list of paths (rlcore.datasets)
+    val_files: Any = None
+    prompt_key: str = "prompt"
+    answer_key: str | None = "answer"  #: empty or null: no answer
+    overlong: str = "filter"
     reward_timeout_seconds: float = 60.0
+    reward_by_source: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ValidationConfig:
+    """Validation on ``data.val_files`` (rlcore.validation, docs/data.md "Validation"), through
+    the run's rollout backend with the current weights, scored by ``data.reward``.
+    ``every_steps``: validate before step 0, before every step that is a multiple of it, and after
+    the last step (0 = off; needs ``data.val_files`` and ``loop.mode: sync``). ``val/accuracy`` is
+    the mean reward of one greedy response per prompt; with ``n`` > 1, ``n`` samples per prompt at
+    ``temperature`` (unset: ``rollout.temperature``) give ``val/pass@k`` (``k = n``, the unbiased
+    estimator; a sample counts as correct when its reward is at least ``correct_threshold``) and
+    ``val/mean@k`` (their mean reward). ``max_prompts``: the first that many validation prompts
+    (0 = all). The sampled responses use a seed of their own: training is the same with or without
+    validation."""
+
+    every_steps: int = 0
+    n: int = 1
+    temperature: float | None = None
+    correct_threshold: float = 1.0
+    max_prompts: int = 0
 
 
 @dataclass
@@ -201,9 +247,29 @@ class OutputConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     export_hf: str = "checkpoints"
+    #: TensorBoard event files whenever tensorboard is installed (a note when not): the ``tensorboard``
+    #: tracker without listing it in ``tracking.backends``, as before trackers existed; false turns it off
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    """Experiment trackers (docs/tracking.md): every name in ``backends`` gets each step's metrics
+    besides ``metrics.jsonl``, and the resolved config, versions and run directory once (built-in
+    ``tensorboard``, ``mlflow``, ``wandb``, ``trackio``; a plugin adds more through the ``tracker``
+    hook); each built-in's own settings are under its name (rlcore.tracking.settings). ``project``
+    and ``run_name`` are every backend's project (MLflow: experiment) and run name unless its own
+    section says otherwise; ``run_name`` defaults to the name of the run directory."""
+
+    backends: list[str] = field(default_factory=list)
+    project: str = "rlcore"
+    run_name: str | None = None
+    tensorboard: TensorBoardSettings = field(default_factory=TensorBoardSettings)
+    mlflow: MlflowSettings = field(default_factory=MlflowSettings)
+    wandb: WandbSettings = field(default_factory=WandbSettings)
+    trackio: TrackioSettings = field(default_factory=TrackioSettings)
 
 
 @dataclass
@@ -218,10 +284,12 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)  #: rlcore.validation
     output: OutputConfig = field(default_factory=OutputConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)  #: rlcore.loop_settings
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  #: rlcore.environment_settings
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  #: rlcore.tracking
 
 
 CORE_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
@@ -485,6 +553,7 @@ _CHOICES = {
     "training.on_nonfinite": ("stop", "skip"),
     "output.export_hf": ("checkpoints", "final", "never"),
     "engine.attention": ATTENTION_CHOICES,
+    "data.overlong": OVERLONG_CHOICES,
 }
 
 
@@ -504,7 +573,7 @@ def _check_values(cfg: DictConfig, problems: _Problems | None = None) -> None:
         if ":" not in val:
             problems.add(ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key))
     for check in (check_local_rollout, check_model, check_cluster, check_loop, check_environment,
-                  resolve_seed_per_prompt):
+                  resolve_seed_per_prompt, check_data_files, check_tracking, check_validation):
         problems.attempt(check, cfg)
     if own:
         problems.raise_if_any()
@@ -599,6 +668,8 @@ FINGERPRINT_EXCLUDED = (
     "engine.device",
     "engine.attention",  # packed or padded rows: the same attention, summed in another order
     "cluster.",  # where ranks run; data-parallel ranks hold the same weights, so any size resumes
+    "tracking.",  # where the metrics are shown, besides metrics.jsonl
+    "validation.",  # measures the weights; training is the same with or without it (rlcore.validation)
 )
 
 

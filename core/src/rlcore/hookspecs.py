@@ -34,6 +34,7 @@ from rlcore.types import (
     PlatformSpec,
     ProviderSpec,
     RolloutBackendSpec,
+    TrackerSpec,
     WeightSyncSpec,
 )
 
@@ -410,6 +411,46 @@ class RLCoreSpecs:
                     return GuessEnvironment(ctx.engine.tokenizer, ctx.config.environment)
                 yield EnvironmentSpec(name="guess", factory=build,
                                       description="the model guesses; the environment says higher or lower")
+        """
+
+    @provider(TrackerSpec)
+    def tracker(self) -> Iterable[TrackerSpec]:
+        """Register experiment trackers: where each step's metrics go besides ``metrics.jsonl``.
+
+        **Kind:** provider that a config selects **many at a time** (``TrackerSpec.selects`` is
+        ``"many"``): every name in the list ``tracking.backends`` runs, in that order, plus
+        ``tensorboard`` while ``output.tensorboard`` is true and its package is installed.
+        Built-in: ``tensorboard``, ``mlflow``, ``wandb``, ``trackio`` (docs/tracking.md).
+        **Called:** at plugin load (to list names); when the config is resolved (``rlcore check``
+        too), each selected spec's ``requires`` are looked up without importing them, and a missing
+        one is a :class:`~rlcore.errors.ConfigError` naming the spec's ``install`` line; on the
+        writer rank, once per run before the first step, each selected spec's
+        ``factory(run_dir, config, versions)`` returns a :class:`~rlcore.types.Tracker`, whose
+        ``log(step, metrics)`` core calls after every step with the step's finite numeric metrics
+        (as written to ``metrics.jsonl``) and whose ``close()`` it calls at the end of the run.
+
+        The factory imports the tracker's package (only then: a tracker that is not selected costs
+        nothing), starts a run and logs the resolved config, the versions (``versions``: Python,
+        rlcore, torch, transformers, every active plugin) and the run directory. Its settings are
+        its own: the built-ins read ``tracking.<name>``, a plugin's tracker reads its plugin's
+        section. A tracker that raises, at start or in a call, is warned about once
+        (:class:`rlcore.tracking.TrackerWarning` naming it and the error) and not called again:
+        the run goes on and ``metrics.jsonl`` stays complete.
+
+        :return: an iterable of :class:`~rlcore.types.TrackerSpec` (``requires``: the modules the
+            factory imports; ``install``: the pip line that brings them).
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def tracker():
+                def start(run_dir, config, versions):
+                    from my_plugin.aim_tracker import AimTracker   # the package, only when selected
+                    return AimTracker(run_dir, config, versions)
+                yield TrackerSpec(name="aim", factory=start, requires=("aim",),
+                                  install="pip install aim")
         """
 
     # ---------------------------------------------------------------------- chains -------

@@ -56,6 +56,7 @@ from rlcore.types import (
     RequiresCapability,
     RolloutBackendSpec,
     RouterDecision,
+    TrackerSpec,
     WeightSyncSpec,
 )
 
@@ -362,6 +363,11 @@ class PluginManager:
         """Registered environments (built-in ``single_turn``, ``tools``), by name: ``environment.name`` picks one."""
         return self._providers("environment")  # type: ignore[return-value]
 
+    def trackers(self) -> dict[str, TrackerSpec]:
+        """Registered experiment trackers (built-in ``tensorboard``, ``mlflow``, ``wandb``, ``trackio``),
+        by name: ``tracking.backends`` picks any number of them (:meth:`select_all`)."""
+        return self._providers("tracker")  # type: ignore[return-value]
+
     def providers(self, hook: str) -> dict[str, ProviderSpec]:
         if hook not in DESCRIPTORS:
             raise ValueError(f"{hook!r} is not a provider hook ({', '.join(PROVIDER_HOOKS)})")
@@ -369,7 +375,25 @@ class PluginManager:
 
     def select(self, hook: str, name: str, *, key: str) -> ProviderSpec:
         """The provider ``name`` for ``hook``; an unknown name names the config ``key`` and
-        lists the valid choices (and the plugin that would provide it, if known)."""
+        lists the valid choices (and the plugin that would provide it, if known). For a role whose
+        descriptor selects one provider (``ProviderSpec.selects == "one"``)."""
+        if hook in DESCRIPTORS and DESCRIPTORS[hook].selects != "one":
+            raise ValueError(f"a config selects many {hook} providers at once: use select_all({hook!r}, names, ...)")
+        return self._select(hook, name, key=key)
+
+    def select_all(self, hook: str, names: Sequence[str], *, key: str) -> list[ProviderSpec]:
+        """The providers ``names`` lists, in that order, for a role whose descriptor selects many
+        (``ProviderSpec.selects == "many"``: ``tracker``). An unknown name is :meth:`select`'s error
+        naming ``key``; a name listed twice is an error naming ``key``."""
+        if hook in DESCRIPTORS and DESCRIPTORS[hook].selects != "many":
+            raise ValueError(f"a config selects one {hook} provider: use select({hook!r}, name, ...)")
+        norms = [str(n).strip().lower() for n in names]
+        twice = sorted({n for n in norms if norms.count(n) > 1})
+        if twice:
+            raise errors.ConfigError(f"{key}: {', '.join(map(repr, twice))} listed more than once", key=key)
+        return [self._select(hook, n, key=key) for n in norms]
+
+    def _select(self, hook: str, name: str, *, key: str) -> ProviderSpec:
         available = self.providers(hook)
         norm = str(name).strip().lower()
         if norm in available:

@@ -84,6 +84,10 @@ class PreflightReport:
     step_tokens: int | None = None
     memory_bytes: int | None = None
     skipped: list[str] = field(default_factory=list)
+    #: the prompts of ``data.train_files`` / ``data.val_files``: what was read, rendered and filtered
+    data: list[str] = field(default_factory=list)
+    #: the task (from files: rlcore.datasets.DatasetTask), for the trainer to reuse what was read
+    task: Any = None
 
     def lines(self, cfg: Any) -> list[str]:
         out = []
@@ -104,6 +108,7 @@ class PreflightReport:
         if self.step_tokens is not None and self.memory_bytes is not None:
             out.append(f"a step holds about {_count(self.step_tokens)} tokens; this machine has "
                        f"{_bytes(self.memory_bytes)} (RAM, swap and GPUs)")
+        out.extend(self.data)
         out.extend(f"not checked: {s}" for s in self.skipped)
         return out
 
@@ -116,7 +121,7 @@ def preflight(stack: Any) -> PreflightReport:
     check_optimizer(cfg)
     check_temperature(cfg)
     check_device(stack, report)
-    task = load_task(cfg)
+    task = report.task = load_task(cfg)
     load_reward(cfg)
     memory = reachable_memory(stack, report)
     report.memory_bytes = memory
@@ -129,7 +134,10 @@ def preflight(stack: Any) -> PreflightReport:
         return report
     facts = model_facts(cfg, task, memory)
     report.model = facts
-    longest, measured = measure_prompts(cfg, task, facts)
+    if getattr(task, "source", None) is not None:  # data.train_files: every row rendered and measured
+        longest, measured = measure_dataset(cfg, task, facts, report)
+    else:
+        longest, measured = measure_prompts(cfg, task, facts)
     report.longest_prompt, report.prompts_checked = longest, measured
     report.step_tokens = check_step_size(cfg, memory, prompt_tokens=max(longest, 1))
     return report
@@ -295,7 +303,12 @@ def _import(path: str, key: str) -> Callable[..., Any]:
 
 
 def load_task(cfg: Any) -> Any:
-    """``data.task`` imported and called, as the trainer does."""
+    """``data.task`` imported and called, as the trainer does; with ``data.train_files`` the
+    files read and their keys checked (:func:`rlcore.datasets.build_task`)."""
+    from rlcore.datasets import build_task, data_files
+
+    if data_files(cfg):
+        return build_task(cfg)
     fn = _import(str(cfg.data.task), "data.task")
     try:
         task = fn(cfg.data)
@@ -317,7 +330,9 @@ def load_reward(cfg: Any) -> Callable[..., Any]:
                           key="data.reward") from exc
     except ValueError:  # no signature to read (a builtin): the trainer finds out
         pass
-    return fn
+    from rlcore.tasks import resolve_reward
+
+    return resolve_reward(fn, cfg.data)  # a reward factory built, as the trainer does
 
 
 # -------------------------------------------------------------------------------- model --
@@ -529,7 +544,7 @@ def _tiny_facts(cfg: Any, task: Any, dtype_bytes: int) -> ModelFacts:
     t, p = cfg.engine.model.tiny, "engine.model.tiny."
     check_vocab(cfg, task)
     try:
-        tokenizer = make_tokenizer(task.vocab)
+        tokenizer = make_tokenizer(task.vocab, chat_template=getattr(task, "chat_template", None))
     except Exception as exc:  # noqa: BLE001 - what the tokenizers library refuses past check_vocab
         raise ConfigError(f"data.task: the tiny model's tokenizer cannot be built from task {task.name!r}'s vocab "
                           f"({cfg.data.task}): {type(exc).__name__}: {_one_line(exc, 200)}", key="data.task") from exc
@@ -714,6 +729,25 @@ def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
                           f"({where} is the longest prompt), more than the model's {limit} positions "
                           f"({facts.source} max_position_embeddings); {fix}", key=key)
     return longest, measured
+
+
+def measure_dataset(cfg: Any, task: Any, facts: ModelFacts, report: PreflightReport) -> tuple[int, int]:
+    """The prompts of ``data.train_files`` (and ``data.val_files``) rendered with the model's
+    tokenizer (a conversation through its chat template; the first row's error comes first) and
+    measured against the context, as the trainer does: longer rows are filtered or refused
+    (``data.overlong``). Returns (longest kept prompt in tokens, prompts kept)."""
+    from rlcore.datasets import context_limit
+    from rlcore.datasets.source import render
+
+    limit = context_limit(cfg, facts.max_positions)
+    for source in (task.source, task.val):
+        if source is None:
+            continue
+        first = source.rows[0]
+        render(first.prompt, facts.tokenizer, first.where)
+        source.prepare(facts.tokenizer, limit, str(cfg.data.overlong))
+        report.data.append(source.summary(limit))
+    return task.source.longest, len(task.source.kept)
 
 
 def _tokenize(cfg: Any, facts: ModelFacts, texts: dict[int, str], step: int) -> list[list[int]]:

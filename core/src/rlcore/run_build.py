@@ -29,6 +29,7 @@ from rlcore.algorithms.losses import TokenObjective
 from rlcore.algorithms.mismatch import MismatchCorrection
 from rlcore.config import training_fingerprint
 from rlcore.critic import Critic, build_critic
+from rlcore.datasets import DatasetTask, build_task, context_limit, data_files, engine_positions
 from rlcore.environments.conversation import NamedEnvironment
 from rlcore.errors import ConfigError, RLCoreError, RolloutError
 from rlcore.manager import hook_error
@@ -46,7 +47,8 @@ from rlcore.run_output import (
 )
 from rlcore.run_report import RunReport
 from rlcore.stack import Stack, check_engine_head
-from rlcore.tasks import Task, load_callable
+from rlcore.tasks import Task, load_callable, resolve_reward
+from rlcore.tracking.selection import Trackers, run_versions
 from rlcore.types import BuildContext, Cap
 
 
@@ -119,7 +121,7 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
            allow_config_change: bool, taken: list[RunDirectory], engines: list[Any]) -> BuiltRun:
     ranks = strategy.ranks
     cfg = stack.config
-    preflight(stack)  # what would fail later (rlcore/preflight.py), refused before the output directory is touched
+    checked = preflight(stack)  # what would fail later (rlcore/preflight.py), refused before the output directory is touched
     out = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
 
     def take_directory() -> None:  # one run and one process per directory
@@ -138,8 +140,11 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
     quiet_transformers()
     torch.manual_seed(cfg.training.seed)
     random.seed(cfg.training.seed)
-    task: Task = load_callable(cfg.data.task, "data.task")(cfg.data)
-    reward_fn = load_callable(cfg.data.reward, "data.reward")
+    if data_files(cfg):  # data.train_files: the files preflight read (rlcore/datasets)
+        task: Task = checked.task if isinstance(checked.task, DatasetTask) else build_task(cfg)
+    else:
+        task = load_callable(cfg.data.task, "data.task")(cfg.data)
+    reward_fn = resolve_reward(load_callable(cfg.data.reward, "data.reward"), cfg.data)  # a factory: its reward
     stack = strategy.prepare_stack(stack)
     sections = {ps.plugin: ps.section for ps in stack.plugins.plugin_settings()}
     platform = device = None
@@ -162,6 +167,13 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
     if tokenizer is None:
         raise ConfigError("the training engine provides no tokenizer; set engine.model.path", key="engine.model.path")
     check_engine_head(stack, engine)
+    if isinstance(task, DatasetTask):  # rendered with this engine's tokenizer, measured against its positions
+        limit = context_limit(cfg, engine_positions(engine))
+        task.source.prepare(tokenizer, limit, str(cfg.data.overlong))
+        console.print(task.source.summary(limit))
+        if task.val is not None:  # data.val_files: the validation prompts (rlcore.validation)
+            task.val.prepare(tokenizer, limit, str(cfg.data.overlong))
+            console.print(f"validation {task.val.summary(limit)}")
     forward_fn = _make(stack.forward_fn, "forward_fn", ctx_for(stack.forward_fn, engine))
     backend = _make(stack.rollout_backend, "rollout_backend", ctx_for(stack.rollout_backend, engine))
     sync = _make(stack.weight_sync, "weight_sync", ctx_for(stack.weight_sync, engine))
@@ -187,7 +199,8 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
         device=device, engine=engine, tokenizer=tokenizer, forward_fn=forward_fn, backend=backend, sync=sync,
         reference=reference, algorithm_spec=algorithm_spec, algorithm=algorithm, objective=objective,
         kl_control=KLControl.from_config(a), correction=MismatchCorrection.from_config(a.mismatch), critic=critic,
-        metrics=MetricsWriter(out, tensorboard=cfg.output.tensorboard) if ranks.writer else NullMetrics(),
+        metrics=(MetricsWriter(out, Trackers.start(stack.trackers, out, cfg, run_versions(stack.plugins)))
+                 if ranks.writer else NullMetrics()),
         report=RunReport(console, stack, algorithm_spec.name, out), environment=environment,
     )
 

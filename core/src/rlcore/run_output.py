@@ -6,7 +6,8 @@
 * ``metrics.jsonl``: one JSON object per step. A NaN or infinite value is written as the
   string ``"nan"``, ``"inf"`` or ``"-inf"`` (strict JSON has no such numbers; ``null`` would
   hide that the value was non-finite); :func:`read_metrics` turns them back into floats.
-* TensorBoard events when tensorboard is installed, a reward-curve PNG.
+* the experiment trackers' files (TensorBoard events by default, when tensorboard is installed: rlcore.tracking),
+  a reward-curve PNG.
 * ``checkpoints/step-<step>.pt`` + ``step-<step>.json``: the state (``torch.save``, loaded
   with ``weights_only=True``: tensors, dicts, lists and numbers only, no code) and its commit
   record (sha256 and size of the state file, step, config fingerprint). Both are written to a
@@ -259,22 +260,15 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path, tensorboard: bool = True):
-        self.path = out_dir / METRICS_FILE
-        self.tb = None
-        self.tb_note = ""
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+    """Each step's line of ``metrics.jsonl`` (fsynced), then the same metrics to the run's experiment
+    trackers (``trackers``: :class:`rlcore.tracking.selection.Trackers`, started by the caller; none
+    by default). The line is written first and no tracker can stop it."""
 
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
-            except ImportError as exc:  # the optional extra is not installed: said once, in the banner
-                self.tb_note = (f"no TensorBoard event files: tensorboard is not installed ({exc}); every metric "
-                                f"is in {METRICS_FILE}. pip install 'rlcore[tensorboard]' for event files, or set "
-                                f"output.tensorboard=false to drop this note")
-            except Exception as exc:  # noqa: BLE001 - installed, but cannot write: say why, the run goes on
-                self.tb_note = (f"no TensorBoard event files: {type(exc).__name__}: {exc}; every metric is in "
-                                f"{METRICS_FILE} (output.tensorboard=false turns event files off)")
+    def __init__(self, out_dir: Path, trackers: Any = None):
+        from rlcore.tracking.selection import Trackers
+
+        self.path = out_dir / METRICS_FILE
+        self.trackers = trackers if trackers is not None else Trackers()
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps after ``step`` (a resumed run rewrites them); atomic."""
@@ -295,21 +289,14 @@ class MetricsWriter:
                 os.fsync(f.fileno())
         except OSError as exc:
             raise RunOutputError(f"cannot write metrics to {self.path}: {exc.strerror or exc}") from exc
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step":
-                    self.tb.add_scalar(k, v, record["step"])
-            self.tb.flush()
+        self.trackers.log(record["step"], record)  # a tracker that fails is warned about and switched off
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        self.trackers.close()
 
 
 class NullMetrics:
     """The metrics of a trainer rank that is not the writer: nothing is written."""
-
-    tb_note = ""
 
     def truncate_after(self, step: int) -> None:
         pass

@@ -45,6 +45,17 @@ def environment_fields(m: dict[str, Any]) -> str:
     return text
 
 
+def validation_fields(m: dict[str, Any]) -> str:
+    """The validation of the step's record (rlcore.validation), for the step line ("" without one)."""
+    if "val/accuracy" not in m:
+        return ""
+    text = f"val acc {m['val/accuracy']:.3f}"
+    if "val/pass@k" in m:
+        k = int(m.get("val/k", 0))
+        text += f" pass@{k} {m['val/pass@k']:.3f} mean@{k} {m['val/mean@k']:.3f}"
+    return text + f" (v{int(m.get('val/weight_version', 0))}, {m.get('val/seconds', 0.0):.1f}s)"
+
+
 class RunReport:
     def __init__(self, console: Any, stack: Any, algorithm_name: str, out: Path):
         self.console, self.stack, self.out = console, stack, out
@@ -81,7 +92,7 @@ class RunReport:
         self.console.print(
             f"step {m['step']:4d}/{self.cfg.training.steps}  reward {m['reward_mean']:.3f}  "
             f"kl {m.get('kl', 0.0):.4f}  entropy {m.get('entropy', 0.0):.3f}  "
-            + "".join(f"{part}  " for part in (critic_fields(m), environment_fields(m)) if part)
+            + "".join(f"{part}  " for part in (critic_fields(m), environment_fields(m), validation_fields(m)) if part)
             + f"tok/s {m['tokens_per_second']:7.0f}  sync {report.seconds * 1e3:6.1f} ms {ok} v{report.version}  "
             f"wall {m['wall_seconds']:.1f}s"
             + (f"  stale {m['loop/staleness_mean']:.1f}/{m['loop/staleness_max']:.0f}"

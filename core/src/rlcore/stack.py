@@ -15,6 +15,7 @@ from rlcore import errors
 from rlcore.hookspecs import CHAIN_HOOKS
 from rlcore.inactive_plugins import require_active_algorithm
 from rlcore.manager import PluginManager
+from rlcore.tracking.selection import select_trackers
 from rlcore.types import (
     Cap,
     EngineSpec,
@@ -23,6 +24,7 @@ from rlcore.types import (
     LauncherSpec,
     RequiresCapability,
     RolloutBackendSpec,
+    TrackerSpec,
     WeightSyncSpec,
 )
 
@@ -52,6 +54,9 @@ class Stack:
     launcher: LauncherSpec | None = None
     #: what takes the model's turns (``environment.name``; an :class:`~rlcore.types.EnvironmentSpec`)
     environment: Any = None
+    #: the experiment trackers (``tracking.backends``, and tensorboard by ``output.tensorboard``): the
+    #: one role a config fills with several providers (:class:`~rlcore.types.TrackerSpec`, in order)
+    trackers: list[TrackerSpec] = field(default_factory=list)
 
     def has(self, role: str, cap: str) -> bool:
         """Declared by the selected provider and available on this platform."""
@@ -88,6 +93,7 @@ class Stack:
             "launcher": (None if self.launcher is None else
                          {**spec(self.launcher), "describe": self.launcher.factory(self.config).describe(self)}),
             "environment": None if self.environment is None else spec(self.environment),
+            "trackers": [spec(t) for t in self.trackers],
             "chains": self.chains,
             "notes": self.notes,
             "gaps": self.gaps,
@@ -204,6 +210,8 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
                 stack.notes.append(f"{role} {stack.role(role).name!r} lacks {cap!r} here: {reason}")
 
     stack.environment = pm.select("environment", cfg.environment.name, key="environment.name")
+    stack.trackers, tracker_notes = select_trackers(cfg, pm)  # several at once (rlcore/tracking/selection.py)
+    stack.notes.extend(tracker_notes)
     # where the ranks and replicas run: the launcher checks the providers' capabilities for it
     stack.launcher = pm.select("launcher", cfg.cluster.backend, key="cluster.backend")  # type: ignore[assignment]
     stack.launcher.factory(cfg).check(stack)

@@ -141,3 +141,35 @@ def load_callable(path: str, key: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ConfigError(f"{key}: module {mod_name!r} has no function {func_name!r}", key=key)
     return fn
+
+
+#: the attribute :func:`reward_factory` sets on a function
+REWARD_FACTORY = "__rlcore_reward_factory__"
+
+
+def reward_factory(fn: Callable[[Any], Callable[..., Any]]) -> Callable[[Any], Callable[..., Any]]:
+    """Mark ``fn`` as a reward *factory*: named as ``data.reward`` (or in ``data.reward_by_source``),
+    it is called once when the run is built (and by ``rlcore check``) with the ``data`` config
+    section, and the callable it returns scores the samples. For a reward that needs config
+    (``rlcore.scoring:by_data_source_reward`` reads ``data.reward_by_source``); a plain reward
+    function needs nothing of the kind."""
+    setattr(fn, REWARD_FACTORY, True)
+    return fn
+
+
+def resolve_reward(fn: Callable[..., Any], data_cfg: Any, key: str = "data.reward") -> Callable[..., Any]:
+    """``fn`` itself, or, for a :func:`reward_factory`, the reward ``fn(data_cfg)`` builds; what the
+    factory raises (other than a ConfigError) or a non-callable it returns is a ConfigError naming ``key``."""
+    if not getattr(fn, REWARD_FACTORY, False):
+        return fn
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+    try:
+        built = fn(data_cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the factory is user code
+        raise ConfigError(f"{key}: reward factory {name}(data) raised {type(exc).__name__}: {exc}", key=key) from exc
+    if not callable(built):
+        raise ConfigError(f"{key}: reward factory {name}(data) returned {type(built).__name__}, not a reward "
+                          f"function", key=key)
+    return built

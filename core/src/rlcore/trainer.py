@@ -56,6 +56,7 @@ from rlcore.stack import Stack, config_yaml
 from rlcore.sync import sync_level
 from rlcore.tasks import RewardInput, make_prompts
 from rlcore.types import Cap, HeadInput, MicroBatchContext, ModelOutput, Prompt, Sample, StepContext
+from rlcore.validation import Validation
 
 #: where the no-grad passes leave their log-probs in the step batch ("old_logprobs" holds the
 #: rollout engine's behaviour log-probs, which the importance ratio uses)
@@ -96,6 +97,7 @@ class Trainer:
         self.release_kv = False
         self.push_metrics: dict[str, float] = {}
         self.source: Any = None  # where the steps' samples come from (run() builds it)
+        self.validation = Validation.from_run(self.cfg, built.task)  # validation.every_steps (rlcore/validation.py)
 
     # ----------------------------------------------------------------------------- setup --
 
@@ -157,8 +159,12 @@ class Trainer:
     # ----------------------------------------------------------------------------- steps --
 
     def _prompts(self, step: int, round_: int = 0) -> tuple[list[Prompt], list[Any]]:
-        rng = random.Random(prompt_seed(self.cfg, step, round_))  # round 0: the step's own prompts
-        task_prompts = make_prompts(self.built.task, rng, round_prompts(self.cfg), f"step {step} round {round_}")
+        source = getattr(self.built.task, "source", None)  # data.train_files: by step and round (rlcore/datasets)
+        if source is not None:
+            task_prompts = source.prompts(step, round_, round_prompts(self.cfg))
+        else:
+            rng = random.Random(prompt_seed(self.cfg, step, round_))  # round 0: the step's own prompts
+            task_prompts = make_prompts(self.built.task, rng, round_prompts(self.cfg), f"step {step} round {round_}")
         prompts = [
             Prompt(ids=self.tokenizer(tp.text, add_special_tokens=False)["input_ids"], index=i, meta=tp.meta)
             for i, tp in enumerate(task_prompts)
@@ -430,6 +436,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- run --
 
+    def _validate(self, step: int) -> dict[str, float]:
+        """The ``val/*`` metrics of the current weights (rlcore/validation.py)."""
+        return self.validation.run(step, self.version, self.backend, self.tokenizer, self.engine.info.eos_token_id,
+                                   lambda *a: self._rewards(*a, step=step), environment=self.built.environment)
+
     def _step_source(self) -> Any:
         """Where the steps' samples come from (``loop.mode``; rlcore/rollout_producer.py)."""
         mode = self.cfg.loop.mode
@@ -450,7 +461,7 @@ class Trainer:
             self.source = self._step_source()
             if self.built.resume_from is not None:
                 self._restore()
-            self.report.banner([self.metrics.tb_note, loop_note(cfg.loop)])  # loop_note: ahead_steps past the bound
+            self.report.banner([loop_note(cfg.loop)])  # loop_note: ahead_steps past the bound
             self._start_backend()
             started = completed = self.stop.stepping = True
             self.source.start(self.step, self.version)
@@ -460,6 +471,7 @@ class Trainer:
                 if self.stop.requested is not None:
                     completed = False
                     break
+                val = self._validate(self.step) if self.validation and self.validation.due_before(self.step) else {}
                 t0 = time.perf_counter()
                 try:
                     m = self._train_step()
@@ -467,7 +479,7 @@ class Trainer:
                 except NonFiniteError as exc:
                     self.engine.zero_grad()
                     record = {"step": self.step, "weight_version": self.version, "nonfinite": exc.what,
-                              "wall_seconds": self.wall_before + time.perf_counter() - t_start}
+                              "wall_seconds": self.wall_before + time.perf_counter() - t_start, **val}
                     if not (exc.skippable and cfg.training.on_nonfinite == "skip"):
                         self.metrics.write(dict(record, stopped=str(exc)))
                         raise
@@ -493,7 +505,10 @@ class Trainer:
                     "wall_seconds": wall,
                     "tokens_per_second": m["tokens"] / max(step_s, 1e-9),
                     **self.push_metrics,
+                    **val,
                 })
+                if self.validation and self.validation.due_at_end(self.step):  # the trained weights
+                    m.update(self._validate(self.step))
                 self.metrics.write(m)
                 self.report.step(m, report)
                 if cfg.output.checkpoint_every and (self.step + 1) % cfg.output.checkpoint_every == 0:

@@ -361,7 +361,7 @@ def build_hf_engine(ctx: Any) -> HFEngine:
                                         attention=ecfg.attention)
     task = ctx.extras.get("task")
     words = task.vocab if task is not None else [str(i) for i in range(10)]
-    tok = make_tokenizer(words)
+    tok = make_tokenizer(words, chat_template=getattr(task, "chat_template", None))  # data.train_files: a template
     check_hf_mtp(ecfg.model.tiny)
     model = make_tiny_model(ecfg.model.tiny, tok, ecfg.model.dtype)
     return HFEngine(model, tok, device, ecfg.attention)

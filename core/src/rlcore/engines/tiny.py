@@ -21,8 +21,10 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 SUPPORTED_ARCHS = ("qwen2", "qwen2_moe", "qwen3_moe")
 
 
-def make_tokenizer(words: Sequence[str]) -> Any:
-    """A word-level fast tokenizer: ``<pad>``=0, ``<eos>``=1, ``<unk>``=2, then ``words``."""
+def make_tokenizer(words: Sequence[str], chat_template: str | None = None) -> Any:
+    """A word-level fast tokenizer: ``<pad>``=0, ``<eos>``=1, ``<unk>``=2, then ``words``;
+    ``chat_template``: a jinja chat template set as its ``chat_template`` (prompts from dataset
+    files, :data:`rlcore.datasets.TINY_CHAT_TEMPLATE`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -33,9 +35,12 @@ def make_tokenizer(words: Sequence[str]) -> Any:
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
 
 
 def tiny_config(tiny: Any, vocab_size: int, eos_id: int, pad_id: int) -> Any:

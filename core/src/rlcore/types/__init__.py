@@ -71,6 +71,8 @@ from rlcore.types.providers import (
     ProviderSpec,
     RequiresCapability,
     RolloutBackendSpec,
+    Tracker,
+    TrackerSpec,
     WeightSyncSpec,
     normalise_name,
 )
@@ -92,7 +94,7 @@ __all__ = [
     # providers
     "PLUGIN_API", "normalise_name", "Cap", "ProviderSpec", "ForwardFnSpec", "RolloutBackendSpec",
     "WeightSyncSpec", "EngineSpec", "PluginSettings", "IncompatibleWith", "RequiresCapability",
-    "Constraint", "BuildContext", "PlatformSpec", "Platform", "LauncherSpec", "Launcher",
+    "Constraint", "BuildContext", "PlatformSpec", "Platform", "LauncherSpec", "Launcher", "TrackerSpec", "Tracker",
     # forward
     "VocabShard", "HeadInput", "HeadOutput", "LossRequest", "ForwardFn", "RouteLayout", "ModelInfo", "RouterCall",
     "RouterDecision", "EngineOutput", "HeadWeight", "TrainingEngine", "RouterDispatch", "Phase",

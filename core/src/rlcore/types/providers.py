@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from rlcore.types.forward import TrainingEngine
 
@@ -145,6 +145,11 @@ class ProviderSpec:
     platform_gaps: Callable[[Any], Mapping[str, str]] | None = None
 
     kind: str = field(default="provider", init=False, repr=False)
+    #: how many of a hook's providers one config selects: ``"one"`` (a name:
+    #: :meth:`rlcore.manager.PluginManager.select`) or ``"many"`` (a list of names, every one of
+    #: which runs: :meth:`~rlcore.manager.PluginManager.select_all`); a property of the role, so
+    #: it is the descriptor's class that says it, never an instance
+    selects: ClassVar[Literal["one", "many"]] = "one"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))
@@ -251,6 +256,44 @@ class LauncherSpec(ProviderSpec):
 
     def ranks_are_remote(self, config: Any) -> bool:
         return bool(self.remote_ranks(config)) if self.remote_ranks is not None else False
+
+
+@dataclass(frozen=True)
+class TrackerSpec(ProviderSpec):
+    """An experiment tracker: ``factory(run_dir: Path, config, versions: dict[str, str]) -> Tracker``,
+    selected **many at a time**: every name in ``tracking.backends`` runs side by side (built-in
+    ``tensorboard``, ``mlflow``, ``wandb``, ``trackio``; docs/tracking.md).
+
+    The factory runs once per run on the writer rank, before the first step, with the run directory,
+    the resolved config (an omegaconf ``DictConfig``) and the versions of Python, rlcore, torch,
+    transformers and the active plugins; it does the tracker package's import itself and logs the
+    config, the versions and the run directory. ``requires``: the modules the factory imports,
+    looked up (never imported) when the config is resolved, so that a missing one is a
+    :class:`rlcore.errors.ConfigError` naming ``install`` (the pip line that brings them) before the
+    run starts.
+    """
+
+    requires: tuple[str, ...] = ()
+    install: str = ""
+    kind: str = field(default="tracker", init=False, repr=False)
+    selects: ClassVar[Literal["one", "many"]] = "many"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "requires", tuple(self.requires))
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """What a :class:`TrackerSpec`'s factory returns. ``log(step, metrics)`` after every step with
+    the step's finite numeric metrics (what metrics.jsonl holds for the step, less text and
+    non-finite values); ``close()`` once at the end of the run, completed or not. An exception from
+    either is warned about once (:class:`rlcore.tracking.TrackerWarning`, naming the tracker) and the
+    tracker is not called again: the run goes on and metrics.jsonl stays complete."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable
