@@ -737,14 +737,11 @@ def measure_dataset(cfg: Any, task: Any, facts: ModelFacts, report: PreflightRep
     measured against the context, as the trainer does: longer rows are filtered or refused
     (``data.overlong``). Returns (longest kept prompt in tokens, prompts kept)."""
     from rlcore.datasets import context_limit
-    from rlcore.datasets.source import render
 
     limit = context_limit(cfg, facts.max_positions)
     for source in (task.source, task.val):
         if source is None:
             continue
-        first = source.rows[0]
-        render(first.prompt, facts.tokenizer, first.where)
         source.prepare(facts.tokenizer, limit, str(cfg.data.overlong))
         report.data.append(source.summary(limit))
     return task.source.longest, len(task.source.kept)

@@ -136,18 +136,13 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
             stop_token_ids=tuple(x for x in [eos_token_id] if x is not None),
             return_routed_experts=cfg.rollout.return_routed_experts,
         )
-        if environment is None:
-            got = backend.generate(prompts, params)
-        else:
-            got = run_conversations(environment, backend, prompts, task_prompts, params,
-                                    Limits.from_config(cfg.environment), f"environment {cfg.environment.name!r}")
+        got = generate_round(cfg, backend, prompts, task_prompts, params, environment)
         fault_point("rollout")
         seconds += time.perf_counter() - t
         stale = [v for s in got for v in _versions_of(s) if v != version] if check_version else []
         if stale:
             raise RolloutError(f"rollout returned samples of weight version {stale[0]}, expected {version}")
-        raw = score(got, prompts, task_prompts) if environment is None else _env_rewards(environment, got, prompts,
-                                                                                         task_prompts, score)
+        raw = round_rewards(environment, got, prompts, task_prompts, score)
         pen = [overlong_penalty(len(s.response_ids), int(cfg.rollout.max_new_tokens), int(ov.buffer_tokens),
                                 float(ov.penalty_factor)) for s in got]
         shaped = [x + p for x, p in zip(raw, pen, strict=True)]
@@ -186,6 +181,24 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
                         "overlong/punished": sum(p < 0 for p in penalties),
                         "overlong/penalty_mean": sum(penalties) / max(len(penalties), 1)})
     return SampledStep(samples, rewards, metrics, seconds)
+
+
+def generate_round(cfg: Any, backend: Any, prompts: list[Prompt], task_prompts: list[Any], params: SamplingSettings,
+                   environment: Any = None) -> list[Sample]:
+    """One round's samples: ``backend.generate``, or the conversations ``environment`` takes turns in."""
+    if environment is None:
+        return backend.generate(prompts, params)
+    return run_conversations(environment, backend, prompts, task_prompts, params,
+                             Limits.from_config(cfg.environment), f"environment {cfg.environment.name!r}")
+
+
+def round_rewards(environment: Any, samples: list[Sample], prompts: list[Prompt], task_prompts: list[Any],
+                  score: Callable[[list[Sample], list[Prompt], list[Any]], list[float]]) -> list[float]:
+    """The rewards of :func:`generate_round`'s samples: ``score``'s, or with an environment its own
+    (:func:`_env_rewards`)."""
+    if environment is None:
+        return score(samples, prompts, task_prompts)
+    return _env_rewards(environment, samples, prompts, task_prompts, score)
 
 
 def _versions_of(s: Sample) -> list[int]:

@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import Any
 
 from rlcore.errors import ConfigError
+from rlcore.guards import shorten
 from rlcore.tasks import RewardInput, load_callable, resolve_reward, reward_factory
 
 #: the meta key of the gold answer
@@ -57,11 +58,6 @@ class MetaKeyError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
-
-
-def shorten_text(text: str, limit: int = 80) -> str:
-    """``text`` cut to ``limit`` characters (a long answer or pattern in an error message)."""
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _meta(x: RewardInput, key: str, reward: str) -> Any:
@@ -134,7 +130,7 @@ def _parsed_gold(answer: str, timeout: int | None) -> Any:
     if not gold:
         gold = mv.parse(answer, configs, parsing_timeout=timeout)
     if not gold:
-        raise ValueError(f"math-verify cannot parse the gold answer meta[{ANSWER_KEY!r}]={shorten_text(answer)!r}: "
+        raise ValueError(f"math-verify cannot parse the gold answer meta[{ANSWER_KEY!r}]={shorten(answer)!r}: "
                          f"fix the row's answer, or score it with exact_match_reward")
     return gold
 
@@ -262,7 +258,7 @@ def regex_reward(x: RewardInput) -> float:
     try:
         compiled = _compiled(str(pattern), re.DOTALL)
     except re.error as exc:
-        raise ValueError(f"meta[{PATTERN_KEY!r}]={shorten_text(str(pattern))!r} is not a valid regular "
+        raise ValueError(f"meta[{PATTERN_KEY!r}]={shorten(str(pattern))!r} is not a valid regular "
                          f"expression: {exc}") from exc
     return 1.0 if compiled.search(x.response_text) else 0.0
 

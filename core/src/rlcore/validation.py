@@ -35,21 +35,9 @@ from rlcore.errors import ConfigError
 
 
 def check_validation(cfg: Any) -> None:
-    """Config-time checks of ``validation.*`` (no file is opened here)."""
-    v = cfg.validation
-    every = int(v.every_steps)
-    if every < 0:
-        raise ConfigError(f"bad value for config key 'validation.every_steps': {every}; must be >= 0 (0: off)",
-                          key="validation.every_steps")
-    if int(v.n) < 1:
-        raise ConfigError(f"bad value for config key 'validation.n': {v.n}; must be >= 1", key="validation.n")
-    if v.temperature is not None and not (math.isfinite(float(v.temperature)) and float(v.temperature) > 0):
-        raise ConfigError(f"bad value for config key 'validation.temperature': {v.temperature}; must be > 0 "
-                          f"(unset: rollout.temperature)", key="validation.temperature")
-    if int(v.max_prompts) < 0:
-        raise ConfigError(f"bad value for config key 'validation.max_prompts': {v.max_prompts}; must be >= 0 "
-                          f"(0: all)", key="validation.max_prompts")
-    if not every:
+    """Config-time rules of ``validation.*`` across keys (no file is opened here; the ranges of
+    its values are in :data:`rlcore.config._RANGES`)."""
+    if int(cfg.validation.every_steps) <= 0:  # off (a negative value: _RANGES' refusal)
         return
     from rlcore.datasets.files import file_list
 
@@ -163,19 +151,10 @@ class Validation:
                   per_prompt: int = 1) -> list[float]:
         """The rewards of the responses, ordered by prompt (``per_prompt`` each)."""
         from rlcore.errors import RolloutError
+        from rlcore.sampling_rounds import generate_round, round_rewards
 
-        if environment is None:
-            got = backend.generate(prompts, params)
-            rewards = score(got, prompts, task_prompts)
-        else:
-            from rlcore.environments.conversation import Limits, run_conversations
-            from rlcore.sampling_rounds import (
-                _env_rewards,  # the training's own: an environment's final reward
-            )
-
-            got = run_conversations(environment, backend, prompts, task_prompts, params,
-                                    Limits.from_config(self.cfg.environment), f"environment {self.cfg.environment.name!r}")
-            rewards = _env_rewards(environment, got, prompts, task_prompts, score)
+        got = generate_round(self.cfg, backend, prompts, task_prompts, params, environment)
+        rewards = round_rewards(environment, got, prompts, task_prompts, score)
         stale = [s.weight_version for s in got if s.weight_version != version]
         if stale:
             raise RolloutError(f"rollout returned validation samples of weight version {stale[0]}, expected {version}")
