@@ -356,9 +356,14 @@ def rlcore_rows(run_dir: Path) -> list[dict]:
     for r in read_rows(str(run_dir)):
         if "step_seconds" not in r:
             continue
-        sleep = r.get("rollout/sleep_seconds", 0.0)
+        # vLLM's sleep after the rollout, or SGLang's release for training (rlcore-sglang): both in
+        # generate_seconds; the wake-ups (vLLM's, or SGLang's resume of the weights before the push
+        # and after a rollout without one) outside sync_seconds
+        sleep = r.get("rollout/sleep_seconds", r.get("rollout/training_release_seconds", 0.0))
+        wake = sum(r.get(k, 0.0) for k in ("rollout/wake_seconds", "rollout/wake_kv_seconds",
+                                            "rollout/resume_for_push_seconds", "rollout/training_resume_seconds"))
         row = {"generate": r["generate_seconds"] - sleep, "sync": r["sync_seconds"],
-               "sleep_wake": sleep + r.get("rollout/wake_seconds", 0.0) + r.get("rollout/wake_kv_seconds", 0.0),
+               "sleep_wake": sleep + wake,
                "old_lp": r.get("old_logprob_seconds", 0.0), "step": r["step_seconds"],
                "tokens": r.get("response_len", 0) * r.get("samples", 0), "sync_bytes": r.get("sync_bytes"),
                "sync_level": r.get("sync_level"), "reward": r.get("reward_mean"),
@@ -411,6 +416,9 @@ def cmd_report(args: argparse.Namespace) -> None:
     d2d = json.loads((parts / "d2d.json").read_text()) if (parts / "d2d.json").exists() else {}
     rl_all, trl_all = rlcore_rows(parts / "rlcore-run"), trl_rows(trl)
     rl_steady, trl_steady = rl_all[1:], trl_all[1:]  # step 0 includes warm-ups
+    # SGLANG=1: the same job with SGLang as rlcore's engine (examples/gpu_peer_rlcore_sglang.yaml)
+    sg_all = rlcore_rows(parts / "rlcore-sglang-run") if (parts / "rlcore-sglang-run").exists() else []
+    sg_steady = sg_all[1:]
     lines = [f"# rlcore vs TRL GRPO, vLLM colocated on one GPU: median of steps 1.. "
              f"(rlcore {len(rl_steady)}, TRL {len(trl_steady)} steps)", "",
              f"device: {d2d.get('device', '?')}; versions: {json.dumps(trl.get('versions', {}))}",
@@ -421,6 +429,19 @@ def cmd_report(args: argparse.Namespace) -> None:
     for p in COMMON:
         a, b = median(rl_steady, p), median(trl_steady, p)
         lines.append(f"| {p} | {fmt(a)} | {fmt(b)} | {fmt(a / b if a is not None and b else None, 2)} |")
+    if sg_all:
+        lines += ["", f"rlcore with SGLang (examples/gpu_peer_rlcore_sglang.yaml, {len(sg_steady)} steps after the first; "
+                  "sleep_wake = SGLang's release for training after the rollout and its resume of the weights before "
+                  "the push; sync = sglang-tensor, verified):", "",
+                  "| phase (s) | rlcore + SGLang | rlcore + vLLM | TRL + vLLM | SGLang / vLLM (rlcore) | SGLang / TRL |",
+                  "|---|---|---|---|---|---|"]
+        for p in COMMON:
+            g, a, b = median(sg_steady, p), median(rl_steady, p), median(trl_steady, p)
+            lines.append(f"| {p} | {fmt(g)} | {fmt(a)} | {fmt(b)} | {fmt(g / a if g is not None and a else None, 2)} "
+                         f"| {fmt(g / b if g is not None and b else None, 2)} |")
+        lines.append(f"rlcore + SGLang: pushes {', '.join(str(r.get('sync_level')) for r in sg_all)}; peak GPU memory "
+                     f"(whole card) {fmt(peak_gib(parts / 'sglang.gpumem.csv'), 1)} GiB; reward per step "
+                     + ", ".join(fmt(r.get("reward"), 3) for r in sg_all))
     lines += ["", "What each row covers (seconds per optimizer step, CUDA synchronised at each boundary on TRL's side):",
               "generate = vLLM's generate alone (rlcore: `generate_seconds` minus the sleep after it; TRL: `LLM.generate`); "
               "sleep_wake = vLLM's sleep and wake-ups (rlcore: level 1, weights back before the push, KV cache after it; "

@@ -13,6 +13,11 @@
 #   model    the model directory both load (peer_trl.py model)
 #   trl      TRL's GRPO (peer_trl.py trl), limited to LIMIT_TRL seconds (default 160)
 #   rlcore   `rlcore train CONFIG engine.model.path=<the model>`, limited to LIMIT_RLCORE (160)
+#   sglang   (SGLANG=1) the same job with SGLang as rlcore's engine (SGLANG_CONFIG, default
+#            examples/gpu_peer_rlcore_sglang.yaml), limited to LIMIT_SGLANG (200): SGLang 0.5.17 from
+#            SGLANG_SITE (default /tmp/site-sglang, installed there by an earlier call of
+#            scripts/gpu/sglang_0517_run.sh with SITE=/tmp/site-sglang), this tree's core, rlcore-sglang and
+#            rlcore-fused installed into it first; its own PYTHONPATH (vLLM's SITE left out)
 #   report   $OUT/peer_summary.md (peer_trl.py report)
 # Each run is limited by run_limited (scripts/gpu/lib.sh): one that reaches its limit has the stacks
 # of its processes dumped (SIGUSR1, faulthandler) 15 s before it, then is killed with everything it
@@ -98,5 +103,20 @@ fi
 limited rlcore "${LIMIT_RLCORE:-160}" "$PY" -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" "${OVR[@]}" \
   --output "$PARTS/rlcore-run" --overwrite
 report
+if [ -n "${SGLANG:-}" ]; then
+  SGLANG_SITE="${SGLANG_SITE:-/tmp/site-sglang}"
+  if [ ! -f "$SGLANG_SITE/.rlcore-sglang-installed" ]; then
+    log "=== sglang skipped: no SGLang in $SGLANG_SITE (run scripts/gpu/sglang_0517_run.sh with SITE=$SGLANG_SITE first)"
+  else
+    SITE="$SGLANG_SITE" pip_logged --no-build-isolation ./core ./plugins/sglang ./plugins/fused
+    gpu_host_cleanup
+    PYTHONPATH="$WORK/sitecustomize:$SGLANG_SITE" limited sglang "${LIMIT_SGLANG:-200}" "$PY" -m rlcore.cli train \
+      "${SGLANG_CONFIG:-$ROOT/examples/gpu_peer_rlcore_sglang.yaml}" "engine.model.path=$MODEL" "${OVR[@]}" \
+      --output "$PARTS/rlcore-sglang-run" --overwrite
+    [ -f "$PARTS/rlcore-sglang-run/sglang_server.log" ] && tail -n 30 "$PARTS/rlcore-sglang-run/sglang_server.log" \
+      | sed 's/^/[sglang server] /' | tee -a "$OUT/log.txt"
+    report
+  fi
+fi
 log "total: $(( $(date +%s) - t0 )) s"
 cat "$OUT/peer_summary.md"
