@@ -66,7 +66,7 @@ def main() -> int:
             shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends across runs
             cmd = [rlcore, "train", "examples/tiny.yaml", "--output", str(run_dir), f"training.steps={args.steps}",
                    "output.plot=false", "output.checkpoint_every=0", "output.progress=false",
-                   f"algorithm.updates_per_step={args.updates}", *overrides]
+                   f"algorithm.updates_per_step={args.updates}", "plugins=[algorithms]", *overrides]  # rlcore-algorithms
             # one intra-op thread: on a small shared CPU, oversubscribed torch threads cost ~10x
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             subprocess.run(cmd, cwd=ROOT, check=True, env=env)

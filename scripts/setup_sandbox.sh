@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The python tool's sandbox needs bubblewrap (bwrap) and libseccomp: install them from Debian's
+# The python tool's sandbox (rlcore-sandbox, plugins/sandbox) needs bubblewrap (bwrap) and libseccomp: install them from Debian's
 # packages where they are missing (root, or passwordless sudo). Idempotent: nothing to do once
 # bwrap is on the machine. Elsewhere it says what to install and exits 1 (the sandbox tests fail
-# rather than pass without the fence).
+# rather than pass without the fence: plugins/sandbox/tests).
 set -uo pipefail
 if command -v bwrap >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
   exit 0

@@ -40,7 +40,7 @@ def test_other_estimators_train_on_conversations(tmp_path, algorithm):
     trainer checks every advantage tensor against the loss tokens of its sample)."""
     out = tmp_path / "run"
     stack = load_stack(str(ROOT / "examples" / "tiny_tools.yaml"),
-                       [f"algorithm.name={algorithm}", "training.steps=2", f"output.dir={out}",
+                       ["plugins=[algorithms]", f"algorithm.name={algorithm}", "training.steps=2", f"output.dir={out}",
                         "output.checkpoint_every=0", "output.plot=false", "data.prompts_per_step=4"])
     assert Trainer(stack).run()["completed"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,5 +1,6 @@
-"""The built-in estimators, losses, KL terms, aggregations and mismatch correction against small
-hand-computed cases; GSPO against its sequence-level definition; config errors; the hook."""
+"""Core's built-in estimators, losses, KL terms, aggregations and mismatch correction against small
+hand-computed cases; config errors; the hook; an algorithm of rlcore-algorithms selected without
+that plugin (the plugin's own: plugins/algorithms/tests)."""
 
 import math
 import types
@@ -10,7 +11,7 @@ from rlcore import hookimpl
 from rlcore.algorithms import advantages as adv
 from rlcore.algorithms import objective as objmod
 from rlcore.algorithms.aggregation import step_weights
-from rlcore.algorithms.losses import CISPO, GSPO, PPOClip, TokenObjective, kl_value_and_grad
+from rlcore.algorithms.losses import PPOClip, TokenObjective, kl_value_and_grad
 from rlcore.algorithms.mismatch import MismatchCorrection, mismatch
 from rlcore.algorithms.spec import AdvantageInput, Algorithm, AlgorithmSpec, TokenInputs
 from rlcore.errors import ConfigError, UnknownProviderError
@@ -55,28 +56,6 @@ def test_rloo_leave_one_out_baseline():
     assert _first(adv.RLOOAdvantage()(_inp([1.0, 0.0, 0.0, 7.0], [0, 0, 0, 1]))) == pytest.approx([1.0, -0.5, -0.5, 0.0])
 
 
-def test_reinforce_pp_returns_and_global_whitening():
-    inp = _inp([1.0, 0.0], [0, 1], lens=[2, 3])
-    a = adv.ReinforcePPAdvantage(gamma=1.0)(inp)
-    # returns [[1, 1], [0, 0, 0]]: mean 0.4, population var 0.24
-    sd = math.sqrt(0.24 + 1e-8)
-    assert a[0].tolist() == pytest.approx([0.6 / sd] * 2)
-    assert a[1].tolist() == pytest.approx([-0.4 / sd] * 3)
-    g = adv.ReinforcePPAdvantage(gamma=0.5)(_inp([1.0, 1.0], [0, 1], lens=[2, 1],
-                                                 token_rewards=[torch.tensor([0.0, 1.0]), torch.tensor([0.0])]))
-    # returns [[0.5, 1.0], [0.0]]
-    vals = torch.tensor([0.5, 1.0, 0.0])
-    expect = (vals - vals.mean()) / torch.sqrt(vals.var(unbiased=False) + 1e-8)
-    assert torch.cat(g).tolist() == pytest.approx(expect.tolist())
-
-
-def test_reinforce_pp_baseline():
-    a = adv.ReinforcePPBaselineAdvantage()(_inp([1.0, 0.0], [0, 0], lens=[2, 1]))
-    # returns minus the group mean 0.5: [0.5, 0.5], [-0.5]; mean 1/6, population std sqrt(2/9)
-    sd = math.sqrt(2 / 9 + 1e-8)
-    assert torch.cat(a).tolist() == pytest.approx([(1 / 3) / sd, (1 / 3) / sd, (-2 / 3) / sd], rel=1e-5)
-
-
 # ------------------------------------------------------------------------------- losses -----
 
 def _tokens(logp, old, advantages, seq=None):
@@ -99,34 +78,6 @@ def test_ppo_clip_cases():
     assert g.tolist() == pytest.approx([0.0, -1.1, 0.0, 0.0, 2.0], rel=1e-6)
     pg_nodual, _ = PPOClip(0.2, 0.28, 0.0).grad(logp, x)
     assert float(pg_nodual[3]) == pytest.approx(4.0)
-
-
-def test_gspo_sequence_ratio_and_its_sequence_level_gradient():
-    # two sequences: log-ratios [0.1, 0.3] (mean 0.2) and [-0.2]
-    logp, x = _tokens([0.1, 0.3, -0.2], [0.0, 0.0, 0.0], [1.0, 1.0, -0.5], seq=[0, 0, 1])
-    slr = torch.tensor([0.2, 0.2, -0.2])
-    pg, g = GSPO(0.3, 0.3).grad(logp, x, slr)
-    s0, s1 = math.exp(0.2), math.exp(-0.2)
-    assert pg.tolist() == pytest.approx([-s0, -s0, 0.5 * s1], rel=1e-6)
-    assert g.tolist() == pytest.approx([-s0, -s0, 0.5 * s1], rel=1e-6)
-    # GSPO's sequence objective (1/G) Σ_i max(-A s_i, -A clip(s_i)), s_i = exp(mean log-ratio),
-    # has the same gradient as GSPO-token under seq-mean-token-mean
-    lp = logp.clone().requires_grad_(True)
-    seq0, seq1 = torch.exp(lp[:2].mean()), torch.exp(lp[2:].mean())
-    loss = (torch.maximum(-1.0 * seq0, -1.0 * seq0.clamp(0.7, 1.3))
-            + torch.maximum(0.5 * seq1, 0.5 * seq1.clamp(0.7, 1.3))) / 2
-    loss.backward()
-    w = torch.tensor([1 / 4, 1 / 4, 1 / 2])  # 1 / (seqs · tokens of the seq)
-    torch.testing.assert_close(w * g, lp.grad)
-    clipped, _ = GSPO(3e-4, 4e-4).grad(logp, x, slr)
-    assert float(clipped[0]) == pytest.approx(-(1 + 4e-4))
-
-
-def test_cispo_keeps_the_gradient_of_clipped_tokens():
-    logp, x = _tokens([-0.5, -0.5], [-0.5 - math.log(1.5), -0.5], [2.0, 2.0])  # ratios 1.5 and 1
-    pg, g = CISPO(1.0, 0.28).grad(logp, x)
-    assert pg.tolist() == pytest.approx([-1.28 * 2 * -0.5, -1.0 * 2 * -0.5], rel=1e-6)
-    assert g.tolist() == pytest.approx([-2.56, -2.0], rel=1e-6)  # PPO would give 0 for the first
 
 
 @pytest.mark.parametrize("est,value", [("k1", 0.5), ("k2", 0.125), ("k3", math.exp(-0.5) + 0.5 - 1)])
@@ -209,8 +160,8 @@ def test_mismatch_geometric_level_masks_whole_sequences():
 # ------------------------------------------------------------------------------- config -----
 
 def test_algorithm_config_selects_and_validates(tmp_path):
-    cfg, _ = load_config(None, ["algorithm.name=gspo"])
-    assert cfg.algorithm.loss_agg == "seq-mean-token-mean" and cfg.algorithm.clip_high == pytest.approx(4e-4)
+    cfg, _ = load_config(None, ["algorithm.name=rloo"])
+    assert cfg.algorithm.loss_agg == "token-mean" and cfg.algorithm.clip_high == pytest.approx(0.28)
     cfg, _ = load_config(None, ["algorithm.name=dr_grpo", "rollout.max_new_tokens=7"])
     assert cfg.algorithm.loss_agg == "seq-mean-token-sum-norm" and cfg.algorithm.norm_tokens == 7
     cfg, _ = load_config(None, ["algorithm.mismatch.tis_cap=2"])
@@ -220,12 +171,9 @@ def test_algorithm_config_selects_and_validates(tmp_path):
 
 @pytest.mark.parametrize("overrides,key", [
     (["algorithm.name=ppo2"], "algorithm.name"),
-    (["algorithm.name=gspo", "algorithm.clip_ratio_c=3"], "algorithm.clip_ratio_c"),
     (["algorithm.std=sample"], "algorithm.std"),
     (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c"),
     (["algorithm.clip_low=1.5"], "algorithm.clip_low"),
-    (["algorithm.name=gspo", "algorithm.advantage=ppo"], "algorithm.advantage"),
-    (["algorithm.name=reinforce_pp", "algorithm.gamma=0"], "algorithm.gamma"),
     (["algorithm.kl_in=penalty"], "algorithm.kl_in"),
     (["algorithm.mismatch.level=batch"], "algorithm.mismatch.level"),
     (["algorithm.mismatch.tis_cap=0.5"], "algorithm.mismatch.tis_cap"),
@@ -238,6 +186,23 @@ def test_algorithm_config_errors_name_the_field(overrides, key):
         load_config(None, overrides)
     assert key in str(err.value)
     assert err.value.key == key
+
+
+def test_a_moved_algorithm_without_its_plugin_says_what_to_install_and_list(monkeypatch):
+    import rlcore.manager as manager
+
+    # installed here (the dev venv) but not listed in plugins:
+    with pytest.raises(UnknownProviderError, match=r"plugin 'algorithms'.*installed but not active: add algorithms "
+                                                   r"to the config's plugins: list") as err:
+        load_config(None, ["algorithm.name=gspo"])
+    assert err.value.key == "algorithm.name"
+    # not installed at all: the pip line and the plugins: entry
+    real = manager.discover_entry_points
+    monkeypatch.setattr(manager, "discover_entry_points", lambda: {k: v for k, v in real().items() if k != "algorithms"})
+    with pytest.raises(UnknownProviderError, match=r"not installed\. Install it with: pip install rlcore-algorithms, "
+                                                   r"and add algorithms to the config's plugins: list") as err:
+        load_config(None, ["algorithm.name=remax"])
+    assert err.value.key == "algorithm.name"
 
 
 # --------------------------------------------------------------------------------- hook -----
@@ -274,7 +239,7 @@ def test_hook_algorithm(rlcore_plugin_manager, register_plugin):
     mod.algorithm = hookimpl(algorithm)
     register_plugin(mod, "halfpg")
     algos = rlcore_plugin_manager.algorithms()
-    assert {"grpo", "gspo", "cispo", "half-pg"} <= set(algos)
+    assert {"grpo", "dr_grpo", "rloo", "ppo", "half-pg"} <= set(algos)
     assert algos["half-pg"].plugin == "halfpg"
     cfg, _ = load_config(None, ["algorithm.name=half-pg", "algorithm.scale=2"], plugins=rlcore_plugin_manager)
     assert cfg.algorithm.scale == 2.0 and cfg.algorithm.loss_agg == "token-sum"

@@ -52,9 +52,6 @@ def test_default_reproduces_the_trainer_before_the_algorithm_hook(tmp_path, case
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
-    ["algorithm.name=gspo"],
-    ["algorithm.name=cispo", "algorithm.entropy_coef=0.01", "algorithm.updates_per_step=2"],
-    ["algorithm.name=reinforce_pp", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward", "algorithm.kl_estimator=k1"],
     ["algorithm.name=rloo", "algorithm.mismatch.tis_cap=2", "algorithm.mismatch.mask_high=5",
      "algorithm.mismatch.level=sequence"],
     ["algorithm.name=dr_grpo", "training.micro_batch_tokens=40"],

@@ -224,10 +224,9 @@ def test_hook_environment(rlcore_plugin_manager, register_plugin, rlcore_config)
     ("environment.max_total_tokens=-1", "environment.max_total_tokens"),
     ("environment.tool_timeout_seconds=0", "environment.tool_timeout_seconds"),
     ("environment.tool_format=xml", "environment.tool_format"),
-    ("environment.tools=[python]", "environment.tools"),
-    ("environment.code.memory_mb=0", "environment.code.memory_mb"),
-    ("environment.tools=[python]\0environment.code.enable=true\0environment.tool_timeout_seconds=1",
-     "environment.tool_timeout_seconds"),
+    ("environment.tools=[python]", "environment.tools"),  # rlcore-sandbox's, not active: named with its plugin
+    ("environment.observation_tokens=0", "environment.observation_tokens"),
+    ("environment.tools=[calc,shell]", "environment.tools"),
 ])
 def test_bad_environment_settings_name_the_key(override, key):
     with pytest.raises(errors.ConfigError) as err:
@@ -235,10 +234,24 @@ def test_bad_environment_settings_name_the_key(override, key):
     assert err.value.key == key
 
 
-def test_remax_is_refused_with_a_multi_turn_environment():
-    with pytest.raises(errors.ConfigError, match="greedy baseline") as err:
-        load_stack(str(TINY), ["environment.name=tools", "algorithm.name=remax"])
+def test_a_single_turn_algorithm_is_refused_with_a_multi_turn_environment(rlcore_plugin_manager, register_plugin):
+    """AlgorithmSpec.single_turn (ReMax's, in rlcore-algorithms: plugins/algorithms/tests)."""
+    import dataclasses
+    import types
+
+    from rlcore import hookimpl
+
+    grpo = rlcore_plugin_manager.algorithms()["grpo"]
+    mod = types.ModuleType("oneturn")
+    mod.PLUGIN_API = 1
+    mod.algorithm = hookimpl(lambda: [dataclasses.replace(grpo, name="one-turn", single_turn=True)])
+    register_plugin(mod, "oneturn")
+    from rlcore.stack import load_config
+
+    with pytest.raises(errors.ConfigError, match="single-turn only") as err:
+        load_config(str(TINY), ["environment.name=tools", "algorithm.name=one-turn"], plugins=rlcore_plugin_manager)
     assert err.value.key == "environment.name"
+    load_config(str(TINY), ["algorithm.name=one-turn"], plugins=rlcore_plugin_manager)  # single_turn: accepted
 
 
 def _metrics(out):

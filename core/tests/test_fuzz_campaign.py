@@ -219,7 +219,6 @@ HELD = {
     "engine.model.path": "needs a model directory (core/tests/test_preflight.py)",
     "data.task": "a module path (core/tests/test_preflight.py)", "data.reward": "a module path (same)",
     "output.dir": "where a run writes: check never touches it",
-    "environment.code.enable": "runs model code in a sandbox; tested with its limits in core/tests/test_tools.py",
     **{f"data.{k}": "names dataset files and their columns (core/tests/test_datasets.py)"
        for k in ("train_files", "val_files", "prompt_key", "answer_key")},
     **{k: "validation runs on data.val_files (tests/test_gsm8k_example.py)" for k in DEFAULTS
@@ -354,7 +353,8 @@ def valid_documents(draw) -> dict[str, Any]:
     # environment (rlcore.environment_settings): multi-turn is refused beside ReMax's greedy baseline;
     # a tools conversation is bounded by max_total_tokens so that it fits the tiny model's positions
     e = "environment."
-    put(e + "name", st.sampled_from(["single_turn"] if value(a + "name") == "remax" else ["single_turn", "tools"]))
+    one_turn = builtin_algorithms()[value(a + "name")].single_turn  # AlgorithmSpec.single_turn (ReMax's)
+    put(e + "name", st.sampled_from(["single_turn"] if one_turn else ["single_turn", "tools"]))
     put(e + "max_turns", st.integers(1, 4))
     put(e + "max_tool_calls", st.integers(0, 4))
     if value(e + "name") == "tools":
@@ -365,10 +365,6 @@ def valid_documents(draw) -> dict[str, Any]:
     put(e + "tool_call_reward", st.floats(-1.0, 1.0))
     put(e + "tool_format", st.sampled_from(["words", "hermes"]))
     put(e + "observation_prefix", st.sampled_from(["result", "", "tool says"]))
-    for k, strategy in (("cpu_seconds", st.integers(1, 10)), ("memory_mb", st.integers(64, 1024)),
-                        ("scratch_mb", st.integers(1, 64)), ("output_bytes", st.integers(1, 1 << 16))):
-        put(e + "code." + k, strategy)
-    put(e + "code.wall_seconds", st.floats(0.1, 30.0))
     put(e + "tool_timeout_seconds", st.floats(0.1, 60.0))
     return doc
 

@@ -81,10 +81,10 @@ def test_the_algorithm_contract_is_importable_from_rlcore_types():
 
 
 def test_builtin_policy_losses_are_public_and_are_what_the_builtins_use(rlcore_plugin_manager):
-    from rlcore.algorithms import CISPO, GSPO, PolicyLoss, PPOClip
+    from rlcore.algorithms import PolicyLoss, PPOClip
 
     algos = rlcore_plugin_manager.algorithms()
-    for name, cls in (("grpo", PPOClip), ("rloo", PPOClip), ("gspo", GSPO), ("cispo", CISPO)):
+    for name, cls in (("grpo", PPOClip), ("rloo", PPOClip), ("dr_grpo", PPOClip), ("ppo", PPOClip)):
         built = algos[name].factory(_section(rlcore_plugin_manager, name))
         assert type(built.loss) is cls and isinstance(built.loss, PolicyLoss)
 

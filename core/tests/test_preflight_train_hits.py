@@ -16,6 +16,7 @@ from rlcore.config import TinyModelConfig
 from rlcore.engines.tiny import make_tiny_model, make_tokenizer
 from rlcore.environment_settings import EnvironmentConfig
 from rlcore.environments.standard import ToolEnvironment
+from rlcore.environments.tools import CALC, ToolRegistry
 from rlcore.preflight import tiny_parameters
 from rlcore.tasks import successor, tool_product
 from rlcore.types import EnvStep, Turn
@@ -153,14 +154,13 @@ def test_a_model_whose_training_state_exceeds_memory_is_refused_though_its_weigh
 # ----------------------------------------------------------------------------- tools ----
 
 TOOL_CASES = [
-    (["environment.tools=[calc,shell]"], "environment.tools", "'shell' is not a tool"),
-    (["environment.tools=[calk]"], "environment.tools", "did you mean 'calc'"),
+    (["environment.tools=[calc,shell]"], "environment.tools", "'shell' is not a known tool"),
+    (["environment.tools=[calk]"], "environment.tools", "Did you mean 'calc'"),
     (["environment.tools=[calc,calc]"], "environment.tools", "more than once"),
     (["environment.tool_timeout_seconds=1e300"], "environment.tool_timeout_seconds", "does not limit"),
-    (["environment.tools=[calc,python]", "environment.code.enable=true", "environment.code.wall_seconds=1e12",
-      "environment.tool_timeout_seconds=1e12"], "environment.tool_timeout_seconds", "does not limit"),
-    (["environment.code.cpu_seconds=100000000000"], "environment.code.cpu_seconds", "does not limit"),
-    (["environment.code.memory_mb=1000000000000"], "environment.code.memory_mb", "more than this machine's"),
+    (["environment.tools=[calc,python]"], "environment.tools", "comes with the plugin 'sandbox'"),
+    (["environment.tools=[python,python]"], "environment.tools", "more than once"),
+    (["environment.tool_output_chars=1000000000000000"], "environment.tool_output_chars", "more than this machine's"),
 ]
 
 
@@ -350,7 +350,7 @@ def test_step_end_and_router_hook_errors_name_the_plugin(rlcore_plugin_manager):
 
 def _tools_env(tokenizer):
     settings = OmegaConf.structured(EnvironmentConfig(name="tools"))
-    return ToolEnvironment(tokenizer, settings)
+    return ToolEnvironment(tokenizer, settings, ToolRegistry([CALC]))
 
 
 def test_words_an_environment_writes_outside_the_tiny_vocabulary_are_warned_about_once():

@@ -6,7 +6,8 @@
 #
 # The venv: torch==2.13.0 (the CPU build from the machine's find-links) with numpy<2.4 (Triton
 # 3.6's interpreter converts one-element arrays with int(), which numpy 2.4 refuses) first, then
-# Triton 3.6.0 (the version of the GPU machine's image), then rlcore and rlcore-fused editable.
+# Triton 3.6.0 (the version of the GPU machine's image), then rlcore, rlcore-fused and rlcore-algorithms
+# (CISPO, one of the losses the kernels are checked with) editable.
 # From scratch on a 2-core machine: about 2 minutes of setup, 1.5 minutes of tests.
 # Idempotent: a stamp of the inputs' hash makes an unchanged venv cost a second.
 # Usage: bash scripts/suites/fused-triton.sh [pytest args...]   (default: the interpreter tests)
@@ -18,7 +19,7 @@ source scripts/lib/cpu_venv.sh
 
 TRITON_VERSION=3.6.0
 inputs=(scripts/suites/fused-triton.sh scripts/lib/cpu_venv.sh scripts/constraints.txt core/pyproject.toml
-        plugins/fused/pyproject.toml)
+        plugins/fused/pyproject.toml plugins/algorithms/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}")"
 
 if venv_is_current "$VENV" "$hash"; then
@@ -28,7 +29,7 @@ else
   echo "[fused-triton] preparing $VENV (first run: about a minute, ~1.5 GB)" >&2
   venv_create_cpu_torch "$VENV" "setuptools>=68" "numpy<2.4"
   "${PIP[@]}" "triton==$TRITON_VERSION"
-  "${PIP[@]}" --no-build-isolation -e core -e plugins/fused "pytest>=8" "hypothesis>=6.100"
+  "${PIP[@]}" --no-build-isolation -e core -e plugins/fused -e plugins/algorithms "pytest>=8" "hypothesis>=6.100"
   "$VENV/bin/python" - <<'PYEOF'
 import torch, triton, rlcore, rlcore_fused
 print(f"[fused-triton] torch {torch.__version__}, triton {triton.__version__}, rlcore {rlcore.__version__}, rlcore-fused {rlcore_fused.__version__}")

@@ -717,6 +717,12 @@ def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
         a.loss_agg = spec.loss_agg or "token-mean"
     if a.loss_agg == "seq-mean-token-sum-norm" and not a.norm_tokens:
         a.norm_tokens = int(cfg.rollout.max_new_tokens)
+    env = cfg.get("environment")
+    if getattr(spec, "single_turn", False) and env is not None and env.name != "single_turn":
+        raise ConfigError(f"environment.name={env.name!r} runs multi-turn conversations, but algorithm.name="
+                          f"{spec.name} is single-turn only ({spec.description}: one completion per prompt): use "
+                          f"grpo or rloo (their group baselines cover whole conversations), or "
+                          f"environment.name=single_turn", key="environment.name")
     if spec.validate is not None:
         spec.validate(a)
 

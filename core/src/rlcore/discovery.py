@@ -23,12 +23,14 @@ CORE_DISTRIBUTION = "rlcore"
 #: each, for "pip install" hints. Only distributions that exist: core/tests/test_manager_errors.py
 #: checks every one against the repository's pyproject.toml files.
 KNOWN_DISTRIBUTIONS = {
+    "algorithms": "rlcore-algorithms",
     "fused": "rlcore-fused",
     "megatron": "rlcore-megatron",
     "npu": "rlcore-npu",
     "ray": "rlcore-ray",
     "mtp": "rlcore-mtp",
     "replay": "rlcore-replay",
+    "sandbox": "rlcore-sandbox",
     "sglang": "rlcore-sglang",
     "vllm": "rlcore-vllm",
 }
@@ -44,9 +46,14 @@ def install_hint(name: str) -> str:
     )
 
 
+#: the algorithms that moved out of core into rlcore-algorithms (``algorithm.name: gspo``)
+MOVED_ALGORITHMS = ("reinforce_pp", "reinforce_pp_baseline", "opo", "remax", "grpo_passk", "gdpo",
+                    "optimal_token_baseline", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "gmpo",
+                    "dppo_tv", "dppo_kl", "dro")
 #: first-party providers not named after their plugin: they kept the name users' configs already
-#: had when they moved out of core (``sync.name: mapped`` came with rlcore-ray)
-RENAMED_PROVIDERS = {"mapped": "ray"}
+#: had when they moved out of core (``sync.name: mapped`` came with rlcore-ray, ``environment.tools:
+#: [python]`` with rlcore-sandbox, the algorithms above with rlcore-algorithms)
+RENAMED_PROVIDERS = {"mapped": "ray", "python": "sandbox", **dict.fromkeys(MOVED_ALGORITHMS, "algorithms")}
 
 
 def first_party_plugin_of(provider: str) -> str | None:

@@ -34,6 +34,7 @@ from rlcore.types import (
     PlatformSpec,
     ProviderSpec,
     RolloutBackendSpec,
+    ToolSpec,
     TrackerSpec,
     WeightSyncSpec,
 )
@@ -381,8 +382,8 @@ class RLCoreSpecs:
 
         **Kind:** provider; selected by ``environment.name``. Built-in: ``single_turn`` (one
         prompt, one completion scored by ``data.reward``: the rollout as it always was) and
-        ``tools`` (the model calls tools from a small registry: ``calc``, and ``python`` when
-        ``environment.code.enable`` is set; docs/agents.md). **Called:** at plugin load (to list
+        ``tools`` (the model calls the tools ``environment.tools`` names: the ``tool`` hook's;
+        docs/agents.md). **Called:** at plugin load (to list
         names); the selected spec's ``factory(ctx: BuildContext)`` once per run, after the
         training engine (``ctx.engine.tokenizer``) and the task (``ctx.extras["task"]``) are
         built, returning an :class:`~rlcore.types.Environment`.
@@ -411,6 +412,41 @@ class RLCoreSpecs:
                     return GuessEnvironment(ctx.engine.tokenizer, ctx.config.environment)
                 yield EnvironmentSpec(name="guess", factory=build,
                                       description="the model guesses; the environment says higher or lower")
+        """
+
+    @provider(ToolSpec)
+    def tool(self) -> Iterable[ToolSpec]:
+        """Register tools: what an environment whose spec ``uses_tools`` (built-in ``tools``) lets
+        the model call, by name, with one string argument.
+
+        **Kind:** provider that a config selects **many at a time** (``ToolSpec.selects`` is
+        ``"many"``): every name in the list ``environment.tools`` (default ``[calc]``), in that
+        order. Built-in: ``calc`` (integer arithmetic); ``python`` (code run in a sandbox) comes
+        with rlcore-sandbox (docs/agents.md). **Called:** at plugin load (to list names); when the
+        config is resolved (``rlcore check`` too), the names are selected, and a name no active
+        plugin provides is a config error naming ``environment.tools`` and the plugin that has it;
+        once per run, before the environment is built, each selected spec's
+        ``factory(ctx: BuildContext)`` (``ctx.settings``: the plugin's own section) returns a
+        :class:`~rlcore.environments.tools.Tool`, and the environment's factory gets the list as
+        ``ctx.extras["tools"]``. Every call goes through
+        :func:`rlcore.environments.tools.call_tool` (bounded by ``environment.tool_timeout_seconds``
+        and ``environment.tool_output_chars``; an exception, a hang or garbage is an observation,
+        never the run's failure). A factory raises :class:`~rlcore.errors.ConfigError` where its
+        tool cannot work here (rlcore-sandbox without bubblewrap).
+
+        :return: an iterable of :class:`~rlcore.types.ToolSpec`.
+
+        **Example:**
+
+        .. code-block:: python
+
+            @hookimpl
+            def tool():
+                def build(ctx):
+                    from my_plugin.search import search       # heavy imports only when selected
+                    return Tool("search", lambda query: search(query, ctx.settings.index),
+                                "searches the index; answers with the top hit")
+                yield ToolSpec(name="search", factory=build, description="searches an index")
         """
 
     @provider(TrackerSpec)

@@ -37,14 +37,19 @@ def activation_hint(rec: Any) -> str:
 
 def require_active_algorithm(raw: Any, pm: Any) -> None:
     """Before validation: an ``algorithm.name`` that an installed but inactive plugin provides
-    is an error naming that plugin. Any other unknown name is left to the config's own error,
-    which lists the choices."""
+    is an error naming that plugin; one of a first-party plugin (``gspo``: rlcore-algorithms) is
+    the manager's error saying what to install and add to ``plugins:``. Any other unknown name is
+    left to the config's own error, which lists the choices."""
     from omegaconf import OmegaConf
+
+    from rlcore.discovery import first_party_plugin_of
 
     name = str(OmegaConf.select(raw, "algorithm.name", default="grpo") or "grpo").strip().lower()
     available = pm.algorithms()
     if name in available:
         return
+    if first_party_plugin_of(name) is not None:
+        pm.select("algorithm", name, key="algorithm.name")  # raises, naming the plugin and its pip line
     rec = inactive_provider(pm, "algorithm", name)
     if rec is None:
         return

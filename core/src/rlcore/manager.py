@@ -56,6 +56,7 @@ from rlcore.types import (
     RequiresCapability,
     RolloutBackendSpec,
     RouterDecision,
+    ToolSpec,
     TrackerSpec,
     WeightSyncSpec,
 )
@@ -362,6 +363,11 @@ class PluginManager:
     def environments(self) -> dict[str, EnvironmentSpec]:
         """Registered environments (built-in ``single_turn``, ``tools``), by name: ``environment.name`` picks one."""
         return self._providers("environment")  # type: ignore[return-value]
+
+    def tools(self) -> dict[str, ToolSpec]:
+        """Registered tools (built-in ``calc``), by name: ``environment.tools`` picks any number of them
+        (:meth:`select_all`)."""
+        return self._providers("tool")  # type: ignore[return-value]
 
     def trackers(self) -> dict[str, TrackerSpec]:
         """Registered experiment trackers (built-in ``tensorboard``, ``mlflow``, ``wandb``, ``trackio``),

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.config import DataConfig, RolloutConfig, TinyModelConfig
-from rlcore.errors import ConfigError, closest_name
+from rlcore.errors import ConfigError
 from rlcore.errors import one_line as _one_line
 from rlcore.model_settings import DTYPE_BYTES
 from rlcore.types import Cap
@@ -195,52 +195,24 @@ def check_optimizer(cfg: Any) -> None:
 
 # -------------------------------------------------------------------------------- tools --
 
-#: the longest a tool limit may be: a limit is there to stop a call, and one call holds its
-#: conversation's turn, so the whole step, for that long (a day is already no limit; Python's
-#: thread timeouts overflow past threading.TIMEOUT_MAX, about 292 years, and the kernel's CPU limit
-#: past 2**63 seconds)
-MAX_TOOL_SECONDS = 86_400.0
-
-
 def check_tools(cfg: Any, memory: int | None) -> None:
-    """The built-in ``tools`` environment's tools (``environment.tools``: each a built-in tool,
-    once) and, wherever a tool could run, its limits: no time limit beyond
-    :data:`MAX_TOOL_SECONDS`, no size limit beyond this machine's memory."""
+    """The limits of every tool call: ``environment.tool_timeout_seconds`` no more than
+    :data:`~rlcore.environments.tools.MAX_TOOL_SECONDS`, ``environment.tool_output_chars`` within
+    this machine's memory. (The tools ``environment.tools`` names are selected when the config is
+    resolved; a plugin's tool checks its own limits in its section.)"""
     env = getattr(cfg, "environment", None)
-    if env is None or str(env.name) == "single_turn":
+    if env is None:
         return
-    from rlcore.environments.tools import BUILTIN_TOOLS
+    from rlcore.environments.tools import MAX_TOOL_SECONDS
 
-    if str(env.name) == "tools":
-        names = [str(n) for n in env.tools]
-        for name in names:
-            if name not in BUILTIN_TOOLS:
-                close = closest_name(name, BUILTIN_TOOLS)
-                hint = f"; did you mean {close!r}?" if close else ""
-                raise ConfigError(f"environment.tools: {name!r} is not a tool of environment 'tools' (it has: "
-                                  f"{', '.join(BUILTIN_TOOLS)}){hint} (a plugin's environment brings its own tools)",
-                                  key="environment.tools")
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ConfigError(f"environment.tools lists {', '.join(map(repr, twice))} more than once",
-                              key="environment.tools")
-    code = env.code
-    for key, seconds in {"environment.tool_timeout_seconds": env.tool_timeout_seconds,
-                         "environment.code.wall_seconds": code.wall_seconds,
-                         "environment.code.cpu_seconds": code.cpu_seconds}.items():
-        if float(seconds) > MAX_TOOL_SECONDS:
-            raise ConfigError(f"{key}={float(seconds):g}: a tool limit of more than {MAX_TOOL_SECONDS:g} s (a day) "
-                              f"does not limit anything (one call holds the whole step that long); use seconds to "
-                              f"minutes", key=key)
-    if memory is None:
-        return
-    for key, size in {"environment.code.memory_mb": int(code.memory_mb) << 20,
-                      "environment.code.scratch_mb": int(code.scratch_mb) << 20,
-                      "environment.code.output_bytes": int(code.output_bytes),
-                      "environment.tool_output_chars": int(env.tool_output_chars) * 4}.items():
-        if size > memory:
-            raise ConfigError(f"{key}={_select(cfg, key)}: {_bytes(size)}, more than this machine's "
-                              f"{_bytes(memory)} (RAM, swap and GPUs)", key=key)
+    if float(env.tool_timeout_seconds) > MAX_TOOL_SECONDS:
+        raise ConfigError(f"environment.tool_timeout_seconds={float(env.tool_timeout_seconds):g}: a tool limit of more "
+                          f"than {MAX_TOOL_SECONDS:g} s (a day) does not limit anything (one call holds the whole step "
+                          f"that long); use seconds to minutes", key="environment.tool_timeout_seconds")
+    size = int(env.tool_output_chars) * 4
+    if memory is not None and size > memory:
+        raise ConfigError(f"environment.tool_output_chars={env.tool_output_chars}: {_bytes(size)}, more than this "
+                          f"machine's {_bytes(memory)} (RAM, swap and GPUs)", key="environment.tool_output_chars")
 
 
 # ------------------------------------------------------------------------------- device --

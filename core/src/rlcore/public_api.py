@@ -23,8 +23,10 @@ PUBLIC_MODULES: dict[str, str] = {
     ),
     "rlcore.algorithms": (
         "the algorithm contract (`AlgorithmSpec`, `Algorithm`, `AdvantageInput`, `TokenInputs`, `PolicyLoss`) "
-        "and core's own losses and estimators to reuse: `PPOClip`, `GSPO`, `CISPO`, `GRPOAdvantage`, "
-        "`RLOOAdvantage`, ... ([algorithms.md](algorithms.md#reusing-a-built-in-loss-or-estimator))"
+        "and core's own losses, estimators and their parts to reuse: `PPOClip`, `clip_branch`, `bounded_log_ratio`, "
+        "`GRPOAdvantage`, `RLOOAdvantage`, `group_normalised`, `broadcast`, the PPO-clip settings and checks "
+        "(`PPOClipSettings`, `GRPOSettings`, `check_clip`, `with_estimator`), ... "
+        "([algorithms.md](algorithms.md#reusing-a-built-in-loss-or-estimator))"
     ),
     "rlcore.batch": "`PackedBatch`: the packed micro-batch your chain hooks receive",
     "rlcore.errors": (
@@ -91,7 +93,8 @@ PUBLIC_MODULES: dict[str, str] = {
     "rlcore.testing.environment_conformance": "`EnvironmentConformance`, the suite of an environment ([agents.md](agents.md))",
     "rlcore.environments.tools": (
         "for an environment that runs tools: `Tool`, `ToolRegistry`, `call_tool` (each call bounded in time and "
-        "output, every failure an observation), `CALC` (the calculator tool) ([agents.md](agents.md))"
+        "output, every failure an observation), `CALC` (the calculator tool); for a `tool` provider: `Tool`, "
+        "`MAX_TOOL_SECONDS` (the longest a tool limit may be) ([agents.md](agents.md))"
     ),
     "rlcore.testing.models": (
         "tiny HF model directories (`make_model_dir`) and what transformers computes from them (`hf_greedy`, "

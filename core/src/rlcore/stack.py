@@ -54,8 +54,11 @@ class Stack:
     launcher: LauncherSpec | None = None
     #: what takes the model's turns (``environment.name``; an :class:`~rlcore.types.EnvironmentSpec`)
     environment: Any = None
-    #: the experiment trackers (``tracking.backends``, and tensorboard by ``output.tensorboard``): the
-    #: one role a config fills with several providers (:class:`~rlcore.types.TrackerSpec`, in order)
+    #: the tools the environment calls, when its spec ``uses_tools`` (``environment.tools``, in order;
+    #: :class:`~rlcore.types.ToolSpec`)
+    tools: list[Any] = field(default_factory=list)
+    #: the experiment trackers (``tracking.backends``, and tensorboard by ``output.tensorboard``;
+    #: :class:`~rlcore.types.TrackerSpec`, in order)
     trackers: list[TrackerSpec] = field(default_factory=list)
 
     def has(self, role: str, cap: str) -> bool:
@@ -93,6 +96,7 @@ class Stack:
             "launcher": (None if self.launcher is None else
                          {**spec(self.launcher), "describe": self.launcher.factory(self.config).describe(self)}),
             "environment": None if self.environment is None else spec(self.environment),
+            "tools": [spec(t) for t in self.tools],
             "trackers": [spec(t) for t in self.trackers],
             "chains": self.chains,
             "notes": self.notes,
@@ -210,6 +214,8 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
                 stack.notes.append(f"{role} {stack.role(role).name!r} lacks {cap!r} here: {reason}")
 
     stack.environment = pm.select("environment", cfg.environment.name, key="environment.name")
+    if stack.environment.uses_tools:  # each a tool provider; one no active plugin has names its plugin
+        stack.tools = pm.select_all("tool", list(cfg.environment.tools), key="environment.tools")
     stack.trackers, tracker_notes = select_trackers(cfg, pm)  # several at once (rlcore/tracking/selection.py)
     stack.notes.extend(tracker_notes)
     # where the ranks and replicas run: the launcher checks the providers' capabilities for it

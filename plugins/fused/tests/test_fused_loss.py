@@ -12,10 +12,11 @@ import pytest
 import rlcore_fused.plugin as plugin
 import torch
 from rlcore.algorithms.aggregation import step_weights
-from rlcore.algorithms.losses import CISPO, GSPO, PPOClip, TokenObjective
+from rlcore.algorithms.losses import PPOClip, TokenObjective
 from rlcore.algorithms.spec import TokenInputs
 from rlcore.heads import reference_logprobs
 from rlcore.types import Cap, HeadInput, LossRequest, VocabShard
+from rlcore_algorithms.losses import CISPO, GSPO  # rlcore-algorithms: a token-level and a sequence-level loss
 from rlcore_fused.head import FusedHead
 
 OBJECTIVES = {

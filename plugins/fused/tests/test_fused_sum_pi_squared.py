@@ -72,8 +72,8 @@ def test_optimal_token_baseline_trains_with_the_fused_head(tmp_path):
     from rlcore.cli import main
     from rlcore.run_output import read_metrics
 
-    assert main(["train", str(ROOT / "examples" / "tiny.yaml"), "--output", str(tmp_path), "plugins=[fused]",
-                 "forward.name=fused", "algorithm.name=optimal_token_baseline", "training.steps=2",
+    assert main(["train", str(ROOT / "examples" / "tiny.yaml"), "--output", str(tmp_path),
+                 "plugins=[fused,algorithms]", "forward.name=fused", "algorithm.name=optimal_token_baseline", "training.steps=2",
                  "data.prompts_per_step=4", "rollout.n=4", "output.checkpoint_every=0", "output.plot=false",
                  "output.tensorboard=false", "output.progress=false"]) == 0
     rows = read_metrics(tmp_path)

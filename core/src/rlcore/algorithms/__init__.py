@@ -1,7 +1,9 @@
 """Algorithms as plugins: the contract (:mod:`.spec`, imported here, torch-free; also in
-:mod:`rlcore.types`) and the built-in advantage estimators (:mod:`.advantages`, :mod:`.baselines`), policy
-losses (:mod:`.losses`, :mod:`.surrogates`), aggregations (:mod:`.aggregation`) and rollout–trainer mismatch correction
-(:mod:`.mismatch`). docs/algorithms.md lists each with its formula and source.
+:mod:`rlcore.types`), core's advantage estimators (:mod:`.advantages`: GRPO, Dr.GRPO, RLOO;
+:mod:`.gae` for PPO), its policy loss (:mod:`.losses`: PPO-clip), the PPO-clip algorithms' settings
+and builders (:mod:`.common`), aggregations (:mod:`.aggregation`) and rollout–trainer mismatch
+correction (:mod:`.mismatch`). The other algorithms are the ``rlcore-algorithms`` plugin's, built
+on these. docs/algorithms.md lists each with its formula and source.
 
 The built-in policy losses and estimators are public, so a new algorithm can pair its own
 estimator with a built-in loss (or the reverse)::
@@ -31,28 +33,30 @@ from rlcore.algorithms.spec import (
 #: the built-in implementations, by the module that defines them (imported on first access)
 _IMPLEMENTATIONS = {
     "PPOClip": "losses",
-    "GSPO": "losses",
-    "CISPO": "losses",
     "TokenObjective": "losses",
     "kl_penalty": "losses",
+    "LOG_RATIO_BOUND": "losses",
+    "log_ratio": "losses",
+    "bounded_log_ratio": "losses",
+    "clip_branch": "losses",
     "GRPOAdvantage": "advantages",
     "DrGRPOAdvantage": "advantages",
     "RLOOAdvantage": "advantages",
-    "ReinforcePPAdvantage": "advantages",
-    "ReinforcePPBaselineAdvantage": "advantages",
     "group_normalised": "advantages",
-    "SAPO": "surrogates",
-    "GPG": "surrogates",
-    "ClipCov": "surrogates",
-    "KLCov": "surrogates",
-    "GMPO": "surrogates",
-    "DPPO": "surrogates",
-    "DRO": "surrogates",
-    "OPOAdvantage": "baselines",
-    "PassKAdvantage": "baselines",
-    "GPGAdvantage": "baselines",
-    "ReMaxAdvantage": "remax",
-    "OptimalTokenBaselineAdvantage": "token_baseline",
+    "broadcast": "advantages",
+    # the settings, checks and builders of the PPO-clip algorithms (torch-free)
+    "PPOClipSettings": "common",
+    "GRPOSettings": "common",
+    "STD_MODES": "common",
+    "PPO_SOURCE": "common",
+    "bad_value": "common",
+    "check_clip": "common",
+    "check_choice": "common",
+    "check_positive": "common",
+    "check_grpo": "common",
+    "estimator": "common",
+    "ppo_clip": "common",
+    "with_estimator": "common",
 }
 
 __all__ = [

@@ -1,42 +1,20 @@
-"""ReMax: REINFORCE whose baseline is the reward of the policy's own greedy response to the same
-prompt, ``A_t = G_t − r(x, ŷ_greedy)`` with ``G_t = Σ_{s≥t} r_s`` the return of the token rewards
-(the outcome reward on the last token, ``−β·kl_t`` per token with ``kl_in: reward``).
+"""The greedy baseline core generates for an algorithm that asks for one (ReMax, in
+rlcore-algorithms: ``A_t = G_t − r(x, ŷ_greedy)``, Li et al. 2023, arXiv:2310.10505; verl's trainer
+generates the greedy responses with ``do_sample=False``).
 
-Source: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
-for Aligning Large Language Models" (arXiv:2310.10505) Algorithm 1; verl
-``compute_remax_outcome_advantage`` (its trainer generates the greedy responses with
-``do_sample=False``).
-
-The greedy responses are one more generation per step: an algorithm whose
-``Algorithm.greedy_baseline`` is set gets, from :func:`greedy_rewards` (called by the trainer
-after the step's sampling), the reward of one greedy response per prompt (``top_k = 1``, the
-same weights, token budget and stop tokens) in ``AdvantageInput.baseline_rewards``.
+An algorithm whose ``Algorithm.greedy_baseline`` is set gets, from :func:`greedy_rewards` (called
+by the trainer after the step's sampling), the reward of one greedy response per prompt
+(``top_k = 1``, the same weights, token budget and stop tokens) in
+``AdvantageInput.baseline_rewards``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from rlcore.algorithms.advantages import _returns
-from rlcore.algorithms.spec import AdvantageInput
-
-
-@dataclass(frozen=True)
-class ReMaxAdvantage:
-    """``A_t = G_t − b_i``, ``b_i`` the greedy response's reward for sample ``i``'s prompt
-    (``AdvantageInput.baseline_rewards``, required)."""
-
-    def __call__(self, inp: AdvantageInput) -> list[torch.Tensor]:
-        if inp.baseline_rewards is None:
-            raise ValueError("ReMax needs AdvantageInput.baseline_rewards (the greedy response's reward per sample); "
-                             "set Algorithm.greedy_baseline so that the trainer generates them")
-        return [_returns(tr, 1.0) - float(b) for tr, b in zip(inp.token_rewards, inp.baseline_rewards.tolist(),
-                                                               strict=True)]
 
 
 def greedy_rewards(cfg: Any, backend: Any, version: int, eos_token_id: int | None, prompts: list, task_prompts: list,

@@ -11,7 +11,8 @@ with one token) or holds ``<tool_call>{"name": ..., "arguments": ...}</tool_call
 <output>`` (a failure: ``error <what went wrong>``), encoded once; with a tokenizer that has a
 chat template it is rendered as a ``tool`` message (the template's text after a one-message
 conversation), so the template's turn markers surround it. Each successful call earns
-``tool_call_reward`` for its turn.
+``tool_call_reward`` for its turn. Its tools are the ``tool`` providers ``environment.tools``
+names (built-in ``calc``; rlcore-sandbox's ``python``).
 """
 
 from __future__ import annotations
@@ -19,34 +20,12 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
-from rlcore.environments.sandbox import python_tool
-from rlcore.environments.tools import BUILTIN_TOOLS, CALC, ToolRegistry, call_tool
-from rlcore.errors import ConfigError
+from rlcore.environments.tools import ToolRegistry, call_tool
 from rlcore.types import EnvStep, ToolCall, Turn
 
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
-def builtin_registry(names: Iterable[str], code_settings: object = None) -> ToolRegistry:
-    """The built-in tools ``names`` (``environment.tools``): ``calc``; ``python`` with the
-    ``environment.code`` limits ``code_settings`` (which must enable it)."""
-    registry = ToolRegistry()
-    for name in names:
-        if name == "calc":
-            registry.add(CALC)
-        elif name == "python":
-            if code_settings is None or not getattr(code_settings, "enable", False):
-                raise ConfigError("environment.tools lists 'python' but environment.code.enable is false",
-                                  key="environment.tools")
-            registry.add(python_tool(code_settings))
-        else:
-            raise ConfigError(f"bad value in config key 'environment.tools': {name!r} is not a built-in tool "
-                              f"({', '.join(BUILTIN_TOOLS)}); a plugin's environment brings its own tools",
-                              key="environment.tools")
-    return registry
 
 
 #: how many of the words a tokenizer cannot encode a warning names
@@ -114,12 +93,12 @@ def parse_call(text: str, tool_format: str, registry: ToolRegistry) -> tuple[str
 
 class ToolEnvironment:
     """``tools``: see the module docstring. ``settings``: the ``environment:`` section;
-    ``registry``: the tools (default: the built-ins ``settings.tools`` names)."""
+    ``registry``: the tools (a run's: the ``tool`` providers ``settings.tools`` names)."""
 
-    def __init__(self, tokenizer: Any, settings: Any, registry: ToolRegistry | None = None):
+    def __init__(self, tokenizer: Any, settings: Any, registry: ToolRegistry):
         self.tokenizer = tokenizer
         self.settings = settings
-        self.registry = registry if registry is not None else builtin_registry(settings.tools, settings.code)
+        self.registry = registry
         #: whether words outside the tokenizer's vocabulary were warned about (once per environment)
         self.warned_unknown = False
 

@@ -1,6 +1,8 @@
 """Tools an environment calls, each call bounded: :class:`Tool` (a name and a function of one
 string argument), :class:`ToolRegistry` (the tools a run may call), :func:`call_tool` (one call
-with a timeout and an output size limit) and the built-in ``calc``.
+with a timeout and an output size limit) and the built-in ``calc``. A run's tools are the ``tool``
+providers ``environment.tools`` names (:class:`~rlcore.types.ToolSpec`; ``calc`` is registered
+by :mod:`rlcore.builtin.environments`).
 
 A tool's failure is the model's business, never the run's: :func:`call_tool` turns an exception,
 a timeout, an unknown tool or a return value that is not a string into a :class:`ToolResult`
@@ -9,8 +11,7 @@ with ``ok`` false and an ``error`` the environment shows the model as the observ
 A Python function that never returns cannot be stopped from another thread, so a call runs in a
 fresh daemon thread and is abandoned at its timeout (the thread runs on until it returns or the
 process exits; the conversation goes on). Code the model wrote never runs this way: the
-``python`` tool runs it in a separate, limited process (:mod:`rlcore.environments.sandbox`),
-which is killed at its limit.
+``python`` tool (rlcore-sandbox) runs it in a separate, fenced process, killed at its limit.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ def call_tool(registry: ToolRegistry, name: str, argument: str, *, timeout: floa
     return ToolResult(name, True, output=value[:max_chars], seconds=seconds, truncated=len(value) > max_chars)
 
 
-#: the tools of the built-in ``tools`` environment (``environment.tools``; built by
-#: :func:`rlcore.environments.standard.builtin_registry`)
-BUILTIN_TOOLS = ("calc", "python")
+#: the longest a tool limit may be: a limit is there to stop a call, and one call holds its
+#: conversation's turn, so the whole step, for that long (a day is already no limit; Python's
+#: thread timeouts overflow past threading.TIMEOUT_MAX, about 292 years, and the kernel's CPU limit
+#: past 2**63 seconds)
+MAX_TOOL_SECONDS = 86_400.0
 
 
 # ------------------------------------------------------------------------------- calc ------

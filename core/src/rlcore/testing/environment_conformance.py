@@ -61,14 +61,15 @@ class EnvironmentConformance:
         task = load_callable(cfg.data.task, "data.task")(cfg.data)
         sections = {ps.plugin: ps.section for ps in stack.plugins.plugin_settings()}
 
-        def ctx(spec: Any, engine: Any = None) -> BuildContext:
+        def ctx(spec: Any, engine: Any = None, **extras: Any) -> BuildContext:
             section = sections.get(spec.plugin)
             return BuildContext(config=cfg, settings=cfg[section] if section else None, output_dir=str(out),
-                                engine=engine, extras={"task": task})
+                                engine=engine, extras={"task": task, **extras})
 
         engine = stack.engine.factory(ctx(stack.engine))
+        tools = [t.factory(ctx(t, engine)) for t in stack.tools]  # environment.tools, as a run builds them
         return {"stack": stack, "engine": engine, "task": task, "out": out,
-                "environment": stack.environment.factory(ctx(stack.environment, engine)), "ctx": ctx}
+                "environment": stack.environment.factory(ctx(stack.environment, engine, tools=tools)), "ctx": ctx}
 
     def _prompts(self, built: dict[str, Any], count: int, seed: int = 0) -> tuple[list[Prompt], list[Any]]:
         tok = built["engine"].tokenizer

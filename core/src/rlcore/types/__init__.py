@@ -37,7 +37,7 @@ from rlcore.types.algorithms import (
     TokenLoss,
 )
 from rlcore.types.chains import ForwardRequest, ModelOutput, PostprocessResult, StepContext
-from rlcore.types.environment import Environment, EnvironmentSpec, EnvStep, ToolCall, Turn
+from rlcore.types.environment import Environment, EnvironmentSpec, EnvStep, ToolCall, ToolSpec, Turn
 from rlcore.types.forward import (
     EngineOutput,
     ForwardFn,
@@ -105,7 +105,7 @@ __all__ = [
     "SamplingSettings", "Prompt", "Sample", "MemoryTag", "RolloutBackend", "BucketReceiver", "implements",
     "DiskReceiver", "SyncReport", "WeightSync",
     # environments (docs/agents.md)
-    "EnvironmentSpec", "Environment", "Turn", "EnvStep", "ToolCall",
+    "EnvironmentSpec", "Environment", "Turn", "EnvStep", "ToolCall", "ToolSpec",
     # algorithms (docs/algorithms.md)
     "AlgorithmSpec", "Algorithm", "AdvantageInput", "AdvantageEstimator", "TokenInputs", "PolicyLoss", "TokenLoss",
     "LOSS_AGGREGATIONS",

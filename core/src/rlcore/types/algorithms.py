@@ -218,6 +218,9 @@ class AlgorithmSpec(ProviderSpec):
     :param head_needs: ``forward_fn`` capabilities the algorithm needs: with ``Cap.SUM_PI_SQUARED``
         core asks the head for ``Σπ²`` in the old-log-prob pass and fills
         ``AdvantageInput.sum_pi_squared``; a selected head that lacks one is refused at config time.
+    :param single_turn: the estimator is defined for one completion per prompt only (ReMax: its
+        baseline is one greedy completion of the prompt), so a multi-turn environment
+        (``environment.name`` other than ``single_turn``) is refused at config time naming that key.
     """
 
     settings: type | None = None
@@ -225,6 +228,7 @@ class AlgorithmSpec(ProviderSpec):
     loss_agg: str | None = None
     source: str = ""
     head_needs: frozenset[str] = frozenset()
+    single_turn: bool = False
     kind: str = field(default="algorithm", init=False, repr=False)
 
     def __post_init__(self) -> None:

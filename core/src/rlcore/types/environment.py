@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from rlcore.types.providers import ProviderSpec
 
@@ -24,9 +24,27 @@ class EnvironmentSpec(ProviderSpec):
     ``environment.name`` (built-in ``single_turn`` and ``tools``). The factory gets the run's
     config (``ctx.config.environment``: limits, tools), the plugin's own section as
     ``ctx.settings``, the training engine (``ctx.engine.tokenizer``) and the task
-    (``ctx.extras["task"]``)."""
+    (``ctx.extras["task"]``). ``uses_tools``: the environment calls the tools ``environment.tools``
+    names (each a ``tool`` provider, selected when the config is resolved); its factory gets them
+    built, in that order, as ``ctx.extras["tools"]`` (a list of
+    :class:`~rlcore.environments.tools.Tool`)."""
 
+    uses_tools: bool = False
     kind: str = field(default="environment", init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ToolSpec(ProviderSpec):
+    """A tool an environment calls: ``factory(ctx: BuildContext) -> Tool``
+    (:class:`rlcore.environments.tools.Tool`), selected **many at a time** by the list
+    ``environment.tools`` for an environment whose spec ``uses_tools`` (built-in ``calc``; the
+    code tool ``python`` comes with rlcore-sandbox). The factory gets the run's config and the
+    providing plugin's own section as ``ctx.settings``; it runs once per run, before the
+    environment is built, and raises :class:`rlcore.errors.ConfigError` where its tool cannot
+    work on this machine."""
+
+    kind: str = field(default="tool", init=False, repr=False)
+    selects: ClassVar[Literal["one", "many"]] = "many"
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcore.algorithms.common import bad_value, check_clip
 from rlcore.algorithms.spec import Algorithm, AlgorithmSpec
-from rlcore.builtin.algorithms.common import bad, check_clip
 from rlcore.types import Cap, RequiresCapability
 
 
@@ -48,16 +48,16 @@ def validate(s: Any) -> None:
     check_clip(s)
     for key in ("gamma", "lam"):
         if not 0 <= float(s[key]) <= 1:
-            raise bad(key, "must be in [0, 1]")
+            raise bad_value(key, "must be in [0, 1]")
     c = s.critic
     if float(c.lr) < 0:
-        raise bad("critic.lr", "must be >= 0 (0: training.lr)")
+        raise bad_value("critic.lr", "must be >= 0 (0: training.lr)")
     if float(c.cliprange_value) < 0:
-        raise bad("critic.cliprange_value", "must be >= 0 (0: no value clip)")
+        raise bad_value("critic.cliprange_value", "must be >= 0 (0: no value clip)")
     if float(c.grad_clip) < 0 and float(c.grad_clip) != -1:
-        raise bad("critic.grad_clip", "must be >= 0 (0: off) or -1 (training.grad_clip)")
+        raise bad_value("critic.grad_clip", "must be >= 0 (0: off) or -1 (training.grad_clip)")
     if int(c.warmup_steps) < 0:
-        raise bad("critic.warmup_steps", "must be >= 0 (the first N steps update only the critic)")
+        raise bad_value("critic.warmup_steps", "must be >= 0 (the first N steps update only the critic)")
 
 
 def build(s: Any) -> Algorithm:

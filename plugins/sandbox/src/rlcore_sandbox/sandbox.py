@@ -1,5 +1,5 @@
-"""The code-execution tool ``python``: the model's code in a fenced, limited process (off unless
-``environment.code.enable``; limits under ``environment.code``).
+"""The code-execution tool ``python``: the model's code in a fenced, limited process (only where
+``plugins:`` lists ``sandbox`` and ``environment.tools`` lists ``python``; limits under ``sandbox:``).
 
 Each call runs a fresh ``python -I`` under `bubblewrap <https://github.com/containers/bubblewrap>`_
 (``bwrap``, Debian's ``bubblewrap`` package), the sandbox Flatpak builds on. The fence holds by
@@ -34,7 +34,7 @@ construction, not by a list of what the code may not touch:
 
 bwrap and libseccomp are required, never optional: without them (or where the kernel refuses
 user namespaces) :func:`require_sandbox` raises a :class:`~rlcore.errors.ConfigError` naming
-``environment.code.enable`` and the install line, and the tool is not built.
+``environment.tools`` and the install line, and the tool is not built.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ from rlcore.errors import ConfigError
 LAYERS = ("userns", "pidns", "ipcns", "netns", "mntns", "utsns", "fsview", "seccomp", "nocaps", "nnp", "rlimits")
 _NAMESPACES = ("user", "pid", "ipc", "net", "mnt", "uts")
 INSTALL = "apt-get install bubblewrap (Debian/Ubuntu; dnf install bubblewrap on Fedora)"
+#: the config key a sandbox that cannot hold here is reported under: the list that asked for the tool
+KEY = "environment.tools"
 SANDBOX_UID = 65534  # nobody
 
 #: refused with EPERM: what the code never needs and what could reach outside its namespaces
@@ -314,8 +316,8 @@ def require_sandbox() -> str:
 
 def _require_bwrap() -> None:
     if bwrap_path() is None:
-        raise ConfigError(f"environment.code.enable: the python tool runs code only inside bubblewrap, which is not "
-                          f"installed here: {INSTALL}", key="environment.code.enable")
+        raise ConfigError(f"environment.tools: the python tool runs code only inside bubblewrap, which is not "
+                          f"installed here: {INSTALL}", key=KEY)
 
 
 @lru_cache(maxsize=1)
@@ -323,17 +325,16 @@ def _probe() -> str:
     try:
         seccomp_program()
     except (ImportError, OSError) as err:
-        raise ConfigError(f"environment.code.enable: the python tool's seccomp filter needs libseccomp "
-                          f"(pip install pyseccomp; apt-get install libseccomp2): {err}",
-                          key="environment.code.enable") from err
+        raise ConfigError(f"environment.tools: the python tool's seccomp filter needs libseccomp "
+                          f"(pip install pyseccomp; apt-get install libseccomp2): {err}", key=KEY) from err
     probe = run_code("print('ok')")
     held = set(probe.isolation.split(",")) if probe.isolation else set()
     missing = [layer for layer in LAYERS if layer not in held]
     if missing or probe.output.strip() != "ok":
-        raise ConfigError(f"environment.code.enable: the python tool's sandbox does not hold on this machine "
+        raise ConfigError(f"environment.tools: the python tool's sandbox does not hold on this machine "
                           f"(missing: {', '.join(missing) or 'none'}; bwrap said: {probe.output.strip()[:200]!r}); "
                           f"bubblewrap needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-                          f"or an AppArmor profile for bwrap)", key="environment.code.enable")
+                          f"or an AppArmor profile for bwrap)", key=KEY)
     return probe.isolation
 
 
@@ -349,7 +350,7 @@ def describe(result: RunResult, limits: Any) -> str:
 
 
 def python_tool(limits: Any) -> Tool:
-    """The ``python`` tool with ``environment.code``'s ``limits``: runs its argument as a Python
+    """The ``python`` tool with the ``sandbox:`` section's ``limits``: runs its argument as a Python
     program and answers with what it printed. Refuses to build where the sandbox does not hold."""
     require_sandbox()
 

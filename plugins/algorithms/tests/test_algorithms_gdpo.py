@@ -9,16 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlcore.algorithms.advantages import GDPOAdvantage, GRPOAdvantage
+from rlcore.algorithms import GRPOAdvantage
 from rlcore.algorithms.spec import AdvantageInput
 from rlcore.cli import main
-from rlcore.errors import ConfigError, NonFiniteError, RewardError
-from rlcore.rewards import call_reward, component_means, keep_components, reward_components
+from rlcore.errors import ConfigError
 from rlcore.run_output import read_metrics
 from rlcore.stack import load_stack
-from rlcore.types import Sample
+from rlcore_algorithms.advantages import GDPOAdvantage
 
-TINY = str(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")
+TINY = str(Path(__file__).resolve().parents[3] / "examples" / "tiny.yaml")
 S3 = math.sqrt(3.0)
 
 
@@ -88,38 +87,6 @@ def test_a_weight_for_a_component_the_reward_does_not_return_names_the_key():
     assert err.value.key == "algorithm.reward_weights.style"
 
 
-# --------------------------------------------------------------------- reward components --
-
-def _sample() -> Sample:
-    return Sample(prompt_index=0, prompt_ids=[1], response_ids=torch.tensor([2]), logprobs=torch.zeros(1),
-                  weight_version=0)
-
-
-def test_a_reward_may_return_named_components_checked_one_by_one():
-    assert call_reward(lambda x: {"a": 1, "b": torch.tensor(0.5)}, "f", None, "sample 0") == {"a": 1.0, "b": 0.5}
-    with pytest.raises(NonFiniteError, match=r"component 'b'"):
-        call_reward(lambda x: {"a": 1.0, "b": float("nan")}, "f", None, "sample 0")
-    with pytest.raises(RewardError, match=r"component 'b'.*real number"):
-        call_reward(lambda x: {"a": 1.0, "b": "high"}, "f", None, "sample 0")
-    with pytest.raises(RewardError, match="at least one component"):
-        call_reward(lambda x: {}, "f", None, "sample 0")
-    with pytest.raises(RewardError, match="non-empty strings"):
-        call_reward(lambda x: {1: 1.0}, "f", None, "sample 0")
-
-
-def test_components_are_kept_on_the_samples_and_summed_into_the_reward():
-    samples = [_sample(), _sample()]
-    assert keep_components([{"a": 1.0, "b": 0.5}, {"a": 0.0, "b": 1.0}], samples, "f") == [1.5, 1.0]
-    comps = reward_components(samples)
-    assert {k: v.tolist() for k, v in comps.items()} == {"a": [1.0, 0.0], "b": [0.5, 1.0]}
-    assert component_means(comps) == {"reward/a": 0.5, "reward/b": 0.75}
-    assert keep_components([1.0, 0.0], [_sample(), _sample()], "f") == [1.0, 0.0]
-    with pytest.raises(RewardError, match=r"reward function f returned components \['a'\] for sample 1"):
-        keep_components([{"a": 1.0, "b": 0.5}, {"a": 0.0}], [_sample(), _sample()], "f")
-    with pytest.raises(RewardError, match="same reward components"):
-        keep_components([{"a": 1.0}, 0.5], [_sample(), _sample()], "f")
-
-
 # ------------------------------------------------------------------------------ settings --
 
 @pytest.mark.parametrize(("override", "key"), [
@@ -132,12 +99,12 @@ def test_components_are_kept_on_the_samples_and_summed_into_the_reward():
 def test_gdpo_settings_errors_name_the_key(override, key):
     extra = ["algorithm.kl_coef=0.1"] if "kl_in" in override else []
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
-        load_stack(TINY, ["algorithm.name=gdpo", override, *extra])
+        load_stack(TINY, ["plugins=[algorithms]", "algorithm.name=gdpo", override, *extra])
     assert err.value.key == key
 
 
 def test_gdpo_trains_on_a_two_component_reward_and_logs_each_component(tmp_path):
-    assert main(["train", TINY, "--output", str(tmp_path), "algorithm.name=gdpo", "training.steps=2",
+    assert main(["train", TINY, "--output", str(tmp_path), "plugins=[algorithms]", "algorithm.name=gdpo", "training.steps=2",
                  "data.reward=rlcore.tasks:successor_reward_parts", "algorithm.reward_weights.brief=0.5",
                  "rollout.n=4", "data.prompts_per_step=4", "output.checkpoint_every=0", "output.plot=false",
                  "output.tensorboard=false", "output.progress=false"]) == 0

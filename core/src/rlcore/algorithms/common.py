@@ -1,18 +1,20 @@
-"""What the built-in algorithms share: the PPO-clip settings and their check, the outcome
-advantage estimators by name, and the builders that pair an estimator with a loss. Torch-free at
-import: the builders import the implementations of :mod:`rlcore.algorithms` when called."""
+"""What the PPO-clip algorithms share, core's built-ins and rlcore-algorithms' alike: the PPO-clip
+settings and their check, core's outcome advantage estimators by name, and the builders that pair
+an estimator with a loss. Public through :mod:`rlcore.algorithms` (``PPOClipSettings``,
+``check_clip``, ``with_estimator`` ...). Torch-free at import: the builders import the
+implementations of :mod:`rlcore.algorithms` when called."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from rlcore.algorithms.spec import Algorithm
 from rlcore.errors import ConfigError
 
-#: ``algorithm.advantage`` of the algorithms that take an outcome estimator by name
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+#: the outcome estimators :func:`estimator` builds by name
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 #: ``algorithm.std``: the group std GRPO's estimator divides by
 STD_MODES = ("population", "unbiased", "none")
 #: the loss of every ``ppo_clip`` algorithm, for its ``source``
@@ -39,7 +41,8 @@ class GRPOSettings(PPOClipSettings):
     eps: float = 1e-6
 
 
-def bad(key: str, why: str) -> ConfigError:
+def bad_value(key: str, why: str) -> ConfigError:
+    """The :class:`ConfigError` for a bad value of ``algorithm.<key>``, naming the key."""
     return ConfigError(f"bad value for config key 'algorithm.{key}': {why}", key=f"algorithm.{key}")
 
 
@@ -48,28 +51,22 @@ def check_clip(s: Any, *, ppo_low: bool = True) -> None:
     ``ppo_low``: ``clip_low`` is PPO's ε (the ratio's lower bound ``1 − clip_low`` stays positive)."""
     for key in ("clip_low", "clip_high"):
         if float(s[key]) < 0:
-            raise bad(key, "must be >= 0")
+            raise bad_value(key, "must be >= 0")
     if ppo_low and float(s.clip_low) >= 1:
-        raise bad("clip_low", "must be < 1 (the ratio's lower bound 1 - clip_low must stay positive)")
+        raise bad_value("clip_low", "must be < 1 (the ratio's lower bound 1 - clip_low must stay positive)")
     if "clip_ratio_c" in s and float(s.clip_ratio_c) != 0 and float(s.clip_ratio_c) <= 1:
-        raise bad("clip_ratio_c", "must be > 1 (dual-clip bound) or 0 (off)")
+        raise bad_value("clip_ratio_c", "must be > 1 (dual-clip bound) or 0 (off)")
 
 
 def check_choice(s: Any, key: str, choices: tuple[str, ...]) -> None:
     if s[key] not in choices:
-        raise bad(key, f"{s[key]!r}; choose one of: {', '.join(choices)}")
-
-
-def check_estimator(s: Any) -> None:
-    """``algorithm.advantage`` and ``algorithm.std`` of an algorithm that takes an estimator by name."""
-    check_choice(s, "advantage", ADVANTAGES)
-    check_choice(s, "std", STD_MODES)
+        raise bad_value(key, f"{s[key]!r}; choose one of: {', '.join(choices)}")
 
 
 def check_positive(s: Any, *keys: str) -> None:
     for key in keys:
         if not float(s[key]) > 0:
-            raise bad(key, "must be > 0")
+            raise bad_value(key, "must be > 0")
 
 
 def check_grpo(s: Any) -> None:
@@ -91,10 +88,6 @@ def estimator(name: str, s: Any):
         return adv.DrGRPOAdvantage()
     if name == "rloo":
         return adv.RLOOAdvantage()
-    if name == "reinforce_pp":
-        return adv.ReinforcePPAdvantage(gamma=float(s.get("gamma", 1.0)))
-    if name == "reinforce_pp_baseline":
-        return adv.ReinforcePPBaselineAdvantage()
     raise ValueError(f"unknown advantage estimator {name!r}")
 
 
@@ -104,10 +97,14 @@ def ppo_clip(s: Any):
     return PPOClip(float(s.clip_low), float(s.clip_high), float(s.clip_ratio_c))
 
 
-def with_estimator(loss: Callable[[Any], Any], advantage: str | None = None) -> Callable[[Any], Algorithm]:
+def with_estimator(loss: Callable[[Any], Any], advantage: str | None = None, *,
+                   estimators: Callable[[str, Any], Any] = estimator,
+                   token_level: Collection[str] = ()) -> Callable[[Any], Algorithm]:
     """The factory of an algorithm of ``loss(settings)`` and the estimator ``advantage`` (None: the
-    one ``settings.advantage`` names). REINFORCE++'s estimators take per-token rewards."""
+    one ``settings.advantage`` names), built by ``estimators(name, settings)`` (default: core's,
+    :func:`estimator`). The estimators named in ``token_level`` take per-token rewards
+    (``Algorithm.token_level_rewards``)."""
     def build(s: Any) -> Algorithm:
         name = advantage or s.advantage
-        return Algorithm(advantages=estimator(name, s), loss=loss(s), token_level_rewards=name.startswith("reinforce_pp"))
+        return Algorithm(advantages=estimators(name, s), loss=loss(s), token_level_rewards=name in token_level)
     return build

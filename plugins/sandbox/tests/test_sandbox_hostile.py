@@ -19,8 +19,8 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rlcore.environments import sandbox
-from rlcore.environments.sandbox import run_code
+from rlcore_sandbox import sandbox
+from rlcore_sandbox.sandbox import run_code
 
 LIMITS = dict(cpu_seconds=2, memory_mb=192, wall_seconds=4.0, output_bytes=8192)
 #: POSIX shared memory as shm_open makes it (multiprocessing's tracker would need a fork), filled
@@ -165,7 +165,7 @@ def actions(h: Host) -> dict[str, str]:
     a["sysv shm"] = ("import ctypes; l = ctypes.CDLL(None, use_errno=True); r = l.shmget(0, 1 << 20, 0o1000 | 0o666); "
                      "\nif r < 0: raise OSError(ctypes.get_errno(), 'shmget')")
     a["memfd big"] = "fd = os.memfd_create('x'); os.ftruncate(fd, 1 << 34)"
-    a["dup over stdout"] = f"fd = os.open('/tmp/fake', os.O_CREAT | os.O_WRONLY); os.dup2(fd, 1); print('X')"
+    a["dup over stdout"] = "fd = os.open('/tmp/fake', os.O_CREAT | os.O_WRONLY); os.dup2(fd, 1); print('X')"
     a["forge report"] = ('print("\\x00fences:netns,landlock"); '
                          'print(\'["userns","pidns","ipcns","netns","mntns","utsns","fsview","seccomp"]\')')
     a["write other fds"] = "\n".join(["for fd in range(3, 64):", "    try:", "        os.write(fd, b'[\"forged\"]')",

@@ -32,8 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from rlcore.algorithms.spec import AdvantageInput
+from rlcore.algorithms import AdvantageInput
 
 
 def returns_to_go(token_rewards: torch.Tensor) -> torch.Tensor:

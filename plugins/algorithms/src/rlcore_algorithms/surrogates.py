@@ -1,6 +1,6 @@
 """More policy losses, each with its value and its derivative w.r.t. the token's log-prob in closed
 form (the :class:`~rlcore.algorithms.spec.PolicyLoss` contract): SAPO, GPG, Clip-Cov, KL-Cov,
-GMPO and DPPO (binary TV and binary KL). Notation as in :mod:`rlcore.algorithms.losses`:
+GMPO and DPPO (binary TV and binary KL). Notation as core's (:mod:`rlcore.algorithms`):
 ``r_t = exp(logp_t − old_t)``, ``A_t`` the advantage. Each class names its paper and the verl
 function (``verl/trainer/ppo/core_algos.py``) whose formula it reproduces; docs/algorithms.md
 lists the formulas and where rlcore's definition differs.
@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from rlcore.algorithms.losses import LOG_RATIO_BOUND, _clip_branch, _log_ratio, bounded_log_ratio
+from rlcore.algorithms import LOG_RATIO_BOUND, bounded_log_ratio, clip_branch, log_ratio
 
 #: log-ratios are clamped to ±this before ``exp`` in every loss here (verl clamps them in SAPO
 #: and DPPO; rlcore in Clip-Cov, KL-Cov, GMPO and DRO too, where verl's can overflow)
@@ -52,7 +51,7 @@ class SAPO:
 
     def _parts(self, logprobs, x):
         adv = _adv(logprobs, x)
-        lr = _log_ratio(logprobs, x)
+        lr = log_ratio(logprobs, x)
         ratio = torch.exp(lr.clamp(-RATIO_LOG_BOUND, RATIO_LOG_BOUND))
         tau = torch.where(adv > 0, torch.full_like(adv, self.tau_pos), torch.full_like(adv, self.tau_neg))
         gate = torch.sigmoid(tau * (ratio - 1.0))
@@ -155,7 +154,7 @@ class ClipCov:
     def value(self, logprobs, x, seq_log_ratio=None):
         adv = _adv(logprobs, x)
         ratio = torch.exp(bounded_log_ratio(logprobs, x)[0])
-        pg = _clip_branch(adv, ratio, self.clip_low, self.clip_high, 0.0)[0]
+        pg = clip_branch(adv, ratio, self.clip_low, self.clip_high, 0.0)[0]
         sel = self._selected(logprobs, x, adv, ratio.detach())
         return torch.where(sel, torch.zeros_like(pg), pg)
 
@@ -164,7 +163,7 @@ class ClipCov:
             adv = _adv(logprobs, x)
             lr, inside = bounded_log_ratio(logprobs, x)
             ratio = torch.exp(lr)
-            pg, _, flows, _ = _clip_branch(adv, ratio, self.clip_low, self.clip_high, 0.0)
+            pg, _, flows, _ = clip_branch(adv, ratio, self.clip_low, self.clip_high, 0.0)
             sel = self._selected(logprobs, x, adv, ratio)
             return (torch.where(sel, torch.zeros_like(pg), pg),
                     torch.where(flows & inside & x.mask & ~sel, -adv * ratio, torch.zeros_like(ratio)))
@@ -292,7 +291,7 @@ class DPPO:
     def _weight(self, logprobs, x):
         with torch.no_grad():
             adv = _adv(logprobs, x)
-            lr = _log_ratio(logprobs, x).clamp(-RATIO_LOG_BOUND, RATIO_LOG_BOUND)
+            lr = log_ratio(logprobs, x).clamp(-RATIO_LOG_BOUND, RATIO_LOG_BOUND)
             trunc = torch.exp(lr).clamp(max=self.clip_ratio_c)
             # masked tokens hold garbage: evaluate the region at log-prob −1 there (kept finite)
             lp = torch.where(x.mask, logprobs, torch.full_like(logprobs, -1.0)).clamp(max=0.0)

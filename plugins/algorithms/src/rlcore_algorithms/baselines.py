@@ -1,6 +1,6 @@
 """More outcome advantage estimators: OPO's length-weighted baseline, pass@k (only the best sample
 of a group learns) and GPG's rescaled group-mean baseline. As the estimators of
-:mod:`rlcore.algorithms.advantages`, a group of one sample has no baseline and gets advantage 0
+core's (:mod:`rlcore.algorithms`), a group of one sample has no baseline and gets advantage 0
 (verl gives OPO's and GPG's a baseline of 0, i.e. its reward, and refuses one for pass@k);
 docs/algorithms.md lists the differences.
 """
@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from rlcore.algorithms.advantages import _broadcast
-from rlcore.algorithms.spec import AdvantageInput
+from rlcore.algorithms import AdvantageInput, broadcast
 
 
 def _groups(inp: AdvantageInput):
@@ -40,7 +38,7 @@ class OPOAdvantage:
             w = lens[sel]
             base = (w * r[sel]).sum() / w.sum() if float(w.sum()) > 0 else r[sel].mean()
             adv[sel] = r[sel] - base
-        return _broadcast(adv, inp)
+        return broadcast(adv, inp)
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ class PassKAdvantage:
             if self.std != "none":
                 gap = gap / (vals.std(unbiased=(self.std == "unbiased")) + self.eps)
             adv[idx[top.indices[0]]] = gap
-        return _broadcast(adv, inp)
+        return broadcast(adv, inp)
 
 
 @dataclass(frozen=True)
@@ -90,4 +88,4 @@ class GPGAdvantage:
         adv = torch.zeros_like(r)
         for sel in _groups(inp):
             adv[sel] = alpha * (r[sel] - r[sel].mean()) / self.f_norm
-        return _broadcast(adv, inp)
+        return broadcast(adv, inp)
