@@ -118,8 +118,15 @@ def cmd_model(args: argparse.Namespace) -> None:
 
     s = read_settings(args.config, args.override)
     task = load_callable(s["data"].task, "data.task")(s["data"])
+    # a model this call's settings already saved (an earlier call on the same warm machine) is kept
+    stamp = Path(args.dir) / "peer_trl_model.json"
+    wanted = json.dumps({"tiny": str(s["tiny"]), "dtype": str(s["dtype"]), "vocab": len(task.vocab)}, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == wanted:
+        print(f"[peer_trl] model in {args.dir} kept: saved earlier with these settings")
+        return
     t0 = time.perf_counter()
     save_tiny(args.dir, s["tiny"], task.vocab, dtype=s["dtype"])
+    stamp.write_text(wanted)
     print(f"[peer_trl] model saved to {args.dir} in {time.perf_counter() - t0:.1f} s")
 
 
@@ -442,6 +449,25 @@ def cmd_report(args: argparse.Namespace) -> None:
         lines.append(f"rlcore + SGLang: pushes {', '.join(str(r.get('sync_level')) for r in sg_all)}; peak GPU memory "
                      f"(whole card) {fmt(peak_gib(parts / 'sglang.gpumem.csv'), 1)} GiB; reward per step "
                      + ", ".join(fmt(r.get("reward"), 3) for r in sg_all))
+    variants = sorted(d for d in parts.glob("rlcore-*-run") if d.is_dir() and d.name != "rlcore-sglang-run")
+    if variants:  # VARIANTS: rlcore again with overrides of its own, after the main run, same call
+        names = [d.name[len("rlcore-"):-len("-run")] for d in variants]
+        rows = {n: rlcore_rows(d)[1:] for n, d in zip(names, variants, strict=True)}
+        lines += ["", "rlcore variants (same call, after the main run; each its medians of steps 1..):", "",
+                  "| phase (s) | rlcore | " + " | ".join(names) + " | TRL |",
+                  "|---|---|" + "---|" * len(names) + "---|"]
+        for p in (*COMMON, "in_vllm"):
+            lines.append(f"| {p} | {fmt(median(rl_steady, p))} | "
+                         + " | ".join(fmt(median(rows[n], p)) for n in names) + f" | {fmt(median(trl_steady, p))} |")
+        lines.append("| steps | " + str(len(rl_steady)) + " | " + " | ".join(str(len(rows[n])) for n in names)
+                     + f" | {len(trl_steady)} |")
+        lines.append("| peak GiB (card) | " + fmt(peak_gib(parts / "rlcore.gpumem.csv"), 1) + " | "
+                     + " | ".join(fmt(peak_gib(parts / f"rlcore-{n}.gpumem.csv"), 1) for n in names)
+                     + f" | {fmt(peak_gib(parts / 'trl.gpumem.csv'), 1)} |")
+        for n, d in zip(names, variants, strict=True):
+            over = d.with_name(d.name + ".overrides")
+            levels = ", ".join(str(r.get("sync_level")) for r in rlcore_rows(d))
+            lines.append(f"- {n}: `{over.read_text().strip() if over.exists() else '?'}`; pushes {levels or 'none'}")
     lines += ["", "What each row covers (seconds per optimizer step, CUDA synchronised at each boundary on TRL's side):",
               "generate = vLLM's generate alone (rlcore: `generate_seconds` minus the sleep after it; TRL: `LLM.generate`); "
               "sleep_wake = vLLM's sleep and wake-ups (rlcore: level 1, weights back before the push, KV cache after it; "

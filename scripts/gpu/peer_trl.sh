@@ -28,7 +28,8 @@
 # Device call (warm machine with the tworay wheels; about 4-5 min, at most ~6.5 with both limits hit):
 #   bash scripts/gpu/peer_trl.sh        carry [".device-carry/peer_trl"]
 # OVERRIDES="key=value ..." changes the config for both sides; SKIP_TRL=1 runs rlcore's side only (a
-# variant of rlcore beside a full call's table); PYTHON (default python3) and
+# variant of rlcore beside a full call's table); VARIANTS="name: key=value ...; name2: ..." runs rlcore
+# once more per variant after its main run, in the same call (a table of A/Bs beside the same TRL); PYTHON (default python3) and
 # NO_INSTALL=1 (use PYTHON's own packages) serve the CPU check, scripts/gpu/peer_trl_dry.sh.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -103,6 +104,18 @@ fi
 limited rlcore "${LIMIT_RLCORE:-160}" "$PY" -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" "${OVR[@]}" \
   --output "$PARTS/rlcore-run" --overwrite
 report
+# VARIANTS="name: key=value ...; name2: ...": rlcore again per variant (OVERRIDES, then the variant's own),
+# each limited to LIMIT_VARIANT (default LIMIT_RLCORE), its column in the summary's variants table
+IFS=';' read -r -a VARS <<< "${VARIANTS:-}"
+for v in "${VARS[@]}"; do
+  vname=$(echo "${v%%:*}" | tr -d ' '); [ -n "$vname" ] || continue
+  read -r -a VOVR <<< "${v#*:}"
+  gpu_host_cleanup
+  limited "rlcore-$vname" "${LIMIT_VARIANT:-${LIMIT_RLCORE:-160}}" "$PY" -m rlcore.cli train "$CONFIG" \
+    "engine.model.path=$MODEL" "${OVR[@]}" "${VOVR[@]}" --output "$PARTS/rlcore-$vname-run" --overwrite
+  echo "${v#*:}" > "$PARTS/rlcore-$vname-run.overrides"
+  report
+done
 if [ -n "${SGLANG:-}" ]; then
   SGLANG_SITE="${SGLANG_SITE:-/tmp/site-sglang}"
   if [ ! -f "$SGLANG_SITE/.rlcore-sglang-installed" ]; then

@@ -186,3 +186,49 @@ def test_cuda_ipc_mapped_push_one_handle_per_block_and_bitwise_copies():
     assert first.details["checksum_backend"] in ("triton", "per-tensor")
     assert version == 4 and aborted == 1 and not torn
     assert sums == {n: tensor_checksum(t) for n, t in weights.items()}
+
+
+def _push_in_this_process(weights, device):
+    """A sender and a receiver in one process (vLLM's engine in the trainer's process), the receiver on
+    a thread: two pushes, the second after an in-place update; the receiver's result tuple."""
+    import multiprocessing as mp
+    import threading
+
+    ours, theirs = mp.Pipe()
+    receiver = threading.Thread(target=tm.mapped_receiver_main, args=(theirs, tm.SPEC),
+                                kwargs={"device": device}, daemon=True)
+    receiver.start()
+    sender = MappedSender(PipeChannel(ours, "rollout"), timeout=60)
+    sender.send(weights, version=1)
+    for t in weights.values():
+        t.add_(1)
+    sender.send(weights, version=2)
+    ours.send(("close",))
+    assert ours.poll(60), "the receiver did not answer"
+    result = ours.recv()
+    receiver.join(30)
+    assert result[0] == "result", result
+    return result
+
+
+def test_a_receiver_in_the_exporting_process_gets_the_storage_itself(file_system_sharing):
+    from rlcore_ray.transport.mapping import export_storage, open_storage
+
+    t = torch.arange(12, dtype=torch.float32).share_memory_()
+    storage = t.untyped_storage()
+    _, payload = export_storage(storage)
+    opened = open_storage(payload)
+    assert opened is storage  # not a second mapping of the file: the same bytes, no reopen
+    weights = tm.allocate(tm.SPEC, shared=True, seed=3)
+    _, version, sums, aborted, torn, _ = _push_in_this_process(weights, "cpu")
+    assert version == 2 and not aborted and not torn
+    assert sums == {n: tensor_checksum(t) for n, t in weights.items()}
+
+
+@needs_cuda
+def test_cuda_mapped_push_to_a_receiver_in_the_same_process():
+    # CUDA refuses to open an IPC handle in the process that made it: the receiver takes the storage itself
+    weights = tm.allocate(tm.SPEC, device="cuda:0", seed=4)
+    _, version, sums, aborted, torn, _ = _push_in_this_process(weights, "cuda:0")
+    assert version == 2 and not aborted and not torn
+    assert sums == {n: tensor_checksum(t) for n, t in weights.items()}

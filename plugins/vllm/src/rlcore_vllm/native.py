@@ -22,7 +22,9 @@ follow the fields of the installed classes (:func:`installed_nccl_fields`), not 
 from __future__ import annotations
 
 import base64
+import os
 import pickle
+import weakref
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -169,11 +171,29 @@ def ipc_update_info(bucket: Bucket, handle: dict[str, tuple], *, pickled: bool) 
     return info
 
 
+#: buffers this process made handles of (key: :func:`_lent_key`): what
+#: :func:`buffer_lent_here` gives a worker in this same process (weak: the sender holds its buffers)
+_LENT_HERE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def cuda_ipc_handle(buffer: Any) -> dict[str, tuple]:
     """``{gpu_uuid: rebuild_cuda_tensor args}`` for a CUDA uint8 buffer (GPU only)."""
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(buffer)
+    _LENT_HERE[_lent_key(args)] = buffer
     uuid = str(torch.cuda.get_device_properties(buffer.device.index or 0).uuid)
     return {uuid: args}
+
+
+def buffer_lent_here(args: tuple | list) -> Any:
+    """The buffer of ``rebuild_cuda_tensor`` arguments made by :func:`cuda_ipc_handle` in this very
+    process (an in-process engine, ``vllm.multiprocessing: false``), else None: CUDA refuses to open
+    an IPC handle in the process that made it."""
+    return _LENT_HERE.get(_lent_key(args))
+
+
+def _lent_key(args: tuple | list) -> tuple:
+    # this process, the block's handle, the storage's offset in it, the tensor's size and offset there
+    return os.getpid(), bytes(args[7]), int(args[9]), tuple(args[1]), int(args[3])

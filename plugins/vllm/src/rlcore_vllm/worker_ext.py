@@ -57,7 +57,7 @@ from rlcore_vllm.direct import (
     rebuilt_attributes,
     weight_module_ids,
 )
-from rlcore_vllm.native import from_rpc_text, to_rpc_text
+from rlcore_vllm.native import buffer_lent_here, from_rpc_text, to_rpc_text
 from rlcore_vllm.readback import ReadBack
 from rlcore_vllm.shm import map_segment
 from rlcore_vllm.worker_draft import DraftUpdate, draft_model, draft_model_config
@@ -144,6 +144,9 @@ def open_cuda_ipc(handle_b64: str) -> torch.Tensor:
         raise RuntimeError(f"rlcore: the bucket lives on GPU {list(handles)}, this worker on {uuid}: 'cuda_ipc' "
                            f"needs trainer and engine on the same GPU (use 'shm' otherwise)")
     args = list(handles[uuid])
+    here = buffer_lent_here(args)  # an engine in the trainer's process: its own buffer, not reopened
+    if here is not None:
+        return here
     args[6] = device  # rebuild_cuda_tensor's device index: this process's numbering
     return rebuild_cuda_tensor(*args)
 

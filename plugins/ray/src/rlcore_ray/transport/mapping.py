@@ -4,7 +4,10 @@ the other process once, opening it there, and the receiver's copy program.
 * :func:`export_storage` / :func:`open_storage`: a CUDA storage travels as torch's own IPC
   description (``UntypedStorage._share_cuda_``: the IPC handle of the caching-allocator block that
   holds it, plus the storage's byte offset in that block), so many parameters in one block cost one
-  ``cudaIpcOpenMemHandle`` on the receiver (torch caches opened blocks by handle). The CPU analogue,
+  ``cudaIpcOpenMemHandle`` on the receiver (torch caches opened blocks by handle). A receiver in the
+  exporting process itself (vLLM's engine in the trainer's process, ``vllm.multiprocessing: false``)
+  gets the exported storage back: CUDA refuses to open an IPC handle in the process that made it,
+  and torch's own cache does not catch that case. The CPU analogue,
   for tests on machines without a GPU, is a storage in shared memory named by its file
   (``_share_filename_cpu_``, torch's ``file_system`` sharing): the same bookkeeping, another handle.
 * :class:`CopyProgram`: the receiver's copies for one layout, built once. Pairs whose source bytes
@@ -20,6 +23,8 @@ the other process once, opening it there, and the receiver's copy program.
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Any
 
 import torch
@@ -59,14 +64,22 @@ def triton_copy_kernel():
     return _copy_kernel
 
 
+#: storages this process exported, by key: what :func:`open_storage` hands back to a receiver in this
+#: same process (weak: an export does not keep a storage alive; the sender holds what it lends)
+_EXPORTED_HERE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def export_storage(storage: torch.UntypedStorage) -> tuple[tuple, tuple]:
     """``(key, payload)`` of a storage another process can open with :func:`open_storage`. ``key``
-    names the storage (block handle and offset), ``payload[1][1]`` the block (CUDA) or file (CPU)."""
+    names the storage (block handle and offset), ``payload[1][1]`` the block (CUDA) or file (CPU),
+    ``payload[2]`` the exporting process."""
     if storage.device.type == "cuda":
         meta = storage._share_cuda_()
         # (device, block handle, storage bytes, storage offset in the block, ref-counter handle,
         #  ref-counter offset, event handle, event sync required)
-        return (bytes(meta[1]), int(meta[3])), ("cuda", tuple(meta))
+        key = (bytes(meta[1]), int(meta[3]))
+        _EXPORTED_HERE[key] = storage
+        return key, ("cuda", tuple(meta), os.getpid())
     if storage.device.type == "cpu":
         if not storage.is_shared():
             raise TransportError("a CPU tensor of a mapped push must be in shared memory (tensor.share_memory_() "
@@ -77,12 +90,21 @@ def export_storage(storage: torch.UntypedStorage) -> tuple[tuple, tuple]:
             raise TransportError(f"this CPU storage cannot be shared by name ({exc}); use "
                                  "torch.multiprocessing.set_sharing_strategy('file_system') before share_memory_()") from exc
         storage._shared_incref()  # the receiver's open takes this reference over (as torch's pickling does)
-        return (bytes(meta[1]), 0), ("cpu", tuple(meta))
+        key = (bytes(meta[1]), 0)
+        _EXPORTED_HERE[key] = storage
+        return key, ("cpu", tuple(meta), os.getpid())
     raise TransportError(f"a mapped push cannot share a {storage.device.type} storage (cuda or shared cpu only)")
 
 
 def open_storage(payload: tuple) -> torch.UntypedStorage:
-    kind, meta = payload
+    """The storage :func:`export_storage` described: opened by its handle, or, in the process that
+    exported it, that storage itself."""
+    kind, meta = payload[0], payload[1]
+    here = _EXPORTED_HERE.get((bytes(meta[1]), int(meta[3]) if kind == "cuda" else 0))
+    if here is not None and len(payload) > 2 and payload[2] == os.getpid():
+        if kind == "cpu":
+            here._shared_decref()  # the reference the export took for the receiver, as the open below drops it
+        return here
     if kind == "cuda":
         torch.cuda._lazy_init()
         return torch.UntypedStorage._new_shared_cuda(*meta)
