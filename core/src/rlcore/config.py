@@ -351,6 +351,13 @@ def builtin_algorithms() -> dict[str, Any]:
     return {spec.name: spec for spec in algorithm()}
 
 
+def builtin_environments() -> dict[str, Any]:
+    """Core's built-in environment specs (for validation without a plugin manager)."""
+    from rlcore.builtin.environments import environment
+
+    return {spec.name: spec for spec in environment()}
+
+
 def selected_algorithm(raw: DictConfig, algorithms: dict[str, Any]) -> Any:
     name = str(OmegaConf.select(raw, "algorithm.name", default="grpo") or "grpo").strip().lower()
     if name not in algorithms:
@@ -411,11 +418,11 @@ class _Problems:
 
 
 def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sections: dict[str, str] | None = None,
-             algorithms: dict[str, Any] | None = None) -> DictConfig:
+             algorithms: dict[str, Any] | None = None, environments: dict[str, Any] | None = None) -> DictConfig:
     """Merge ``raw`` into the structured schema. Errors name the full key; every problem of the
     document is reported at once (:class:`~rlcore.errors.ConfigErrors` when there are several),
-    unknown keys with the closest known one. ``algorithms``: the registered algorithm specs by
-    name (default: core's built-ins)."""
+    unknown keys with the closest known one. ``algorithms`` and ``environments``: the registered
+    algorithm and environment specs by name (default: core's built-ins)."""
     problems = _Problems()
     known_algorithms = algorithms if algorithms is not None else builtin_algorithms()
     algo = problems.attempt(selected_algorithm, raw, known_algorithms)
@@ -449,7 +456,8 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
     OmegaConf.set_readonly(merged, False)
     problems.attempt(_check_values, merged, problems)
     if algo is not None:
-        problems.attempt(_resolve_algorithm, merged, algo)
+        problems.attempt(_resolve_algorithm, merged, algo,
+                         environments if environments is not None else builtin_environments())
     for ps in settings:
         if ps.validate is not None:
             if _takes_two_arguments(ps.validate):
@@ -698,7 +706,7 @@ def fingerprint_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str
     return out
 
 
-def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
+def _resolve_algorithm(cfg: DictConfig, spec: Any, environments: dict[str, Any]) -> None:
     """Check core's algorithm values, resolve the ``auto``\\ s, then run the algorithm's own
     ``validate``."""
     a = cfg.algorithm
@@ -718,7 +726,9 @@ def _resolve_algorithm(cfg: DictConfig, spec: Any) -> None:
     if a.loss_agg == "seq-mean-token-sum-norm" and not a.norm_tokens:
         a.norm_tokens = int(cfg.rollout.max_new_tokens)
     env = cfg.get("environment")
-    if getattr(spec, "single_turn", False) and env is not None and env.name != "single_turn":
+    env_spec = environments.get(str(env.name)) if env is not None else None
+    # an environment no active plugin provides is named by stack.resolve; here only what is known
+    if getattr(spec, "single_turn", False) and getattr(env_spec, "multi_turn", False):
         raise ConfigError(f"environment.name={env.name!r} runs multi-turn conversations, but algorithm.name="
                           f"{spec.name} is single-turn only ({spec.description}: one completion per prompt): use "
                           f"grpo or rloo (their group baselines cover whole conversations), or "

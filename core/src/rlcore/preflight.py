@@ -88,6 +88,8 @@ class PreflightReport:
     data: list[str] = field(default_factory=list)
     #: the task (from files: rlcore.datasets.DatasetTask), for the trainer to reuse what was read
     task: Any = None
+    #: the environment's spec says it answers turns (``EnvironmentSpec.multi_turn``)
+    multi_turn: bool = False
 
     def lines(self, cfg: Any) -> list[str]:
         out = []
@@ -102,8 +104,8 @@ class PreflightReport:
                 out.append(f"training holds at least {_bytes(m.parameters * DTYPE_BYTES[dtype] * copies)} of "
                            f"{dtype} model state ({held})")
         if self.longest_prompt is not None and m is not None and m.max_positions:
-            total, how = longest_conversation(cfg, self.longest_prompt)
-            adds_up = f"{how} = {total}" if multi_turn(cfg) else how
+            total, how = longest_conversation(cfg, self.longest_prompt, self.multi_turn)
+            adds_up = f"{how} = {total}" if self.multi_turn else how
             out.append(f"{adds_up} <= {m.max_positions} positions ({self.prompts_checked} prompts measured)")
         if self.step_tokens is not None and self.memory_bytes is not None:
             out.append(f"a step holds about {_count(self.step_tokens)} tokens; this machine has "
@@ -117,7 +119,7 @@ def preflight(stack: Any) -> PreflightReport:
     """Check ``stack`` (a resolved :class:`rlcore.stack.Stack`) against this machine, its model,
     task and reward; raise :class:`ConfigError` naming the key of the first problem."""
     cfg = stack.config
-    report = PreflightReport()
+    report = PreflightReport(multi_turn=bool(getattr(stack.environment, "multi_turn", False)))
     check_optimizer(cfg)
     check_temperature(cfg)
     check_device(stack, report)
@@ -137,7 +139,7 @@ def preflight(stack: Any) -> PreflightReport:
     if getattr(task, "source", None) is not None:  # data.train_files: every row rendered and measured
         longest, measured = measure_dataset(cfg, task, facts, report)
     else:
-        longest, measured = measure_prompts(cfg, task, facts)
+        longest, measured = measure_prompts(cfg, task, facts, multi_turn=report.multi_turn)
     report.longest_prompt, report.prompts_checked = longest, measured
     report.step_tokens = check_step_size(cfg, memory, prompt_tokens=max(longest, 1))
     return report
@@ -649,7 +651,7 @@ def _culprit(estimate: Callable[[Any], int], settings: Any, defaults: dict[str, 
 
 # ------------------------------------------------------------------------------ prompts --
 
-def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
+def measure_prompts(cfg: Any, task: Any, facts: ModelFacts, *, multi_turn: bool = False) -> tuple[int, int]:
     """The longest prompt of the first steps (up to :data:`PROMPTS_CHECKED` prompts, made with the
     trainer's seeds), checked and tokenized as the trainer does; refused when the task returns
     other than the prompts asked for (none, too few, not :class:`~rlcore.tasks.TaskPrompt`), or
@@ -680,9 +682,9 @@ def measure_prompts(cfg: Any, task: Any, facts: ModelFacts) -> tuple[int, int]:
             if len(row) > longest:
                 longest, where = len(row), f"prompt {i} of step {step}"
     limit, new = facts.max_positions, int(cfg.rollout.max_new_tokens)
-    total, how = longest_conversation(cfg, longest)
+    total, how = longest_conversation(cfg, longest, multi_turn)
     if limit is not None and total > limit:
-        if not multi_turn(cfg):
+        if not multi_turn:
             key = "data.task" if longest >= limit else "rollout.max_new_tokens"
             raise ConfigError(f"{key}: {where} is {longest} tokens, + rollout.max_new_tokens {new} = {longest + new}, "
                               f"more than the model's {limit} positions ({facts.source} max_position_embeddings); "
@@ -736,21 +738,15 @@ def _tokenize(cfg: Any, facts: ModelFacts, texts: dict[int, str], step: int) -> 
                           f"{cfg.data.task}: {type(exc).__name__}: {_one_line(exc, 200)}", key="data.task") from exc
 
 
-def multi_turn(cfg: Any) -> bool:
-    """Whether an ``environment:`` other than ``single_turn`` answers the model's turns."""
-    env = getattr(cfg, "environment", None)
-    return env is not None and str(env.name) != "single_turn"
-
-
-def longest_conversation(cfg: Any, longest_prompt: int) -> tuple[int, str]:
+def longest_conversation(cfg: Any, longest_prompt: int, multi_turn: bool) -> tuple[int, str]:
     """The most tokens one sample's context can reach, and how that adds up (for messages): the
-    longest prompt + ``rollout.max_new_tokens``; in a multi-turn environment the prompt, every
+    longest prompt + ``rollout.max_new_tokens``; in a ``multi_turn`` environment the prompt, every
     turn (``environment.max_turns`` x ``rollout.max_new_tokens``) and an observation of at most
     ``environment.observation_tokens`` between turns, capped by ``environment.max_total_tokens``
     where set (rlcore.environments.conversation cuts every turn to fit it; the first turn gets at
     least one token, so a prompt at the cap goes one past it)."""
     new = int(cfg.rollout.max_new_tokens)
-    if not multi_turn(cfg):
+    if not multi_turn:
         return longest_prompt + new, f"longest prompt {longest_prompt} tokens + rollout.max_new_tokens {new}"
     env = cfg.environment
     turns, observation, cap = int(env.max_turns), int(env.observation_tokens), int(env.max_total_tokens)

@@ -185,7 +185,7 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
         env_ctx = ctx_for(spec, engine)  # its tools first, each from its own plugin's factory (environment.tools)
         env_ctx.extras["tools"] = [_make(t, "tool", ctx_for(t, engine)) for t in stack.tools]
         environment = NamedEnvironment(_make(spec, "environment", env_ctx), str(spec.plugin),
-                                       str(spec.distribution), spec.name, tokenizer)
+                                       str(spec.distribution), spec.name, tokenizer, multi_turn=spec.multi_turn)
     engine.setup_optimizer(cfg.training)
     reference = engine.make_reference() if cfg.algorithm.kl_coef > 0 else None
     algorithm_spec = stack.algorithm or stack.plugins.select("algorithm", cfg.algorithm.name, key="algorithm.name")

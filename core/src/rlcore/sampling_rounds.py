@@ -173,7 +173,7 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
                         "dynamic_sampling/cap_hit": float(kept < want),
                         "dynamic_sampling/reward_generated": sum(generated_rewards) / len(generated_rewards)})
         _check_cap(ds, kept, want, rounds, generated, filtered, step)
-    if environment is not None and cfg.environment.name != "single_turn":
+    if getattr(environment, "multi_turn", False):
         metrics.update(conversation_metrics(samples))
     if ov.filter or ov.buffer_tokens:
         truncated = sum(s.finish_reason == "length" for s in samples)

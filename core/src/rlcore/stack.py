@@ -117,7 +117,8 @@ def load_config(
     pm.activate(names, source=PluginManager.plugin_list_source())
     settings = pm.plugin_settings()
     require_active_algorithm(raw, pm)
-    cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm), algorithms=pm.algorithms())
+    cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm), algorithms=pm.algorithms(),
+                         environments=pm.environments())
     cfg.plugins = names
     return cfg, pm
 

@@ -29,7 +29,7 @@ def _calc(ctx):
 
 @hookimpl
 def environment():
-    yield EnvironmentSpec(name="single_turn", factory=_single_turn,
+    yield EnvironmentSpec(name="single_turn", factory=_single_turn, multi_turn=False,
                           description="one prompt, one completion, scored by data.reward")
     yield EnvironmentSpec(name="tools", factory=_tools, uses_tools=True,
                           description="the model calls the tools environment.tools names until it answers")

@@ -49,8 +49,11 @@ class NamedEnvironment:
     its distribution, the environment and the method, whichever it is (the build wraps every
     environment in it: :func:`rlcore.run_build.build_run`). Everything else is the object's."""
 
-    def __init__(self, inner: Any, plugin: str, label: str, name: str, tokenizer: Any = None):
+    def __init__(self, inner: Any, plugin: str, label: str, name: str, tokenizer: Any = None,
+                 multi_turn: bool = True):
         self.inner, self.plugin, self.label, self.name = inner, plugin, label, name
+        #: its spec's ``multi_turn`` (:class:`~rlcore.types.EnvironmentSpec`)
+        self.multi_turn = bool(multi_turn)
         #: ``<unk>`` in an observation is warned about once (:class:`~rlcore.environments.standard.UnknownWordsWarning`)
         self.unk_id = getattr(tokenizer, "unk_token_id", None)
 

@@ -145,7 +145,7 @@ class EnvironmentConformance:
         assert summary.get("completed") is True, summary
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
         assert len(rows) == self.steps and all(math.isfinite(r["loss"]) for r in rows)
-        if stack.config.environment.name != "single_turn":
+        if stack.environment.multi_turn:
             assert all("env/turns_mean" in r for r in rows), "a multi-turn run reports its conversations"
 
 

@@ -27,9 +27,12 @@ class EnvironmentSpec(ProviderSpec):
     (``ctx.extras["task"]``). ``uses_tools``: the environment calls the tools ``environment.tools``
     names (each a ``tool`` provider, selected when the config is resolved); its factory gets them
     built, in that order, as ``ctx.extras["tools"]`` (a list of
-    :class:`~rlcore.environments.tools.Tool`)."""
+    :class:`~rlcore.environments.tools.Tool`). ``multi_turn``: false for an environment of one
+    prompt and one completion (the built-in ``single_turn``): an algorithm whose spec is
+    ``single_turn`` runs only with such an environment, and no conversation metrics are logged."""
 
     uses_tools: bool = False
+    multi_turn: bool = True
     kind: str = field(default="environment", init=False, repr=False)
 
 
