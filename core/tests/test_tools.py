@@ -9,11 +9,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from rlcore.environments.standard import ToolEnvironment, parse_call
+from rlcore.environments.standard import parse_call
 from rlcore.environments.tools import CALC, Tool, ToolRegistry, calculate, call_tool
 from rlcore.errors import UnknownProviderError
 from rlcore.stack import load_config, resolve
-from rlcore.types import ToolSpec, Turn
+from rlcore.testing.environment_conformance import model_turn, tool_environment
+from rlcore.types import ToolSpec
 
 
 def _hang(arg: str) -> str:
@@ -21,6 +22,7 @@ def _hang(arg: str) -> str:
     return "never"
 
 
+WORDS = ["calc", "hang", "boom", "result", "error", "7", "*", "8", "56", "python", "print(7*8)"]
 REGISTRY = ToolRegistry([CALC, Tool("boom", lambda a: 1 / 0), Tool("hang", _hang), Tool("number", lambda a: 42),
                          Tool("binary", lambda a: "ok\x00\x01"), Tool("flood", lambda a: "x" * 10**6)])
 
@@ -52,34 +54,23 @@ def test_calc():
 
 
 def _env(registry=REGISTRY, **settings):
-    from rlcore.engines.tiny import make_tokenizer
-
-    tok = make_tokenizer(["calc", "hang", "boom", "result", "error", "7", "*", "8", "56", "python", "print(7*8)"])
-    s = dict(tools=["calc"], tool_timeout_seconds=0.2, tool_output_chars=64, observation_tokens=16,
-             tool_call_reward=0.25, tool_format="words", observation_prefix="result")
-    s.update(settings)
-    return tok, ToolEnvironment(tok, SimpleNamespace(**s), registry)
-
-
-def _turn(tok, text, left=3):
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    return Turn(ids=ids, finish_reason="stop", index=0, context_ids=ids, tool_calls_left=left)
+    return tool_environment(registry, WORDS, **{"tools": ["calc"], "tool_timeout_seconds": 0.2, **settings})
 
 
 def test_the_tools_environment_turns_every_failure_into_an_observation():
     tok, env = _env()
     state = env.reset(None, SimpleNamespace(meta={"expression": "7 * 8"}))
-    ok = env.step(state, _turn(tok, "calc"))  # no argument: the task's expression
+    ok = env.step(state, model_turn(tok, "calc"))  # no argument: the task's expression
     assert not ok.done and tok.decode(ok.observation_ids) == "result 56" and ok.reward == 0.25
     assert [(c.tool, c.ok) for c in ok.tool_calls] == [("calc", True)]
-    hung = env.step(state, _turn(tok, "hang"))
+    hung = env.step(state, model_turn(tok, "hang"))
     assert not hung.done and hung.reward == 0 and hung.tool_calls[0].error == "tool 'hang' timed out after 0.2s"
     assert tok.decode(hung.observation_ids).startswith("error")
-    raised = env.step(state, _turn(tok, "boom 7"))
+    raised = env.step(state, model_turn(tok, "boom 7"))
     assert not raised.done and not raised.tool_calls[0].ok and "ZeroDivisionError" in raised.tool_calls[0].error
-    answer = env.step(state, _turn(tok, "56"))
+    answer = env.step(state, model_turn(tok, "56"))
     assert answer.done and answer.reason == "answered" and not answer.tool_calls
-    over = env.step(state, _turn(tok, "calc", left=0))  # not run: the loop ends the conversation
+    over = env.step(state, model_turn(tok, "calc", tool_calls_left=0))  # not run: the loop ends the conversation
     assert not over.done and not over.tool_calls[0].ok and not over.observation_ids
 
 

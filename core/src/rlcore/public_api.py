@@ -90,7 +90,7 @@ PUBLIC_MODULES: dict[str, str] = {
     ),
     "rlcore.testing.algorithm_conformance": "`AlgorithmConformance`, the suite of an algorithm (section 4)",
     "rlcore.testing.launcher_conformance": "`LauncherConformance`, the suite of a launcher (section 4)",
-    "rlcore.testing.environment_conformance": "`EnvironmentConformance`, the suite of an environment ([agents.md](agents.md))",
+    "rlcore.testing.environment_conformance": "`EnvironmentConformance`, the suite of an environment ([agents.md](agents.md)); `tool_environment` and `model_turn` for a tool's own tests",
     "rlcore.environments.tools": (
         "for an environment that runs tools: `Tool`, `ToolRegistry`, `call_tool` (each call bounded in time and "
         "output, every failure an observation), `CALC` (the calculator tool); for a `tool` provider: `Tool`, "

@@ -12,33 +12,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from rlcore.environments.standard import ToolEnvironment
 from rlcore.environments.tools import CALC, ToolRegistry
 from rlcore.errors import ConfigError
 from rlcore.manager import PluginManager
 from rlcore.stack import load_config, resolve
-from rlcore.testing.environment_conformance import EnvironmentConformance
-from rlcore.types import BuildContext, ToolSpec, Turn
+from rlcore.testing.environment_conformance import EnvironmentConformance, model_turn, tool_environment
+from rlcore.types import BuildContext, ToolSpec
 from rlcore_sandbox.sandbox import LAYERS, python_tool, run_code
 
 ROOT = Path(__file__).resolve().parents[3]
 LIMITS = dict(cpu_seconds=1, memory_mb=128, wall_seconds=4.0, output_bytes=2048, scratch_mb=8)
 PYTHON = ["plugins=[sandbox]", "environment.name=tools", "environment.tools=[calc,python]"]
-
-
-def _env(registry, **settings):
-    from rlcore.engines.tiny import make_tokenizer
-
-    tok = make_tokenizer(["calc", "result", "error", "7", "*", "8", "56", "python", "print(7*8)"])
-    s = dict(tools=["calc", "python"], tool_timeout_seconds=10, tool_output_chars=64, observation_tokens=16,
-             tool_call_reward=0.25, tool_format="words", observation_prefix="result")
-    s.update(settings)
-    return tok, ToolEnvironment(tok, SimpleNamespace(**s), registry)
-
-
-def _turn(tok, text, left=3):
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    return Turn(ids=ids, finish_reason="stop", index=0, context_ids=ids, tool_calls_left=left)
 
 
 def _config(*overrides):
@@ -72,8 +56,9 @@ def test_limits_that_cannot_hold_are_refused_naming_the_key(overrides, key, says
 
 
 def test_the_tools_environment_runs_python_when_configured():
-    tok, env = _env(ToolRegistry([CALC, python_tool(SimpleNamespace(**LIMITS))]))
-    step = env.step(env.reset(None, None), _turn(tok, "python print(7*8)"))
+    tok, env = tool_environment(ToolRegistry([CALC, python_tool(SimpleNamespace(**LIMITS))]),
+                                ["calc", "result", "error", "7", "*", "8", "56", "python", "print(7*8)"])
+    step = env.step(env.reset(None, None), model_turn(tok, "python print(7*8)"))
     assert step.tool_calls[0].ok and tok.decode(step.observation_ids) == "result 56"
 
 

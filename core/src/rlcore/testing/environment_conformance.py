@@ -18,6 +18,10 @@ exception; conversations run by core's loop keep the engine's ids byte for byte 
 observations masked out of the loss and end within ``environment.max_turns``; and a short
 training run (``steps`` steps) completes with the environment's metrics. Set ``config_path`` to
 use another config, ``fuzz_turns`` for more random turns.
+
+For a ``tool`` provider's own tests, :func:`tool_environment` builds core's ``tools`` environment
+over a registry of tools and a tokenizer of the words the test writes, and :func:`model_turn` is
+the turn a model wrote as that text.
 """
 
 from __future__ import annotations
@@ -33,6 +37,33 @@ import torch
 
 from rlcore.types import BuildContext, EnvironmentSpec, EnvStep, Prompt, SamplingSettings, Turn, implements
 from rlcore.types.environment import Environment
+
+#: the ``environment:`` settings :func:`tool_environment` starts from (words format, short limits)
+TOOL_ENVIRONMENT_SETTINGS = dict(tool_timeout_seconds=10.0, tool_output_chars=64, observation_tokens=16,
+                                 tool_call_reward=0.25, tool_format="words", observation_prefix="result")
+
+
+def tool_environment(registry: Any, words: list[str], **settings: Any) -> tuple[Any, Any]:
+    """``(tokenizer, environment)``: core's ``tools`` environment over ``registry`` (a
+    :class:`~rlcore.environments.tools.ToolRegistry`) with a tokenizer of ``words`` (the words the
+    test's turns and the expected observations use); ``settings`` override
+    :data:`TOOL_ENVIRONMENT_SETTINGS` and ``tools`` (default: every tool of the registry)."""
+    from types import SimpleNamespace
+
+    from rlcore.engines.tiny import make_tokenizer
+    from rlcore.environments.standard import ToolEnvironment
+
+    tok = make_tokenizer(list(words))
+    s = dict(TOOL_ENVIRONMENT_SETTINGS, tools=list(registry.names()))
+    s.update(settings)
+    return tok, ToolEnvironment(tok, SimpleNamespace(**s), registry)
+
+
+def model_turn(tokenizer: Any, text: str, tool_calls_left: int = 3, index: int = 0) -> Turn:
+    """The model's turn that wrote ``text`` (its ids as the tokenizer makes them, stopped), the
+    whole conversation so far being that turn."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return Turn(ids=ids, finish_reason="stop", index=index, context_ids=ids, tool_calls_left=tool_calls_left)
 
 
 class EnvironmentConformance:
