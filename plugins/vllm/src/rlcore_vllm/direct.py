@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from rlcore_vllm.readback import Located
+
 #: attributes layerwise reload itself sets or clears on a model or its layers during a push
 _RELOAD_BOOKKEEPING = frozenset({"_already_called_process_weights_after_loading", "_original_do_torchao_reload",
                                  "_do_torchao_reload"})
@@ -88,26 +90,6 @@ def rebuilt_attributes(before: dict[str, dict[str, Any]], model: torch.nn.Module
             if not same:
                 changed.append(f"{name}.{k}" if name else k)
     return sorted(changed)
-
-
-class Located:
-    """Where the loader put one received tensor: the layer, its parameter's name, the shard
-    arguments that pick the slice, and the received tensor's shape and dtype."""
-
-    __slots__ = ("layer", "param_name", "shard_args", "shape", "dtype")
-
-    def __init__(self, layer: torch.nn.Module, param_name: str, args: dict[str, Any], loaded: torch.Tensor):
-        self.layer, self.param_name = layer, param_name
-        self.shard_args = {k: args[k] for k in ("loaded_shard_id", "shard_id", "expert_id") if k in args}
-        self.shape, self.dtype = tuple(loaded.shape), loaded.dtype
-
-    def region(self) -> tuple[torch.Tensor | None, str]:
-        """The slice of the layer's parameter as it is now (after processing), or ``(None, why)``."""
-        from rlcore_vllm.readback import loaded_region
-
-        param = getattr(self.layer, self.param_name, None)
-        return loaded_region(self.layer, param, self.shard_args, torch.empty(self.shape, dtype=self.dtype,
-                                                                             device="meta"))
 
 
 class DirectPlan:

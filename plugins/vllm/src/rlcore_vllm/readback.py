@@ -32,9 +32,25 @@ from typing import Any
 import torch
 from rlcore.sync import ChecksumSlots
 
-from rlcore_vllm.direct import Located
-
 _MARK = "_rlcore_readback"
+
+
+class Located:
+    """Where the loader put one received tensor: the layer, its parameter's name, the shard
+    arguments that pick the slice, and the received tensor's shape and dtype."""
+
+    __slots__ = ("layer", "param_name", "shard_args", "shape", "dtype")
+
+    def __init__(self, layer: torch.nn.Module, param_name: str, args: dict[str, Any], loaded: torch.Tensor):
+        self.layer, self.param_name = layer, param_name
+        self.shard_args = {k: args[k] for k in ("loaded_shard_id", "shard_id", "expert_id") if k in args}
+        self.shape, self.dtype = tuple(loaded.shape), loaded.dtype
+
+    def region(self) -> tuple[torch.Tensor | None, str]:
+        """The slice of the layer's parameter as it is now (after processing), or ``(None, why)``."""
+        param = getattr(self.layer, self.param_name, None)
+        return loaded_region(self.layer, param, self.shard_args, torch.empty(self.shape, dtype=self.dtype,
+                                                                             device="meta"))
 
 
 class ReadBack:
