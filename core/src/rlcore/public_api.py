@@ -48,16 +48,8 @@ PUBLIC_MODULES: dict[str, str] = {
     ),
     "rlcore.sync": ("for weight syncs: the bucket builder (`iter_buckets`), checksums (`tensor_checksum`) and the "
                     "sender's checksums summed by the bucket fills (`SentChecksums`)"),
-    "rlcore.shared_memory": "for weight syncs: segments two processes of one host map (`shm_directory`, `map_segment`)",
-    "rlcore.serving": (
-        "for a rollout backend that drives an engine server: `check_bind_host` for its host setting, "
-        "`launch_server`, `ServerProcess`, `wait_healthy`, `JSONClient`, `answer_message`, `EngineServerError`"
-    ),
     "rlcore.rollout_seeds": (
         "for a rollout backend: the sampling seeds every backend uses, `base_seed(config)` and `CallSeeds`"
-    ),
-    "rlcore.routed_experts": (
-        "for a rollout backend that returns MoE routes: `decode_routed_experts`, `moe_shape`, `MoEShape`"
     ),
     "rlcore.engines.routing": (
         "for an engine's MoE routers: `apply_router_decision` checks and applies a `router_hook` answer, "

@@ -23,7 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rlcore.routed_experts import decode_routed_experts
+from rlcore_enginekit.routed_experts import decode_routed_experts
 from rlcore.sync import TensorMeta, iter_buckets
 from rlcore_sglang import protocol, wire
 from rlcore_sglang.protocol import ServerFeatures

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from rlcore.serving import answer_message
+from rlcore_enginekit.serving import answer_message
 from rlcore_sglang import protocol
 from rlcore_sglang.protocol import ServerFeatures, parse_version
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from rlcore.batch import PackedBatch, sample_routes
 from rlcore.errors import RolloutError
-from rlcore.routed_experts import moe_shape
+from rlcore_enginekit.routed_experts import moe_shape
 from rlcore.types import Prompt
 from rlcore_sglang.backend import SGLangBackend
 from rlcore_sglang.settings import SGLangSettings

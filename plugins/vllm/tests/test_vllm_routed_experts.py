@@ -19,7 +19,7 @@ import pytest
 import torch
 from rlcore.batch import PackedBatch, sample_routes
 from rlcore.errors import RolloutError
-from rlcore.routed_experts import moe_shape
+from rlcore_enginekit.routed_experts import moe_shape
 from rlcore.types import Cap, Prompt, SamplingSettings
 
 pytestmark = pytest.mark.engine("vllm")

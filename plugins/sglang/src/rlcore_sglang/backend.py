@@ -14,14 +14,14 @@ answers into :class:`~rlcore.types.Sample`\\ s:
   server: ``--weight-version`` at launch, ``weight_version`` on the last bucket of each push),
   with ``weight_versions`` spans when the version changed inside one sample;
 * routed experts (R3) decoded from SGLang's base64 int32 ``[prompt + response - 1, layers,
-  topk]`` by core's :func:`rlcore.routed_experts.decode_routed_experts`;
+  topk]`` by rlcore-enginekit's :func:`rlcore_enginekit.routed_experts.decode_routed_experts`;
 * with speculative decoding, acceptance per draft position from each answer's
   ``spec_correct_drafts_histogram`` (:func:`rlcore_sglang.protocol.acceptance_metrics`), and the
   draft's weight version when the draft is the policy's own MTP layers (core checks it after
   every push: a push that missed the draft fails the run).
 
 A server this backend launches listens on ``sglang.host`` (loopback by default: its weight-update
-routes have no authentication); core's :mod:`rlcore.serving` launches it and polls its health.
+routes have no authentication); rlcore-enginekit's :mod:`rlcore_enginekit.serving` launches it and polls its health.
 
 Capabilities are read from the running server (``/server_info``): releasing memory needs
 ``--enable-memory-saver``, releasing weights also ``--weight-cache-mode off``, routed experts
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from rlcore.errors import ConfigError, RolloutError
 from rlcore.platforms import cuda_free_bytes
-from rlcore.routed_experts import MoEShape, decode_routed_experts, moe_shape
-from rlcore.serving import EngineServerError, ServerProcess, answer_message, launch_server, local_url
+from rlcore_enginekit.routed_experts import MoEShape, decode_routed_experts, moe_shape
+from rlcore_enginekit.serving import EngineServerError, ServerProcess, answer_message, launch_server, local_url
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
 from rlcore_sglang import protocol

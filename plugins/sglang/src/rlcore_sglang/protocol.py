@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlcore.serving import answer_message
+from rlcore_enginekit.serving import answer_message
 
 SESSION_VERSION = (0, 5, 21)
 SAMPLING_LOGPROBS_VERSION = (0, 5, 23)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlcore.serving import LOOPBACK, check_bind_host
+from rlcore_enginekit.serving import LOOPBACK, check_bind_host
 
 MODES = ("server", "engine")
 PAUSE_MODES = ("abort", "retract", "in_place")

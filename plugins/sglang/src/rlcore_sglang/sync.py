@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 
 import torch
 from rlcore.errors import ConfigError, WeightSyncError
-from rlcore.serving import EngineServerError, answer_message
+from rlcore_enginekit.serving import EngineServerError, answer_message
 from rlcore.sync import (
     Bucket,
     ChecksumSlots,

@@ -2,15 +2,15 @@
 process through ``sglang.Engine``. Both carry the same request bodies (:mod:`.protocol`).
 
 * :class:`HTTPTransport` POSTs JSON to SGLang's routes through core's client
-  (:class:`rlcore.serving.JSONClient`, standard library only); ``bytes`` values become base64.
+  (:class:`rlcore_enginekit.serving.JSONClient`, standard library only); ``bytes`` values become base64.
 * :class:`EngineTransport` builds SGLang's request struct from the same body and awaits the
   ``TokenizerManager`` coroutine that SGLang's own ``Engine`` methods and HTTP routes call, so
   fields the ``Engine`` convenience methods do not expose (``weight_version``, ``selector``,
   ``return_sampling_mask``) work in process too.
 * :func:`server_command` is the ``python -m sglang.launch_server`` command line; core's
-  :func:`rlcore.serving.launch_server` starts it and polls its health.
+  :func:`rlcore_enginekit.serving.launch_server` starts it and polls its health.
 
-Every failure to reach SGLang or a refusal is a :class:`rlcore.serving.EngineServerError`.
+Every failure to reach SGLang or a refusal is a :class:`rlcore_enginekit.serving.EngineServerError`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from rlcore.serving import EngineServerError, JSONClient
+from rlcore_enginekit.serving import EngineServerError, JSONClient
 
 from rlcore_sglang.protocol import REQUEST_STRUCTS, json_default
 from rlcore_sglang.settings import OWNED_LAUNCH_FLAGS

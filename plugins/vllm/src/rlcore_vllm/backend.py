@@ -8,7 +8,7 @@ the weight version that produced them and, where the engine can return
 them, the routed experts. Capabilities are those of the running platform
 (:func:`~rlcore_vllm.platform.runtime_backend_capabilities`); a call that needs a missing one
 raises and says why, it is never skipped silently. The engine itself (offline or server) is one of
-:mod:`rlcore_vllm.engines`; routed experts are decoded by :mod:`rlcore.routed_experts`, and a
+:mod:`rlcore_vllm.engines`; routed experts are decoded by :mod:`rlcore_enginekit.routed_experts`, and a
 call's seed follows :mod:`rlcore.rollout_seeds` like every other backend's. Each prompt of a call
 is sampled with a seed of its own (:func:`prompt_seed`), so prompts never share vLLM's random
 stream; with ``rollout.seed_per_prompt`` that seed derives from the prompt's index (its samples do
@@ -46,7 +46,7 @@ from typing import Any
 from rlcore.errors import RolloutError
 from rlcore.platforms import cuda_free_bytes
 from rlcore.rollout_seeds import CallSeeds, base_seed, copy_seed
-from rlcore.routed_experts import MoEShape, decode_routed_experts, moe_shape
+from rlcore_enginekit.routed_experts import MoEShape, decode_routed_experts, moe_shape
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 
 from rlcore_vllm.engines import (

@@ -3,7 +3,7 @@ process) or as vLLM's OpenAI server (launched here, or already running at ``vllm
 
 :class:`OfflineEngine` and :class:`HTTPEngine` offer the same calls; :class:`~rlcore_vllm.backend.VLLMBackend`
 holds one of them and adds rlcore's state (versions, pause, released memory). The server's launch,
-health polling and HTTP requests are core's (:mod:`rlcore.serving`), shared with rlcore-sglang.
+health polling and HTTP requests are rlcore-enginekit's (:mod:`rlcore_enginekit.serving`), shared with rlcore-sglang.
 
 A server rlcore launches listens on ``vllm.host``, loopback by default: it runs with
 ``VLLM_SERVER_DEV_MODE=1``, whose routes (``/collective_rpc``, ``/update_weights``, ``/sleep``)
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RolloutError
-from rlcore.serving import LOOPBACK, JSONClient, ServerProcess, launch_server, local_url, wait_healthy
+from rlcore_enginekit.serving import LOOPBACK, JSONClient, ServerProcess, launch_server, local_url, wait_healthy
 
 from rlcore_vllm.liveness import EngineCoreWatch
 from rlcore_vllm.logprobs import sampled_logprobs, supports_flat_logprobs

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.errors import ConfigError
-from rlcore.serving import LOOPBACK, check_bind_host
+from rlcore_enginekit.serving import LOOPBACK, check_bind_host
 
 from rlcore_vllm.speculative import check_speculative
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from rlcore.shared_memory import map_segment, shm_directory
+from rlcore_enginekit.shared_memory import map_segment, shm_directory
 
 __all__ = ["Segment", "SharedBucketPool", "map_segment", "shm_directory"]
 

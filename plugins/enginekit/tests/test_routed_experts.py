@@ -1,4 +1,4 @@
-"""rlcore.routed_experts: every packing the engines use decodes to the same int16 routes, and
+"""rlcore_enginekit.routed_experts: every packing the engines use decodes to the same int16 routes, and
 every malformed answer is a RolloutError saying what arrived and what was expected."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from rlcore.errors import RolloutError
-from rlcore.routed_experts import MoEShape, decode_routed_experts, moe_shape
+from rlcore_enginekit.routed_experts import MoEShape, decode_routed_experts, moe_shape
 
 ROWS, LAYERS, TOPK = 6, 2, 3
 

@@ -1,4 +1,4 @@
-"""rlcore.serving against real servers: a tiny HTTP server in a thread for the client and the
+"""rlcore_enginekit.serving against real servers: a tiny HTTP server in a thread for the client and the
 health poll, and real child processes for launch, crash and stop."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from rlcore.errors import ConfigError, RolloutError
-from rlcore.serving import (
+from rlcore_enginekit.serving import (
     LOOPBACK,
     EngineServerError,
     JSONClient,
