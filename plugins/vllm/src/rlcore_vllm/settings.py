@@ -29,7 +29,10 @@ class VLLMSettings:
       authentication, so only this machine may reach them. ``0.0.0.0`` exposes them to every
       host that can reach this one; do that only on a network you trust.
     * ``multiprocessing``: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``. False keeps engine and
-      worker in this process (seconds to start instead of ~20 s on a small CPU machine).
+      worker in this process (seconds to start instead of ~20 s on a small CPU machine; TRL runs
+      vLLM so); the ``mapped`` and ``cuda_ipc`` pushes then hand the worker the trainer's own
+      storages, since CUDA cannot open an IPC handle in the process that made it (that path is
+      tested on CPU, not yet run on a GPU).
     * ``dtype``: ``auto`` serves in the training engine's dtype (``engine.model.dtype``).
     * ``seeded_requests``: true (default): every prompt's request carries its own seed
       (``rlcore.rollout_seeds``), so a call's samples are reproducible and do not depend on what
