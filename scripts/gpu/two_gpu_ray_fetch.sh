@@ -20,7 +20,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 source "$ROOT/scripts/gpu/lib.sh"
 OUT="$(realpath -m "${1:-$ROOT/.device-carry/tworay}")"
-CHUNK_SIZE="${CHUNK_SIZE:-56M}"
+# 50M: a call carries the working tree too (7.8 MB tracked on 2026-12-06) within 64 MiB; at 56M the
+# chunk of many small wheels (c05, 17 parts) was refused as too large that day
+CHUNK_SIZE="${CHUNK_SIZE:-50M}"
 VLLM_CARRY="$ROOT/.device-carry/vllm026"
 WHEELS="$OUT/wheels"
 
