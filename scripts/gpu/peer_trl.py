@@ -449,10 +449,12 @@ def cmd_report(args: argparse.Namespace) -> None:
         lines.append(f"rlcore + SGLang: pushes {', '.join(str(r.get('sync_level')) for r in sg_all)}; peak GPU memory "
                      f"(whole card) {fmt(peak_gib(parts / 'sglang.gpumem.csv'), 1)} GiB; reward per step "
                      + ", ".join(fmt(r.get("reward"), 3) for r in sg_all))
-    variants = sorted(d for d in parts.glob("rlcore-*-run") if d.is_dir() and d.name != "rlcore-sglang-run")
-    if variants:  # VARIANTS: rlcore again with overrides of its own, after the main run, same call
-        names = [d.name[len("rlcore-"):-len("-run")] for d in variants]
-        rows = {n: rlcore_rows(d)[1:] for n, d in zip(names, variants, strict=True)}
+    # VARIANTS: rlcore again with overrides of its own, after the main run, same call (columns by name)
+    variants = sorted(d for d in parts.glob("variant-*-run") if d.is_dir())
+    if variants:
+        names = [d.name[len("variant-"):-len("-run")] for d in variants]
+        all_rows = {n: rlcore_rows(d) for n, d in zip(names, variants, strict=True)}
+        rows = {n: r[1:] for n, r in all_rows.items()}  # step 0 includes warm-ups
         lines += ["", "rlcore variants (same call, after the main run; each its medians of steps 1..):", "",
                   "| phase (s) | rlcore | " + " | ".join(names) + " | TRL |",
                   "|---|---|" + "---|" * len(names) + "---|"]
@@ -462,11 +464,11 @@ def cmd_report(args: argparse.Namespace) -> None:
         lines.append("| steps | " + str(len(rl_steady)) + " | " + " | ".join(str(len(rows[n])) for n in names)
                      + f" | {len(trl_steady)} |")
         lines.append("| peak GiB (card) | " + fmt(peak_gib(parts / "rlcore.gpumem.csv"), 1) + " | "
-                     + " | ".join(fmt(peak_gib(parts / f"rlcore-{n}.gpumem.csv"), 1) for n in names)
+                     + " | ".join(fmt(peak_gib(parts / f"variant-{n}.gpumem.csv"), 1) for n in names)
                      + f" | {fmt(peak_gib(parts / 'trl.gpumem.csv'), 1)} |")
-        for n, d in zip(names, variants, strict=True):
-            over = d.with_name(d.name + ".overrides")
-            levels = ", ".join(str(r.get("sync_level")) for r in rlcore_rows(d))
+        for n in names:
+            over = parts / f"variant-{n}.overrides"
+            levels = ", ".join(str(r.get("sync_level")) for r in all_rows[n])
             lines.append(f"- {n}: `{over.read_text().strip() if over.exists() else '?'}`; pushes {levels or 'none'}")
     lines += ["", "What each row covers (seconds per optimizer step, CUDA synchronised at each boundary on TRL's side):",
               "generate = vLLM's generate alone (rlcore: `generate_seconds` minus the sleep after it; TRL: `LLM.generate`); "

@@ -111,9 +111,9 @@ for v in "${VARS[@]}"; do
   vname=$(echo "${v%%:*}" | tr -d ' '); [ -n "$vname" ] || continue
   read -r -a VOVR <<< "${v#*:}"
   gpu_host_cleanup
-  limited "rlcore-$vname" "${LIMIT_VARIANT:-${LIMIT_RLCORE:-160}}" "$PY" -m rlcore.cli train "$CONFIG" \
-    "engine.model.path=$MODEL" "${OVR[@]}" "${VOVR[@]}" --output "$PARTS/rlcore-$vname-run" --overwrite
-  echo "${v#*:}" > "$PARTS/rlcore-$vname-run.overrides"
+  limited "variant-$vname" "${LIMIT_VARIANT:-${LIMIT_RLCORE:-160}}" "$PY" -m rlcore.cli train "$CONFIG" \
+    "engine.model.path=$MODEL" "${OVR[@]}" "${VOVR[@]}" --output "$PARTS/variant-$vname-run" --overwrite
+  echo "${v#*:}" > "$PARTS/variant-$vname.overrides"
   report
 done
 if [ -n "${SGLANG:-}" ]; then

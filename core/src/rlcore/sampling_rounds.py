@@ -173,7 +173,8 @@ def sample_step(cfg: Any, step: int, backend: Any, version: int, eos_token_id: i
                         "dynamic_sampling/cap_hit": float(kept < want),
                         "dynamic_sampling/reward_generated": sum(generated_rewards) / len(generated_rewards)})
         _check_cap(ds, kept, want, rounds, generated, filtered, step)
-    if getattr(environment, "multi_turn", False):
+    # an environment object built outside run_build (no spec's flag on it) counts as multi-turn, the spec's default
+    if environment is not None and getattr(environment, "multi_turn", True):
         metrics.update(conversation_metrics(samples))
     if ov.filter or ov.buffer_tokens:
         truncated = sum(s.finish_reason == "length" for s in samples)

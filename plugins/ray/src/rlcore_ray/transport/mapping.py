@@ -69,6 +69,11 @@ def triton_copy_kernel():
 _EXPORTED_HERE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def _storage_key(kind: str, meta: tuple) -> tuple:
+    """A storage's name across processes: its block (CUDA) or file (CPU), and its offset in the block."""
+    return bytes(meta[1]), int(meta[3]) if kind == "cuda" else 0
+
+
 def export_storage(storage: torch.UntypedStorage) -> tuple[tuple, tuple]:
     """``(key, payload)`` of a storage another process can open with :func:`open_storage`. ``key``
     names the storage (block handle and offset), ``payload[1][1]`` the block (CUDA) or file (CPU),
@@ -77,7 +82,7 @@ def export_storage(storage: torch.UntypedStorage) -> tuple[tuple, tuple]:
         meta = storage._share_cuda_()
         # (device, block handle, storage bytes, storage offset in the block, ref-counter handle,
         #  ref-counter offset, event handle, event sync required)
-        key = (bytes(meta[1]), int(meta[3]))
+        key = _storage_key("cuda", meta)
         _EXPORTED_HERE[key] = storage
         return key, ("cuda", tuple(meta), os.getpid())
     if storage.device.type == "cpu":
@@ -90,7 +95,7 @@ def export_storage(storage: torch.UntypedStorage) -> tuple[tuple, tuple]:
             raise TransportError(f"this CPU storage cannot be shared by name ({exc}); use "
                                  "torch.multiprocessing.set_sharing_strategy('file_system') before share_memory_()") from exc
         storage._shared_incref()  # the receiver's open takes this reference over (as torch's pickling does)
-        key = (bytes(meta[1]), 0)
+        key = _storage_key("cpu", meta)
         _EXPORTED_HERE[key] = storage
         return key, ("cpu", tuple(meta), os.getpid())
     raise TransportError(f"a mapped push cannot share a {storage.device.type} storage (cuda or shared cpu only)")
@@ -100,7 +105,7 @@ def open_storage(payload: tuple) -> torch.UntypedStorage:
     """The storage :func:`export_storage` described: opened by its handle, or, in the process that
     exported it, that storage itself."""
     kind, meta = payload[0], payload[1]
-    here = _EXPORTED_HERE.get((bytes(meta[1]), int(meta[3]) if kind == "cuda" else 0))
+    here = _EXPORTED_HERE.get(_storage_key(kind, meta))
     if here is not None and len(payload) > 2 and payload[2] == os.getpid():
         if kind == "cpu":
             here._shared_decref()  # the reference the export took for the receiver, as the open below drops it
