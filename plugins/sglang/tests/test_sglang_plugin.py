@@ -114,6 +114,23 @@ def test_host_and_port_are_checked_at_config_time(register_plugin, rlcore_config
         rlcore_config("sglang.launch_args=[--host,0.0.0.0]")
 
 
+def test_routed_experts_with_speculative_decoding_are_refused_at_config_time(register_plugin, rlcore_config):
+    """SGLang cannot return the routes of speculative decoding's tokens: rollout.return_routed_experts
+    (what any feature needing the engine's routes sets, R3 among them) is refused with it, the reason named."""
+    register_plugin(sglang_plugin, "sglang")
+    base = ("rollout.backend=sglang", "sync.name=sglang-disk", "rollout.return_routed_experts=true")
+    with pytest.raises(ConfigError, match="speculative_eagle_topk=4 > 1 SGLang returns the routes of the wrong KV") \
+            as err:
+        rlcore_config(*base, "sglang.speculative_algorithm=EAGLE", "sglang.speculative_eagle_topk=4")
+    assert err.value.key == "sglang.speculative_eagle_topk" and "rollout.return_routed_experts: false" in str(err.value)
+    with pytest.raises(ConfigError, match="all-zero routes"):
+        rlcore_config(*base, "sglang.launch_args=[--speculative-algorithm=NGRAM]")
+    # either alone is accepted
+    assert rlcore_config(*base).rollout.return_routed_experts
+    rlcore_config("rollout.backend=sglang", "sync.name=sglang-disk", "sglang.speculative_algorithm=EAGLE",
+                  "sglang.speculative_eagle_topk=4")
+
+
 @pytest.mark.parametrize(("overrides", "key"), [
     (["sync.name=sglang-nccl"], "sync.name"),
     (["sync.name=sglang-tensor", "sglang.selector=target"], "sglang.selector"),

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,15 +19,14 @@ import pytest
 import torch
 from rlcore.batch import PackedBatch, sample_routes
 from rlcore.errors import RolloutError
-from rlcore_enginekit.routed_experts import moe_shape
 from rlcore.types import Prompt
+from rlcore_enginekit.routed_experts import moe_shape
 from rlcore_sglang.backend import SGLangBackend
 from rlcore_sglang.settings import SGLangSettings
 from rlcore_sglang.transport import server_cli_args
 
 pytestmark = pytest.mark.engine
 
-ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9]]
 RESPONSES = [[10, 11, 12], [13, 14]]
 
@@ -111,12 +109,10 @@ def test_sglang_routes_of_a_real_model_arrive_as_the_rows_replay_uses(sglang, mi
     ({"speculative_algorithm": "NGRAM"}, ["--speculative-eagle-topk", "1"]),
     ({}, []),
 ])
-def test_replays_reading_of_speculation_matches_sglangs_parser(sglang, settings, launch_args):
+def test_the_config_checks_reading_of_speculation_matches_sglangs_parser(sglang, settings, launch_args):
     from omegaconf import OmegaConf
+    from rlcore_sglang.settings import sglang_speculation
     from sglang.srt.server_args import ServerArgs
-
-    sys.path.insert(0, str(ROOT / "plugins" / "replay" / "src"))  # rlcore-replay needs only rlcore (+ torch)
-    from rlcore_replay.plugin import sglang_speculation
 
     s = replace(SGLangSettings(), launch_args=launch_args, **settings)
     speculative = {k: getattr(s, k) for k in ("speculative_algorithm", "speculative_draft_model_path",

@@ -59,7 +59,7 @@ def validate(section: Any, config: Any = None) -> None:
     if config is None:
         return
     model = config.engine.model
-    if config.engine.name == "hf" and not model.path:
+    if not model.path:  # the tiny model, built from engine.model.tiny by whichever engine is selected
         have = int(model.tiny.mtp_layers)
         if depths > have:
             raise ConfigError(f"mtp.depths={depths} but the tiny model has engine.model.tiny.mtp_layers={have}",

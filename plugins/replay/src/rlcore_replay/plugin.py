@@ -16,7 +16,7 @@ from rlcore.errors import ConfigError
 from rlcore.types import Cap, PluginSettings, RequiresCapability
 
 __all__ = ["PLUGIN_API", "ReplaySettings", "plugin_settings", "constraints", "forward_request", "router_hook",
-           "postprocess", "step_end", "check_run_config", "sglang_speculation"]
+           "postprocess", "step_end", "check_run_config"]
 
 MODES = ("R2", "R3")
 ON_MISSING = ("error", "native")
@@ -66,53 +66,6 @@ def validate(section: Any) -> None:
                               key=f"replay.{key}")
 
 
-def sglang_speculation(section: Any) -> tuple[str, int | None]:
-    """(algorithm, eagle top-k) an SGLang server would run with, from ``sglang.speculative_*`` and
-    ``sglang.launch_args`` (``--flag value`` or ``--flag=value``); top-k None = not given, so
-    SGLang chooses it by architecture (0.5.23's ``_auto_choose_speculative_params``: 4 for Llama
-    and Grok, 1 for the others; older releases chose 4 for most)."""
-    algo = str(section.get("speculative_algorithm") or "")
-    topk = int(section.get("speculative_eagle_topk") or 0) or None
-    args = [str(a) for a in (section.get("launch_args") or [])]
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        if flag == "--speculative-algorithm":
-            algo = value
-        elif flag == "--speculative-eagle-topk":
-            try:
-                topk = int(value)
-            except ValueError:
-                raise ConfigError(f"sglang.launch_args: --speculative-eagle-topk {value!r} is not an integer",
-                                  key="sglang.launch_args") from None
-    return algo.strip().upper(), topk
-
-
-def _check_sglang_speculation(section: Any) -> None:
-    """R3 with SGLang speculative decoding: refused at config time, saying why."""
-    algo, topk = sglang_speculation(section)
-    if not algo:
-        return
-    if algo == "NGRAM":
-        why = "with NGRAM SGLang returns all-zero routes (sglang #37949)"
-    elif topk is None:
-        why = ("speculative_eagle_topk is not set, so SGLang chooses it by architecture (4 for Llama and Grok, "
-               "and for most architectures before 0.5.23); with eagle top-k > 1 SGLang returns the routes of the "
-               "wrong KV slots (sglang #37949), and even with top-k 1 its routed-experts capturer does not count "
-               "the speculative verify tokens (its own FIXME, sglang #16379)")
-    elif topk > 1:
-        why = f"with speculative_eagle_topk={topk} > 1 SGLang returns the routes of the wrong KV slots (sglang #37949)"
-    else:
-        why = ("even with speculative_eagle_topk=1 SGLang's routed-experts capturer does not count the speculative "
-               "verify tokens (its own FIXME, sglang #16379), so rlcore-sglang refuses routed experts with any "
-               "speculative decoding when the server starts")
-    raise ConfigError(
-        f"replay.mode R3 replays the routes SGLang returns, but the server runs speculative decoding ({algo}): "
-        f"{why}. Turn speculative decoding off (sglang.speculative_algorithm and launch_args), or use "
-        f"replay.mode: R2 (it records the trainer's own routes)", key="sglang.speculative_eagle_topk")
-
-
 def check_run_config(cfg: Any) -> bool:
     """Cross-section checks (they need the whole config, which constraint predicates receive);
     raises :class:`ConfigError` naming the key. Returns True so that it can be a ``when``."""
@@ -134,11 +87,8 @@ def check_run_config(cfg: Any) -> bool:
             "which only R3 replays there: under R2 that pass routes natively, so core's logprob_mismatch_mean/_max "
             "already is the replay-off figure (and R2's replayed update reproduces it). Use replay.mode: R3 or "
             "drop replay.mismatch_off", key="replay.mismatch_off")
-    if cfg.engine.name == "megatron" and "megatron" in cfg and bool(cfg.megatron.get("moe_router_fusion", False)):
-        raise ConfigError("megatron.moe_router_fusion computes top-k in a fused kernel that never consults the "
-                          "router seam: replay would do nothing; turn it off", key="megatron.moe_router_fusion")
-    if r.mode == "R3" and cfg.rollout.backend == "sglang" and "sglang" in cfg:
-        _check_sglang_speculation(cfg.sglang)
+    # what a rollout engine cannot return alongside its own features (SGLang's routes under speculative
+    # decoding) is that engine's plugin's check of rollout.return_routed_experts, which R3 sets
     return True
 
 

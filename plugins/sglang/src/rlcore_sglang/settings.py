@@ -114,6 +114,57 @@ def draft_sync_problem(s: Any, sync_name: str | None) -> tuple[str, str] | None:
     return None
 
 
+def sglang_speculation(section: Any) -> tuple[str, int | None]:
+    """(algorithm, eagle top-k) an SGLang server would run with, from ``sglang.speculative_*`` and
+    ``sglang.launch_args`` (``--flag value`` or ``--flag=value``); top-k None = not given, so
+    SGLang chooses it by architecture (0.5.23's ``_auto_choose_speculative_params``: 4 for Llama
+    and Grok, 1 for the others; older releases chose 4 for most)."""
+    algo = str(getattr(section, "speculative_algorithm", None) or "")
+    topk = int(getattr(section, "speculative_eagle_topk", None) or 0) or None
+    args = [str(a) for a in (getattr(section, "launch_args", None) or [])]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if flag == "--speculative-algorithm":
+            algo = value
+        elif flag == "--speculative-eagle-topk":
+            try:
+                topk = int(value)
+            except ValueError:
+                from rlcore.errors import ConfigError
+
+                raise ConfigError(f"sglang.launch_args: --speculative-eagle-topk {value!r} is not an integer",
+                                  key="sglang.launch_args") from None
+    return algo.strip().upper(), topk
+
+
+def routed_experts_refusal(section: Any) -> str | None:
+    """Why this server cannot return the experts it routed each token to (``rollout.return_routed_experts``,
+    what MoE routing replay's R3 replays), or None: any speculative decoding, from the settings or
+    ``launch_args``. rlcore-sglang refuses the pair when the server starts too; this says it at config time."""
+    algo, topk = sglang_speculation(section)
+    if not algo:
+        return None
+    if algo == "NGRAM":
+        why = "with NGRAM SGLang returns all-zero routes (sglang #37949)"
+    elif topk is None:
+        why = ("speculative_eagle_topk is not set, so SGLang chooses it by architecture (4 for Llama and Grok, "
+               "and for most architectures before 0.5.23); with eagle top-k > 1 SGLang returns the routes of the "
+               "wrong KV slots (sglang #37949), and even with top-k 1 its routed-experts capturer does not count "
+               "the speculative verify tokens (its own FIXME, sglang #16379)")
+    elif topk > 1:
+        why = f"with speculative_eagle_topk={topk} > 1 SGLang returns the routes of the wrong KV slots (sglang #37949)"
+    else:
+        why = ("even with speculative_eagle_topk=1 SGLang's routed-experts capturer does not count the speculative "
+               "verify tokens (its own FIXME, sglang #16379), so rlcore-sglang refuses routed experts with any "
+               "speculative decoding when the server starts")
+    return (f"rollout.return_routed_experts asks SGLang for the experts it routed each token to (what replay.mode R3 "
+            f"replays), but the server runs speculative decoding ({algo}): {why}. Turn speculative decoding off "
+            f"(sglang.speculative_algorithm and launch_args), or set rollout.return_routed_experts: false "
+            f"(replay.mode: R2 records the trainer's own routes instead)")
+
+
 def check_settings(s: Any, config: Any = None) -> None:
     """Value checks omegaconf's types cannot express; errors name the key. With the whole
     ``config``, also the combinations that would leave a policy-derived draft stale."""
@@ -172,3 +223,8 @@ def check_settings(s: Any, config: Any = None) -> None:
     problem = draft_sync_problem(s, getattr(sync, "name", None))
     if problem is not None:
         raise ConfigError(problem[1], key=problem[0])
+    rollout = getattr(config, "rollout", None) if config is not None else None
+    if rollout is not None and str(rollout.backend) == "sglang" and bool(rollout.return_routed_experts):
+        why = routed_experts_refusal(s)
+        if why is not None:
+            raise ConfigError(why, key="sglang.speculative_eagle_topk")
