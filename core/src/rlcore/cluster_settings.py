@@ -62,6 +62,10 @@ class ClusterConfig:
     timeout_s: float = 600.0
     trainer: TrainerRanks = field(default_factory=TrainerRanks)
     rollout: RolloutReplicas = field(default_factory=RolloutReplicas)
+    #: what the launcher ``backend`` names declares (``Cap.PLACES_RANKS``, ``Cap.ROLLOUT_REPLICAS``),
+    #: derived: core writes it on every load from the launcher's descriptor (a value in the file is
+    #: replaced), so plugins decide by capability and never by the launcher's name
+    launcher_capabilities: list[str] = field(default_factory=list)
 
 
 def _bad(key: str, msg: str) -> ConfigError:

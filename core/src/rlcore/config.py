@@ -418,11 +418,14 @@ class _Problems:
 
 
 def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sections: dict[str, str] | None = None,
-             algorithms: dict[str, Any] | None = None, environments: dict[str, Any] | None = None) -> DictConfig:
+             algorithms: dict[str, Any] | None = None, environments: dict[str, Any] | None = None,
+             launchers: dict[str, Any] | None = None) -> DictConfig:
     """Merge ``raw`` into the structured schema. Errors name the full key; every problem of the
     document is reported at once (:class:`~rlcore.errors.ConfigErrors` when there are several),
     unknown keys with the closest known one. ``algorithms`` and ``environments``: the registered
-    algorithm and environment specs by name (default: core's built-ins)."""
+    algorithm and environment specs by name (default: core's built-ins); ``launchers``: the
+    registered launcher specs, whose capabilities become ``cluster.launcher_capabilities`` (default
+    none: core's ``local`` launcher declares none)."""
     problems = _Problems()
     known_algorithms = algorithms if algorithms is not None else builtin_algorithms()
     algo = problems.attempt(selected_algorithm, raw, known_algorithms)
@@ -455,6 +458,10 @@ def validate(raw: DictConfig, settings: Sequence[Any] = (), *, known_plugin_sect
         merged = _merge_each_leaf(base, raw, problems, exc)
     OmegaConf.set_readonly(merged, False)
     problems.attempt(_check_values, merged, problems)
+    # derived, before the plugins' checks read it; a launcher no active plugin provides declares
+    # nothing here (stack.resolve names its plugin)
+    launcher = (launchers or {}).get(str(merged.cluster.backend))
+    merged.cluster.launcher_capabilities = sorted(launcher.capabilities) if launcher is not None else []
     if algo is not None:
         problems.attempt(_resolve_algorithm, merged, algo,
                          environments if environments is not None else builtin_environments())

@@ -118,7 +118,7 @@ def load_config(
     settings = pm.plugin_settings()
     require_active_algorithm(raw, pm)
     cfg = cfgmod.validate(raw, settings, known_plugin_sections=_known_sections(pm), algorithms=pm.algorithms(),
-                         environments=pm.environments())
+                         environments=pm.environments(), launchers=pm.launchers())
     cfg.plugins = names
     return cfg, pm
 

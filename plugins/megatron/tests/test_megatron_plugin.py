@@ -206,17 +206,35 @@ def test_hf_configs_megatron_cannot_express_are_errors_naming_the_field(arch, ov
      r"key/value heads \(1\).*cluster.trainer.tp"),
     (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.topk=1"], "engine.model",
      "norm_topk_prob=true cannot be built in megatron-core.*engine.model.tiny: arch=qwen3_moe, topk=1"),
-    # was: the local rollout refused the exported directory at the first weight push
-    (["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.mtp_layers=1"],
-     "megatron.export_mtp", "only in MiMo's layout over Qwen2; set megatron.export_mtp: false"),
 ])
 def test_rlcore_check_refuses_what_the_megatron_engine_would(register_plugin, rlcore_config, overrides, key, match):
     """Before: each passed `rlcore check` and failed when the engine was built (several with
     megatron-core's own bare ValueError or a ZeroDivisionError)."""
+    from rlcore_ray import plugin as ray_plugin
+
     register_plugin(plugin, "megatron")
+    register_plugin(ray_plugin, "ray")  # cluster.backend=ray: the launcher that places the ranks
     with pytest.raises(ConfigError, match=match) as e:
         rlcore_config(*overrides)
     assert e.value.key == key
+
+
+def test_mtp_layers_in_a_layout_the_rollout_cannot_load_are_refused_by_its_capability(register_plugin, rlcore_config):
+    """Was: the local rollout refused the exported directory at the first weight push. Now the
+    rollout backend must declare ``any_mtp_layout`` (vLLM, SGLang); core's local one builds MTP
+    layers only in MiMo's layout over Qwen2."""
+    from rlcore.errors import MissingCapabilityError
+    from rlcore.stack import resolve
+
+    pm = register_plugin(plugin, "megatron").pm
+    moe_mtp = ["engine.name=megatron", "engine.model.tiny.arch=qwen3_moe", "engine.model.tiny.mtp_layers=1"]
+    with pytest.raises(MissingCapabilityError, match="any_mtp_layout.*only in MiMo|layout other than MiMo's over "
+                       "Qwen2; set megatron.export_mtp: false") as e:
+        resolve(rlcore_config(*moe_mtp), pm)
+    assert "'local'" in str(e.value)
+    assert resolve(rlcore_config(*moe_mtp, "megatron.export_mtp=false"), pm).engine.name == "megatron"
+    qwen2_mtp = ["engine.name=megatron", "engine.model.tiny.mtp_layers=1"]  # MiMo's layout: local builds it
+    assert resolve(rlcore_config(*qwen2_mtp), pm).rollout_backend.name == "local"
 
 
 def test_the_ray_launcher_runs_megatron_data_parallel_beside_tensor_parallel(register_plugin, rlcore_config):
@@ -261,9 +279,12 @@ def test_megatron_model_checks_read_the_model_directory(register_plugin, rlcore_
 
 
 def test_cluster_trainer_sizes_decide_megatrons_under_ray(register_plugin, rlcore_config):
-    from rlcore_megatron.settings import resolve_parallel, section_settings
+    """By the launcher's declared capability (``places_ranks``), not its name."""
+    from rlcore_megatron.settings import launcher_places_ranks, resolve_parallel, section_settings
+    from rlcore_ray import plugin as ray_plugin
 
     register_plugin(plugin, "megatron")
+    register_plugin(ray_plugin, "ray")
     for extra in ([], ["megatron.tensor_parallel_size=2"]):  # left at 1, or the same value
         cfg = rlcore_config("engine.name=megatron", "engine.model.tiny.num_kv_heads=2", "cluster.backend=ray",
                             "cluster.trainer.tp=2", *extra)
@@ -276,6 +297,11 @@ def test_cluster_trainer_sizes_decide_megatrons_under_ray(register_plugin, rlcor
     # one process: the megatron keys as they are (a bare engine under torchrun reads them)
     cfg = rlcore_config("engine.name=megatron", "engine.model.tiny.num_kv_heads=2", "megatron.tensor_parallel_size=2")
     assert resolve_parallel(section_settings(cfg.megatron), cfg).tensor_parallel_size == 2
+    assert not launcher_places_ranks(cfg) and list(cfg.cluster.launcher_capabilities) == []
+    ray = rlcore_config("engine.name=megatron", "cluster.backend=ray")
+    assert launcher_places_ranks(ray) and "places_ranks" in ray.cluster.launcher_capabilities
+    # derived on every load: a value written in the file (a saved run's config.yaml) is replaced
+    assert list(rlcore_config("cluster.launcher_capabilities=[places_ranks]").cluster.launcher_capabilities) == []
 
 
 def test_megatron_section_passes_when_the_engine_can_build_it(register_plugin, rlcore_config):

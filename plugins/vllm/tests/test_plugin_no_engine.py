@@ -84,7 +84,7 @@ def test_rlcore_check_reports_the_vllm_stack(tmp_path):
 def test_runtime_capabilities_by_platform():
     cpu = runtime_backend_capabilities(is_cpu=True, sleep_mode=True, routed_experts=True, speculative=False)
     gpu = runtime_backend_capabilities(is_cpu=False, sleep_mode=True, routed_experts=True, speculative=True)
-    assert cpu == {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.REPLICA}
+    assert cpu == {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.REPLICA, Cap.ANY_MTP_LAYOUT}
     assert gpu == DECLARED_BACKEND_CAPABILITIES
     assert cpu <= DECLARED_BACKEND_CAPABILITIES
     reasons = missing_reasons(cpu, is_cpu=True)
@@ -266,15 +266,15 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples")
 RAY_REPLICAS = ["cluster.backend=ray", "cluster.rollout.replicas=2"]  # with plugins=[...,ray] (rlcore-ray)
 
 
-def test_vllm_runs_as_ray_replicas_and_what_is_refused():
+def test_vllm_runs_as_replicas_and_what_is_refused():
     from rlcore.stack import load_stack
-    from rlcore_vllm.settings import choose_transport, runs_as_ray_replicas
+    from rlcore_vllm.settings import choose_transport, runs_as_replicas
 
     example = os.path.join(EXAMPLES, "vllm_tiny.yaml")
     cfg = load_stack(example, ["plugins=[vllm,ray]", *RAY_REPLICAS]).config
-    assert runs_as_ray_replicas(cfg) and cfg.rollout.seed_per_prompt is True
+    assert runs_as_replicas(cfg) and cfg.rollout.seed_per_prompt is True
     assert choose_transport(cfg.vllm, cfg) == "shm"  # the fleet's path, whatever the device
-    assert not runs_as_ray_replicas(load_stack(example).config)
+    assert not runs_as_replicas(load_stack(example).config)
     for override, key, message in [("vllm.transport=nccl", "vllm.transport", "the 'shm' transport only"),
                                    ("vllm.mode=http", "vllm.mode", "servers as replicas are not built")]:
         with pytest.raises(ConfigError, match=message) as err:

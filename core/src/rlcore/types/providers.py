@@ -82,6 +82,9 @@ class Cap:
     IN_PLACE_LOAD = "in_place_load"
     #: drafts speculatively with the pushed policy's own first ``rollout.draft_depths`` MTP layers
     POLICY_MTP_DRAFTS = "policy_mtp_drafts"
+    #: loads pushed MTP layers in any model's layout (core's local backend builds them only in
+    #: MiMo's layout over Qwen2, so it does not declare this)
+    ANY_MTP_LAYOUT = "any_mtp_layout"
 
     # weight_sync
     VERIFIED = "verified"  #: every push is verified against what the receiver holds
@@ -116,6 +119,15 @@ class Cap:
     ENGINE_MODEL = "engine_model"
     #: builds MTP layers over an MoE model (``engine.model.tiny.mtp_layers`` on ``qwen2_moe``/``qwen3_moe``)
     MOE_MTP = "moe_mtp"
+
+    # launcher (declared by the launcher ``cluster.backend`` selects; core copies them into the
+    # resolved config's ``cluster.launcher_capabilities``, so that a plugin's config check and
+    # factory can ask, by capability, where the ranks and replicas run)
+    #: starts the trainer ranks itself, sized by ``cluster.trainer`` (dp/tp/ep/pp): an engine's own
+    #: parallel sizes are then those (rlcore-megatron reads them instead of its keys)
+    PLACES_RANKS = "places_ranks"
+    #: runs each rollout backend as replicas in processes of their own (``cluster.rollout.replicas``)
+    ROLLOUT_REPLICAS = "rollout_replicas"
 
 
 # --------------------------------------------------------------------------------------------

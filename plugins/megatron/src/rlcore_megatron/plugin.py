@@ -13,6 +13,8 @@ from rlcore.types import Cap, EngineSpec, PluginSettings, RequiresCapability
 from rlcore_megatron.settings import (
     ENGINE_CAPABILITIES,
     MegatronSettings,
+    exports_mtp_beyond_mimo,
+    mtp_export_reason,
     resolve_parallel,
     section_settings,
     validate_settings,
@@ -79,3 +81,4 @@ def constraints():
         "megatron.sequence_parallel=true hands the head a slice of the hidden states per rank",
         when=lambda cfg: _megatron_selected(cfg) and bool(cfg.megatron.sequence_parallel),
     )
+    yield RequiresCapability("rollout_backend", Cap.ANY_MTP_LAYOUT, mtp_export_reason, when=exports_mtp_beyond_mimo)

@@ -84,20 +84,29 @@ def section_settings(section: Any) -> MegatronSettings:
     return MegatronSettings(**{k: section[k] for k in section.keys() if k in names})
 
 
+def launcher_places_ranks(config: Any) -> bool:
+    """Whether the run's launcher starts the trainer ranks from ``cluster.trainer``'s sizes (it
+    declares ``places_ranks``; core copies a launcher's capabilities into the resolved config)."""
+    cluster = config.get("cluster") if config is not None and hasattr(config, "get") else None
+    return cluster is not None and Cap.PLACES_RANKS in list(cluster.get("launcher_capabilities") or [])
+
+
 def resolve_parallel(s: MegatronSettings, config: Any = None) -> MegatronSettings:
-    """The settings with the run's parallel sizes. One source of truth per launcher: under
-    ``cluster.backend=ray`` the ranks are started by the cluster layer, so ``cluster.trainer.tp``
-    / ``ep`` decide ``tensor_parallel_size`` / ``expert_parallel_size``; the megatron keys may
-    be left at 1 or set to the same value, anything else is an error naming both keys. Otherwise
-    (one process, or a bare engine under torchrun) the megatron keys are used as they are."""
-    if config is None or str(config.cluster.backend) != "ray":
+    """The settings with the run's parallel sizes. One source of truth per launcher: under a
+    launcher that places the ranks itself (it declares ``places_ranks``: ``cluster.backend=ray``)
+    ``cluster.trainer.tp`` / ``ep`` / ``pp`` decide ``tensor_parallel_size`` /
+    ``expert_parallel_size`` / ``pipeline_parallel_size``; the megatron keys may be left at 1 or
+    set to the same value, anything else is an error naming both keys. Otherwise (one process, or a
+    bare engine under torchrun) the megatron keys are used as they are."""
+    if not launcher_places_ranks(config):
         return s
     sizes = {}
     for dim, key in CLUSTER_DIMS:
         mine, theirs = int(getattr(s, key)), int(config.cluster.trainer[dim])
         if mine not in (1, theirs):
             raise ConfigError(
-                f"megatron.{key}={mine} conflicts with cluster.trainer.{dim}={theirs}: under cluster.backend=ray "
+                f"megatron.{key}={mine} conflicts with cluster.trainer.{dim}={theirs}: under cluster.backend="
+                f"{config.cluster.backend} "
                 f"the trainer ranks' layout is cluster.trainer.{dim} and megatron.{key} follows it; set "
                 f"cluster.trainer.{dim}={mine} (and leave megatron.{key} at 1 or equal to it)",
                 key=f"cluster.trainer.{dim}")
@@ -249,17 +258,23 @@ def validate_settings(section: Any, config: Any = None) -> None:
     try:
         check_model(resolved, spec)
     except ConfigError as exc:
-        if resolved is section or str(config.cluster.backend) != "ray":
+        if resolved is section or not launcher_places_ranks(config):
             raise
-        raise ConfigError(f"{exc} (under cluster.backend=ray the sizes are cluster.trainer.tp / "
+        raise ConfigError(f"{exc} (under cluster.backend={config.cluster.backend} the sizes are cluster.trainer.tp / "
                           f"cluster.trainer.ep / cluster.trainer.pp)", key=exc.key) from exc
-    check_mtp_export(resolved, spec, str(config.rollout.backend))
 
 
-def check_mtp_export(s: Any, sp: ModelSpec, rollout_backend: str) -> None:
-    """MTP layers sent to the local rollout must be in a layout it builds: MiMo's, over Qwen2."""
-    if s.export_mtp and sp.mtp_layers and sp.model_type != "qwen2" and rollout_backend == "local":
-        raise ConfigError(
-            f"megatron.export_mtp=true sends the {sp.mtp_layers} MTP layer(s) of this {sp.model_type!r} model to the "
-            f"local rollout, which builds MTP layers only in MiMo's layout over Qwen2; set megatron.export_mtp: false "
-            f"(the MTP layers still train)", key="megatron.export_mtp")
+def exports_mtp_beyond_mimo(config: Any) -> bool:
+    """Whether the megatron engine pushes MTP layers in a layout other than MiMo's over Qwen2
+    (``megatron.export_mtp`` with MTP layers on another model type): the rollout backend must
+    declare ``any_mtp_layout`` (a constraint of the plugin)."""
+    if config.engine.name != "megatron" or not bool(config.megatron.export_mtp):
+        return False
+    sp = model_spec_for(config)
+    return bool(sp.mtp_layers) and sp.model_type != "qwen2"
+
+
+def mtp_export_reason(config: Any) -> str:
+    sp = model_spec_for(config)
+    return (f"megatron.export_mtp=true sends the {sp.mtp_layers} MTP layer(s) of this {sp.model_type!r} model, a "
+            f"layout other than MiMo's over Qwen2; set megatron.export_mtp: false (the MTP layers still train)")

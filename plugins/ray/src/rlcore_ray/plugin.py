@@ -9,7 +9,7 @@ actors in one placement group (:mod:`rlcore_ray.launch`). Importing this module 
 from __future__ import annotations
 
 from rlcore import PLUGIN_API, hookimpl
-from rlcore.types import LauncherSpec, PluginSettings
+from rlcore.types import Cap, LauncherSpec, PluginSettings
 
 from rlcore_ray.settings import RaySettings, validate
 
@@ -37,4 +37,5 @@ def weight_sync():
 @hookimpl
 def launcher():
     yield LauncherSpec(name="ray", factory=_build, remote_ranks=lambda config: bool(config.ray.address),
+                       capabilities={Cap.PLACES_RANKS, Cap.ROLLOUT_REPLICAS},
                        description="trainer ranks and rollout replicas as Ray actors in one placement group")

@@ -39,9 +39,15 @@ from typing import Any
 import torch
 from rlcore.errors import ConfigError, RolloutError
 from rlcore.platforms import cuda_free_bytes
-from rlcore_enginekit.routed_experts import MoEShape, decode_routed_experts, moe_shape
-from rlcore_enginekit.serving import EngineServerError, ServerProcess, answer_message, launch_server, local_url
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
+from rlcore_enginekit.routed_experts import MoEShape, decode_routed_experts, moe_shape
+from rlcore_enginekit.serving import (
+    EngineServerError,
+    ServerProcess,
+    answer_message,
+    launch_server,
+    local_url,
+)
 
 from rlcore_sglang import protocol
 from rlcore_sglang.protocol import OLDEST_SUPPORTED, ServerFeatures, version_text
@@ -91,7 +97,7 @@ class SGLangBackend:
         f = self.features
         if f is None:
             return frozenset()
-        caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET}
+        caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.ANY_MTP_LAYOUT}  # its loaders read MTP layers
         if f.memory_saver:
             caps.add(Cap.RELEASE_KV_CACHE)
             if f.weight_cache_mode == "off":

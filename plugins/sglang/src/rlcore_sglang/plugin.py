@@ -27,6 +27,7 @@ BACKEND_CAPABILITIES = frozenset(
         Cap.RELEASE_WEIGHTS,
         Cap.ROUTED_EXPERTS,
         Cap.SPECULATIVE,
+        Cap.ANY_MTP_LAYOUT,  # pushed MTP layers go through SGLang's own loaders for the model's architecture
     }
 )
 

@@ -54,7 +54,6 @@ from typing import Any, TypeVar
 
 import torch
 from rlcore.errors import ConfigError, WeightSyncError
-from rlcore_enginekit.serving import EngineServerError, answer_message
 from rlcore.sync import (
     Bucket,
     ChecksumSlots,
@@ -65,6 +64,7 @@ from rlcore.sync import (
     verification_level,
 )
 from rlcore.types import SyncReport
+from rlcore_enginekit.serving import EngineServerError, answer_message
 
 from rlcore_sglang import protocol, wire
 from rlcore_sglang.backend import SGLangBackend

@@ -46,8 +46,8 @@ from typing import Any
 from rlcore.errors import RolloutError
 from rlcore.platforms import cuda_free_bytes
 from rlcore.rollout_seeds import CallSeeds, base_seed, copy_seed
-from rlcore_enginekit.routed_experts import MoEShape, decode_routed_experts, moe_shape
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
+from rlcore_enginekit.routed_experts import MoEShape, decode_routed_experts, moe_shape
 
 from rlcore_vllm.engines import (
     HTTPEngine,
@@ -63,7 +63,7 @@ from rlcore_vllm.platform import (
     missing_reasons,
     runtime_backend_capabilities,
 )
-from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport, runs_as_ray_replicas
+from rlcore_vllm.settings import VLLMSettings, check_settings, choose_transport, runs_as_replicas
 from rlcore_vllm.speculative import (
     GREEDY_BELOW,
     SpecCounters,
@@ -631,7 +631,7 @@ def build_backend(ctx: Any) -> VLLMBackend:
     backend = VLLMBackend(settings, dtype=cfg.engine.model.dtype, seed=base_seed(cfg),
                           return_routed_experts=bool(cfg.rollout.return_routed_experts), output_dir=ctx.output_dir,
                           transport=choose_transport(settings, cfg) if cfg.sync.name == "vllm" else "shm")
-    backend.ray_replica = runs_as_ray_replicas(cfg)
+    backend.ray_replica = runs_as_replicas(cfg)
     loop = getattr(cfg, "loop", None)  # partial rollouts: the overlapped loop with in_flight=abort
     backend.resume_partial = loop is not None and loop.mode != "sync" and loop.in_flight == "abort"
     backend.push_verify = bool(cfg.sync.verify)

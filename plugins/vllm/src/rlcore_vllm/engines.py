@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RolloutError
-from rlcore_enginekit.serving import LOOPBACK, JSONClient, ServerProcess, launch_server, local_url, wait_healthy
+from rlcore_enginekit.serving import (
+    LOOPBACK,
+    JSONClient,
+    ServerProcess,
+    launch_server,
+    local_url,
+    wait_healthy,
+)
 
 from rlcore_vllm.liveness import EngineCoreWatch
 from rlcore_vllm.logprobs import sampled_logprobs, supports_flat_logprobs

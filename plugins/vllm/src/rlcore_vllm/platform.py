@@ -21,6 +21,7 @@ DECLARED_BACKEND_CAPABILITIES = frozenset({
     Cap.ROUTED_EXPERTS,
     Cap.SPECULATIVE,
     Cap.REPLICA,  # built from the run's config in a replica actor (vLLM is imported only there)
+    Cap.ANY_MTP_LAYOUT,  # pushed MTP layers go through vLLM's own loaders for the model's architecture
 })
 
 #: FEEDS_REPLICAS: through the shm transport (each replica loads every bucket by its layerwise
@@ -62,7 +63,8 @@ def installed_build_note() -> str:
 def runtime_backend_capabilities(is_cpu: bool, sleep_mode: bool, routed_experts: bool,
                                  speculative: bool) -> frozenset[str]:
     """The backend's capabilities on the running platform with the engine as configured."""
-    caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.REPLICA}  # REPLICA: how it is built, any platform
+    # REPLICA: how it is built; ANY_MTP_LAYOUT: vLLM's loaders read the MTP layers; any platform
+    caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.REPLICA, Cap.ANY_MTP_LAYOUT}
     if not is_cpu:
         if sleep_mode:
             caps |= {Cap.RELEASE_KV_CACHE, Cap.RELEASE_WEIGHTS}

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.errors import ConfigError
+from rlcore.types import Cap
 from rlcore_enginekit.serving import LOOPBACK, check_bind_host
 
 from rlcore_vllm.speculative import check_speculative
@@ -169,10 +170,12 @@ def check_settings(settings: Any, config: Any = None) -> None:
         check_ray_replicas(settings, config)
 
 
-def runs_as_ray_replicas(config: Any) -> bool:
-    """Whether ``rollout.backend: vllm`` runs as Ray rollout replicas (``cluster.backend: ray``)."""
+def runs_as_replicas(config: Any) -> bool:
+    """Whether ``rollout.backend: vllm`` runs as rollout replicas in processes of their own: the
+    launcher declares ``rollout_replicas`` (``cluster.backend: ray``; core copies a launcher's
+    capabilities into the resolved config's ``cluster.launcher_capabilities``)."""
     cluster = config.get("cluster") if hasattr(config, "get") else None
-    return cluster is not None and str(cluster.get("backend", "local")) == "ray" \
+    return cluster is not None and Cap.ROLLOUT_REPLICAS in list(cluster.get("launcher_capabilities") or []) \
         and str(config.rollout.backend) == "vllm"
 
 
@@ -181,7 +184,7 @@ def check_ray_replicas(settings: Any, config: Any) -> None:
     replica through the fleet and the ``shm`` worker path, or by ``broadcast`` (which is for
     replicas only); what is not built for replicas yet is refused here, naming the key, instead of
     running half-wired."""
-    if not runs_as_ray_replicas(config):
+    if not runs_as_replicas(config):
         if settings.transport == "broadcast":
             raise ConfigError("bad value for config key 'vllm.transport': 'broadcast' feeds vLLM rollout replicas "
                               "under cluster.backend=ray only; one engine of this process takes 'cuda_ipc' or 'shm' "
@@ -224,7 +227,7 @@ def choose_transport(settings: Any, config: Any = None) -> str:
     warning naming the install line, without rlcore-ray), else ``shm``."""
     if settings.transport != "auto":
         return settings.transport
-    if config is not None and runs_as_ray_replicas(config):
+    if config is not None and runs_as_replicas(config):
         return "shm"  # replicas: the Ray fleet's path (check_ray_replicas)
     device = str(config.engine.device) if config is not None else "cpu"
     if settings.mode == "offline" and device in ("cuda", "auto"):
