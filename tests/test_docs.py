@@ -304,3 +304,19 @@ def test_architecture_lists_every_plugin_module():
                                                          and not p.name.endswith(".egg-info"))
                for name in _modules(src, pkg) if f"`{name}`" not in text]
     assert not missing, f"docs/architecture.md does not list these plugin modules: {', '.join(missing)}"
+
+
+def test_the_role_table_in_hooks_md_is_the_one_in_hookspecs():
+    """docs/hooks.md's role table has one row per provider hook, as ROLES (read from the
+    ``@provider`` decorators) has it: the key or core's rule, the descriptor, one or many."""
+    from rlcore.hookspecs import ROLES
+
+    text = (ROOT / "docs" / "hooks.md").read_text()
+    table = text.split("### The role table", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    documented = {}
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        documented[cells[0].strip("`")] = (cells[1].strip("`"), cells[2].strip("`"), cells[3])
+    assert documented == {hook: (role.selected_by, role.descriptor.__name__, role.selects)
+                          for hook, role in ROLES.items()}

@@ -37,6 +37,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     else:
         selected = PluginManager.requested_plugins(None)
     records = pm.describe(selected)
+    if args.roles:
+        return _print_roles(records, as_json=args.json)
     if args.hook:
         records = [r for r in records if args.hook in r.hooks]
     if args.json:
@@ -53,6 +55,27 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         provides = "; ".join(f"{k}: {', '.join(v)}" for k, v in r.provides.items() if v)
         status = r.status + (f" ({r.error})" if r.error else "")
         table.add_row(r.name, r.distribution, r.version, status, ", ".join(r.hooks), provides)
+    _console().print(table)
+    return 0
+
+
+def _print_roles(records: list, *, as_json: bool) -> int:
+    """``rlcore plugins --roles``: the role table (rlcore.hookspecs.ROLES) with the names the
+    installed plugins provide for each role."""
+    from rlcore.listing import role_rows
+
+    rows = role_rows(records)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"rlcore {__version__} roles")
+    for col in ("role", "selected by", "descriptor", "selects", "provided"):
+        table.add_column(col, no_wrap=col != "provided")
+    for row in rows:
+        table.add_row(row["role"], row["selected_by"], row["descriptor"], row["selects"],
+                      ", ".join(row["provided"]))
     _console().print(table)
     return 0
 
@@ -203,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--hook", help="only plugins implementing this hook")
     pl.add_argument("--config", help="mark the plugins this config selects as active")
+    pl.add_argument("--roles", action="store_true",
+                    help="the role table: each provider hook, the config key that selects it, what is installed")
     pl.set_defaults(func=_cmd_plugins)
 
     ck = sub.add_parser("check", help="validate a config and print the resolved stack")

@@ -21,6 +21,7 @@ the user's, in the config.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -57,16 +58,21 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-def _kind(kind: str, descriptor: type[ProviderSpec] | None = None, **options: Any) -> Callable:
+def _kind(kind: str, descriptor: type[ProviderSpec] | None = None, key: str | None = None, rule: str = "",
+          **options: Any) -> Callable:
     def mark(spec: Callable) -> Callable:
         spec.rlcore_kind, spec.rlcore_descriptor = kind, descriptor  # type: ignore[attr-defined]
+        spec.rlcore_key, spec.rlcore_rule = key, rule  # type: ignore[attr-defined]
         return hookspec(**options)(spec)
     return mark
 
 
-def provider(descriptor: type[ProviderSpec]) -> Callable:
-    """A provider hook whose implementations return ``descriptor`` objects."""
-    return _kind("provider", descriptor)
+def provider(descriptor: type[ProviderSpec], *, key: str | None, rule: str = "") -> Callable:
+    """A provider hook whose implementations return ``descriptor`` objects; ``key`` is the config
+    key that selects them (a name, or a list of names where the descriptor ``selects`` many), or
+    None where core selects by ``rule`` instead (``platform``: by ``engine.device``'s kind). The
+    hook, its descriptor, its key and its rule are the hook's row of :data:`ROLES`."""
+    return _kind("provider", descriptor, key, rule)
 
 
 def chain(spec: Callable | None = None, *, firstresult: bool = False) -> Callable:
@@ -134,7 +140,7 @@ class RLCoreSpecs:
 
     # ------------------------------------------------------------------- providers -------
 
-    @provider(ForwardFnSpec)
+    @provider(ForwardFnSpec, key='forward.name')
     def forward_fn(self) -> Iterable[ForwardFnSpec]:
         """Register policy heads: per-token log-probs and entropy from hidden states.
 
@@ -169,7 +175,7 @@ class RLCoreSpecs:
                                     capabilities={Cap.ENTROPY, Cap.VOCAB_PARALLEL})
         """
 
-    @provider(RolloutBackendSpec)
+    @provider(RolloutBackendSpec, key='rollout.backend')
     def rollout_backend(self) -> Iterable[RolloutBackendSpec]:
         """Register rollout engines that generate samples from the policy.
 
@@ -201,7 +207,7 @@ class RLCoreSpecs:
                     capabilities={Cap.LOGPROBS, Cap.PAUSE, Cap.RELEASE_KV_CACHE})
         """
 
-    @provider(WeightSyncSpec)
+    @provider(WeightSyncSpec, key='sync.name')
     def weight_sync(self) -> Iterable[WeightSyncSpec]:
         """Register weight transports from the trainer into a rollout backend.
 
@@ -232,7 +238,7 @@ class RLCoreSpecs:
                                      backends={"vllm"})
         """
 
-    @provider(EngineSpec)
+    @provider(EngineSpec, key='engine.name')
     def engine(self) -> Iterable[EngineSpec]:
         """Register training engines (built-in ``hf``; ``megatron`` from the ``rlcore-megatron``
         plugin).
@@ -260,7 +266,7 @@ class RLCoreSpecs:
                                  capabilities={Cap.MOE, Cap.MTP, Cap.TENSOR_PARALLEL})
         """
 
-    @provider(AlgorithmSpec)
+    @provider(AlgorithmSpec, key='algorithm.name')
     def algorithm(self) -> Iterable[AlgorithmSpec]:
         """Register RL algorithms: an advantage estimator and a policy loss in closed form.
 
@@ -302,7 +308,7 @@ class RLCoreSpecs:
                                     loss_agg="token-mean", source="Me et al. 2026, eq. 3")
         """
 
-    @provider(PlatformSpec)
+    @provider(PlatformSpec, key=None, rule="engine.device's kind (cpu, cuda, npu, ...)")
     def platform(self) -> Iterable[PlatformSpec]:
         """Register device platforms: where tensors live and how ranks talk.
 
@@ -337,7 +343,7 @@ class RLCoreSpecs:
                                    is_available=lambda: importlib.util.find_spec("xpu_ext") is not None)
         """
 
-    @provider(LauncherSpec)
+    @provider(LauncherSpec, key='cluster.backend')
     def launcher(self) -> Iterable[LauncherSpec]:
         """Register launchers: where a run's trainer ranks and rollout replicas run.
 
@@ -375,7 +381,7 @@ class RLCoreSpecs:
                                    remote_ranks=lambda config: True)
         """
 
-    @provider(EnvironmentSpec)
+    @provider(EnvironmentSpec, key='environment.name')
     def environment(self) -> Iterable[EnvironmentSpec]:
         """Register environments: what answers the model's turns in a rollout (tool outputs, user
         messages, the end of the conversation) and rewards them per turn or at the end.
@@ -414,7 +420,7 @@ class RLCoreSpecs:
                                       description="the model guesses; the environment says higher or lower")
         """
 
-    @provider(ToolSpec)
+    @provider(ToolSpec, key='environment.tools')
     def tool(self) -> Iterable[ToolSpec]:
         """Register tools: what an environment whose spec ``uses_tools`` (built-in ``tools``) lets
         the model call, by name, with one string argument.
@@ -449,7 +455,7 @@ class RLCoreSpecs:
                 yield ToolSpec(name="search", factory=build, description="searches an index")
         """
 
-    @provider(TrackerSpec)
+    @provider(TrackerSpec, key='tracking.backends')
     def tracker(self) -> Iterable[TrackerSpec]:
         """Register experiment trackers: where each step's metrics go besides ``metrics.jsonl``.
 
@@ -611,6 +617,34 @@ PROVIDER_HOOKS = _hooks("provider")
 CHAIN_HOOKS = _hooks("chain")
 DECLARATION_HOOKS = _hooks("declaration")
 ALL_HOOKS = PROVIDER_HOOKS + CHAIN_HOOKS + DECLARATION_HOOKS
+
+
+@dataclass(frozen=True)
+class Role:
+    """One provider hook's row of the role table: the hook (also the :class:`rlcore.stack.Stack`
+    field that holds the selection), the descriptor type its implementations return, the config
+    key that selects (``None``: core selects by another rule) and whether it selects one provider
+    or many (the descriptor class says it)."""
+
+    hook: str
+    descriptor: type[ProviderSpec]
+    key: str | None
+    #: how core selects where ``key`` is None
+    rule: str = ""
+
+    @property
+    def selected_by(self) -> str:
+        return self.key or self.rule
+
+    @property
+    def selects(self) -> str:
+        return self.descriptor.selects
+
+
+#: the role table, read from the ``@provider`` decorators above: the manager's typed lookups,
+#: ``rlcore.stack.resolve``'s selections, ``Stack.role``, ``rlcore plugins`` and docs/hooks.md's
+#: role table (a test compares them) all read it
+ROLES: dict[str, Role] = {name: Role(name, getattr(RLCoreSpecs, name).rlcore_descriptor, getattr(RLCoreSpecs, name).rlcore_key,
+                                     getattr(RLCoreSpecs, name).rlcore_rule) for name in PROVIDER_HOOKS}
 #: the descriptor type each provider hook's implementations return
-DESCRIPTORS: dict[str, type[ProviderSpec]] = {name: getattr(RLCoreSpecs, name).rlcore_descriptor
-                                              for name in PROVIDER_HOOKS}
+DESCRIPTORS: dict[str, type[ProviderSpec]] = {name: role.descriptor for name, role in ROLES.items()}

@@ -15,7 +15,7 @@ from typing import Any
 import pluggy
 
 from rlcore.discovery import ENV_DISABLED, InstalledPlugin, LoadedPlugin, plugin_api_of
-from rlcore.hookspecs import PROJECT, PROVIDER_HOOKS, RLCoreSpecs
+from rlcore.hookspecs import PROJECT, PROVIDER_HOOKS, ROLES, RLCoreSpecs
 from rlcore.types import PLUGIN_API
 
 
@@ -122,3 +122,13 @@ def _fill_record(rec: PluginRecord, module: Any) -> None:
     except Exception as exc:  # noqa: BLE001
         rec.status = "broken"
         rec.error = f"{type(exc).__name__}: {exc}"
+
+
+def role_rows(records: list[PluginRecord]) -> list[dict[str, Any]]:
+    """One row per role of :data:`rlcore.hookspecs.ROLES`: the hook, the config key that selects
+    (``None``: core's own rule), the descriptor type, one or many, and the provider names the
+    listed plugins register for it (``rlcore plugins --roles``)."""
+    return [{"role": role.hook, "key": role.key, "selected_by": role.selected_by,
+             "descriptor": role.descriptor.__name__, "selects": role.selects,
+             "provided": sorted({name for rec in records for name in rec.provides.get(role.hook, [])})}
+            for role in ROLES.values()]

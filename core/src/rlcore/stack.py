@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlcore import config as cfgmod
 from rlcore import errors
-from rlcore.hookspecs import CHAIN_HOOKS
+from rlcore.hookspecs import CHAIN_HOOKS, ROLES
 from rlcore.inactive_plugins import require_active_algorithm
 from rlcore.manager import PluginManager
 from rlcore.tracking.selection import select_trackers
@@ -27,6 +27,11 @@ from rlcore.types import (
     TrackerSpec,
     WeightSyncSpec,
 )
+
+#: the roles that select one provider, in the table's order (each a field of :class:`Stack`)
+ONE_ROLES = tuple(hook for hook, role in ROLES.items() if role.selects == "one")
+#: the fields every Stack is built with
+_STACK_ARGS = ("engine", "forward_fn", "rollout_backend", "weight_sync")
 
 
 @dataclass
@@ -66,12 +71,11 @@ class Stack:
         return cap in self.role(role).capabilities and cap not in self.gaps.get(role, {})
 
     def role(self, role: str):
-        return {
-            "engine": self.engine,
-            "forward_fn": self.forward_fn,
-            "rollout_backend": self.rollout_backend,
-            "weight_sync": self.weight_sync,
-        }[role]
+        """The provider selected for ``role``: a provider hook that selects one (a row of
+        :data:`rlcore.hookspecs.ROLES`; the field of this name)."""
+        if role not in ONE_ROLES:
+            raise ValueError(f"{role!r} is not a role that selects one provider; roles: {', '.join(ONE_ROLES)}")
+        return getattr(self, role)
 
     def describe(self) -> dict[str, Any]:
         def spec(s):
@@ -137,15 +141,16 @@ def _known_sections(pm: PluginManager) -> dict[str, str]:
 
 def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
     """Select the providers and check every declared constraint and capability."""
-    engine = pm.select("engine", cfg.engine.name, key="engine.name")
-    forward = pm.select("forward_fn", cfg.forward.name, key="forward.name")
-    rollout = pm.select("rollout_backend", cfg.rollout.backend, key="rollout.backend")
-    sync = pm.select("weight_sync", cfg.sync.name, key="sync.name")
-    stack = Stack(cfg, pm, engine, forward, rollout, sync)  # type: ignore[arg-type]
-    stack.algorithm = pm.select("algorithm", cfg.algorithm.name, key="algorithm.name")
+    # every role the table gives a key of one name: the provider that name selects
+    selected = {hook: pm.select(hook, str(OmegaConf.select(cfg, role.key)), key=role.key)
+                for hook, role in ROLES.items() if role.selects == "one" and role.key is not None}
+    stack = Stack(cfg, pm, **{hook: selected.pop(hook) for hook in _STACK_ARGS})  # type: ignore[arg-type]
+    for hook, spec in selected.items():
+        setattr(stack, hook, spec)
+    rollout, sync = stack.rollout_backend, stack.weight_sync
     from rlcore.platforms import select_platform
 
-    stack.platform = select_platform(cfg.engine.device, pm.platforms(), select=pm.select)
+    stack.platform = select_platform(cfg.engine.device, pm.platforms(), select=pm.select)  # by engine.device
     stack.chains = {hook: pm.implementers(hook) for hook in CHAIN_HOOKS}
 
     # the weight sync must be able to feed the backend
@@ -156,8 +161,10 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
         )
 
     # capabilities the providers declare but cannot deliver on this machine / with this config
-    for role in ("engine", "forward_fn", "rollout_backend", "weight_sync"):
+    for role in ONE_ROLES:
         spec = stack.role(role)
+        if spec is None:
+            continue
         try:
             gaps = spec.gaps(cfg)
         except Exception as exc:  # noqa: BLE001 - a broken probe must not hide the stack
@@ -214,13 +221,11 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
             if cap in stack.wanted.get(role, {}):
                 stack.notes.append(f"{role} {stack.role(role).name!r} lacks {cap!r} here: {reason}")
 
-    stack.environment = pm.select("environment", cfg.environment.name, key="environment.name")
     if stack.environment.uses_tools:  # each a tool provider; one no active plugin has names its plugin
         stack.tools = pm.select_all("tool", list(cfg.environment.tools), key="environment.tools")
     stack.trackers, tracker_notes = select_trackers(cfg, pm)  # several at once (rlcore/tracking/selection.py)
     stack.notes.extend(tracker_notes)
     # where the ranks and replicas run: the launcher checks the providers' capabilities for it
-    stack.launcher = pm.select("launcher", cfg.cluster.backend, key="cluster.backend")  # type: ignore[assignment]
     stack.launcher.factory(cfg).check(stack)
     return stack
 

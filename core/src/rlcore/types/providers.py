@@ -377,12 +377,13 @@ class IncompatibleWith:
 
 @dataclass(frozen=True)
 class RequiresCapability:
-    """Declared by a plugin: while it is active, the provider selected for ``role``
-    (``forward_fn``, ``rollout_backend``, ``weight_sync`` or ``engine``) must declare
-    ``capability``. ``when`` optionally limits the rule to configs where it returns True;
-    ``reason`` may be a function of the config, to name the setting and its value."""
+    """Declared by a plugin: while it is active, the provider selected for ``role`` (any role
+    that selects one provider: ``forward_fn``, ``rollout_backend``, ``weight_sync``, ``engine``,
+    ``algorithm``, ``platform``, ``launcher``, ``environment``; :data:`rlcore.hookspecs.ROLES`)
+    must declare ``capability``. ``when`` optionally limits the rule to configs where it returns
+    True; ``reason`` may be a function of the config, to name the setting and its value."""
 
-    role: Literal["forward_fn", "rollout_backend", "weight_sync", "engine"]
+    role: str
     capability: str
     reason: str | Callable[[Any], str]
     when: Callable[[Any], bool] | None = None
