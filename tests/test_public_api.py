@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import re
 import sys
 from collections.abc import Iterator
@@ -371,3 +372,65 @@ def test_the_check_passes_public_modules_of_declared_plugins(tmp_path):
     checkout, undeclared = _planted_plugin(tmp_path / "again", CLEAN, ["rlcore>=0.1,<0.2"])
     with pytest.raises(AssertionError, match="from rlcore-mtp, which .* does not depend on"):
         assert_import_only_the_public_api(checkout, [undeclared])
+
+
+#: where the names imported from rlcore's public modules are read: every plugin's sources, tests
+#: and benches, the examples, the cross-package tests and the scripts (core's own tests may reach
+#: into its internals)
+FACE_READERS = ("plugins", "examples", "tests", "scripts")
+
+
+def names_imported_from_public_modules(root: Path = ROOT) -> dict[str, dict[str, list[str]]]:
+    """module -> name -> the files that import it (``from module import name``)."""
+    public = set(PUBLIC_MODULES) | set(FOR_TESTS_ONLY)
+    found: dict[str, dict[str, list[str]]] = {}
+    for top in FACE_READERS:
+        for path in sorted((root / top).rglob("*.py")):
+            if ".egg-info" in path.parts or "build" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in public:
+                    for alias in node.names:
+                        found.setdefault(node.module, {}).setdefault(alias.name, []).append(str(path.relative_to(root)))
+    return found
+
+
+def face_problems(root: Path = ROOT) -> list[str]:
+    """What breaks the public faces: a public module without ``__all__`` or naming what it does
+    not define, and every import of a name from a public module that is not in its ``__all__``
+    (nor one of its submodules), read under ``root``'s FACE_READERS."""
+    problems = []
+    for module in sorted(set(PUBLIC_MODULES) | set(FOR_TESTS_ONLY)):
+        mod = importlib.import_module(module)
+        face = getattr(mod, "__all__", None)
+        if face is None:
+            problems.append(f"{module} declares no __all__")
+            continue
+        problems.extend(f"{module}.__all__ names {n!r}, which it does not define" for n in face if not hasattr(mod, n))
+    for module, names in names_imported_from_public_modules(root).items():
+        mod = importlib.import_module(module)
+        face = set(getattr(mod, "__all__", ()))
+        for name, files in sorted(names.items()):
+            is_submodule = hasattr(mod, "__path__") and importlib.util.find_spec(f"{module}.{name}") is not None
+            if name in face or is_submodule:
+                continue
+            problems.append(f"{files[0]} imports {name!r} from {module}, which is not in its __all__"
+                            + (f" (and {len(files) - 1} more files)" if len(files) > 1 else ""))
+    return problems
+
+
+def test_every_public_module_names_its_face_and_only_that_face_is_imported():
+    """Each public module declares ``__all__``, every name in it defined there; what the plugins,
+    their tests and benches, the examples, these tests and the scripts import from a public module
+    is in its ``__all__`` (or is one of its submodules): anything else is internal, so a change
+    inside core cannot break them unseen."""
+    problems = face_problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_face_check_sees_an_internal_name_imported(tmp_path):
+    planted = tmp_path / "plugins" / "planted" / "src" / "planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from rlcore.batch import PackedBatch, _layout_of\nfrom rlcore.testing import conformance\n")
+    assert [p for p in face_problems(tmp_path) if "planted" in p] == [
+        "plugins/planted/src/planted.py imports '_layout_of' from rlcore.batch, which is not in its __all__"]

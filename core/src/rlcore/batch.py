@@ -27,6 +27,11 @@ import torch
 
 from rlcore.errors import BatchShapeError
 
+__all__ = [
+    "PackedBatch", "PackedLayout", "ROUTES_NATIVE", "compact_routes", "expand_routes", "route_id_dtype",
+    "routes_of", "sample_routes",
+]
+
 
 def _as_tensor(x: Any, what: str) -> torch.Tensor:
     try:

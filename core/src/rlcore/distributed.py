@@ -18,6 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+__all__ = [
+    "all_reduce_max", "copy_to_group", "gather_from_sequence_parallel", "group_rank", "group_size",
+    "reduce_from_group",
+]
+
 
 def group_size(group: Any) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+__all__ = [
+    "BatchShapeError", "BucketError", "CheckpointError", "ConfigError", "ConfigErrors", "IncompatiblePluginsError",
+    "LoopStallError", "MissingCapabilityError", "NonFiniteError", "PluginAPIError", "PluginConflictError",
+    "PluginError", "PluginHookError", "PluginImportError", "PluginNotInstalledError", "PluginValidationError",
+    "RLCoreError", "RewardError", "RolloutError", "RunOutputError", "UnknownProviderError", "WeightSyncError",
+]
+
 
 class RLCoreError(Exception):
     """Base class of every error rlcore raises on purpose."""

@@ -36,6 +36,8 @@ from rlcore.distributed import (
 from rlcore.errors import BatchShapeError
 from rlcore.types import HeadInput, HeadOutput, VocabShard
 
+__all__ = ["ReferenceHead", "check_head_input", "reference_logprobs"]
+
 
 def check_head_input(inp: HeadInput) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Validate a :class:`HeadInput` (errors say the expected shape) for any forward_fn.

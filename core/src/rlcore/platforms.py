@@ -20,6 +20,11 @@ from rlcore.types import Platform, PlatformSpec, implements
 if TYPE_CHECKING:  # pragma: no cover - torch is imported only when a device is resolved
     import torch
 
+__all__ = [
+    "TorchDevicePlatform", "builtin_platforms", "cuda_free_bytes", "dist_backend_for", "platform_for",
+    "resolve_device", "run_device", "select_platform",
+]
+
 AUTO = "auto"
 
 #: activated platforms by device type (``cpu`` and ``cuda`` need no activation)

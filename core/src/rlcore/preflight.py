@@ -33,6 +33,8 @@ from rlcore.errors import one_line as _one_line
 from rlcore.model_settings import DTYPE_BYTES
 from rlcore.types import Cap
 
+__all__ = ["MAX_LR", "MIN_TEMPERATURE", "TINY_MAX_POSITIONS", "load_reward", "preflight", "tiny_parameters"]
+
 #: below this ``rollout.temperature`` a run is refused. The head and the local sampler divide fp32
 #: logits by it: a logit of magnitude 10 carries a rounding error of about 1e-6 (fp32's epsilon
 #: 1.2e-7 x 10), which 1/T turns into a nat or more of log-prob noise between the rollout and the

@@ -17,6 +17,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+__all__ = ["CallSeeds", "SEED_STRIDE", "base_seed", "copy_seed", "step_seed"]
+
 #: spreads the base seeds of different runs apart (a prime, so nearby bases do not collide early)
 SEED_STRIDE = 1_000_003
 

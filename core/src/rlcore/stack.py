@@ -28,6 +28,8 @@ from rlcore.types import (
     WeightSyncSpec,
 )
 
+__all__ = ["ONE_ROLES", "check_engine_head", "config_yaml", "load_config", "load_stack", "resolve"]
+
 #: the roles that select one provider, in the table's order (each a field of :class:`Stack`)
 ONE_ROLES = tuple(hook for hook, role in ROLES.items() if role.selects == "one")
 #: the fields every Stack is built with

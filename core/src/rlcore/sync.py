@@ -35,6 +35,12 @@ import torch
 from rlcore.checksums import ChecksumPlan, ChecksumSlots, tensor_checksum, warm_checksum_kernels  # noqa: F401
 from rlcore.errors import BucketError, WeightSyncError
 
+__all__ = [
+    "Bucket", "ChecksumPlan", "ChecksumSlots", "LEVEL_CHECKS", "Phases", "SentChecksums", "TensorMeta",
+    "WeightManifest", "iter_buckets", "prune_versions", "sync_level", "tensor_checksum", "verification_level",
+    "verify_checksums", "warm_checksum_kernels",
+]
+
 
 @dataclass(frozen=True)
 class TensorMeta:

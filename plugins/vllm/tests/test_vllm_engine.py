@@ -16,7 +16,7 @@ from rlcore.testing.conformance import (
     PROMPTS,
     RolloutBackendConformance,
     WeightSyncConformance,
-    _failing_stream,
+    failing_stream,
     hf_export,
 )
 from rlcore.types import Cap, Prompt, SamplingSettings
@@ -146,7 +146,7 @@ def test_multiprocess_engine_push_failure_and_recovery(tiny_model_dirs):
     try:
         weights = hf_export(tiny_model_dirs["dense_b"])
         with pytest.raises(WeightSyncError, match="refuses to generate") as info:
-            sync.push(_failing_stream(weights, fail_after=len(weights) // 2), backend, 1)
+            sync.push(failing_stream(weights, fail_after=len(weights) // 2), backend, 1)
         assert info.value.receiver_version is None and backend.holds_unknown_weights
         with pytest.raises(RolloutError, match="unknown weights"):
             backend.generate(_prompts(), SamplingSettings(max_new_tokens=2))

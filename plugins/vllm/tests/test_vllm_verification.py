@@ -224,10 +224,10 @@ def test_a_push_refused_when_it_ends_keeps_the_engine_refusing(tiny_model_dirs):
             sync.push([(n, t) for n, t in weights if n != missing], backend, 1)
         _engine_refuses(backend, r"version 1 .*(partial|failed)")
         # a push that fails mid-stream (the trainer's export raises): refused as well
-        from rlcore.testing.conformance import _failing_stream
+        from rlcore.testing.conformance import failing_stream
 
         with pytest.raises(WeightSyncError):
-            sync.push(_failing_stream(weights, fail_after=len(weights) // 2), backend, 2)
+            sync.push(failing_stream(weights, fail_after=len(weights) // 2), backend, 2)
         _engine_refuses(backend, r"version 2 .*(partial|failed)")
         report = sync.push(weights, backend, 3)  # the next complete push lifts the guard
         backend.reset_prefix_cache()

@@ -14,6 +14,8 @@ from typing import Any
 
 from rlcore.errors import RLCoreError
 
+__all__ = ["checkpoint_tensors"]
+
 # model_type -> per-expert names of (gate, up, down) in checkpoints
 _EXPERT_NAMES = {
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),

@@ -36,6 +36,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+__all__ = ["ARCHITECTURE", "NUM_LAYERS_KEY", "tensor_names"]
+
 ARCHITECTURE = "MiMoForCausalLM"
 #: config.json key holding the number of MTP layers (the DeepSeek-V3 name MiMo uses)
 NUM_LAYERS_KEY = "num_nextn_predict_layers"

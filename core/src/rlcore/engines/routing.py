@@ -18,6 +18,8 @@ import torch
 from rlcore.errors import BatchShapeError
 from rlcore.types import RouterDecision
 
+__all__ = ["apply_router_decision", "forward_state_of_router_call", "in_backward"]
+
 _State = TypeVar("_State")
 
 

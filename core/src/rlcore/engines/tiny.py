@@ -17,6 +17,8 @@ from typing import Any
 
 from rlcore.engines.mimo_layout import ARCHITECTURE, NUM_LAYERS_KEY
 
+__all__ = ["check_hf_mtp", "init_tiny_weights", "make_tiny_model", "make_tokenizer", "save_tiny", "tiny_config"]
+
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 SUPPORTED_ARCHS = ("qwen2", "qwen2_moe", "qwen3_moe")
 

@@ -21,6 +21,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+__all__ = ["SDPA_PER_SEQUENCE", "varlen_attention", "varlen_backend"]
+
 TORCH_VARLEN = "torch_varlen"
 SDPA_PER_SEQUENCE = "sdpa_per_sequence"
 

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+__all__ = ["CALC", "MAX_TOOL_SECONDS", "Tool", "ToolRegistry", "calculate", "call_tool"]
+
 
 @dataclass(frozen=True)
 class Tool:

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from rlcore.parallel.strategy import RankStrategy
     from rlcore.ranks import Ranks
 
+__all__ = ["config_yaml", "free_port", "init_distributed", "run_rank", "stack_from_yaml", "strategy_for"]
+
 #: set in every process the cluster layer starts; ``rlcore train`` under another launcher
 #: (torchrun) refuses to run (see :func:`refuse_foreign_launcher`)
 LAUNCHED_ENV = "RLCORE_CLUSTER_RANK"

@@ -37,6 +37,10 @@ from rlcore.batch import PackedBatch
 from rlcore.testing.contracts import assert_close
 from rlcore.types import implements
 
+__all__ = [
+    "AlgorithmConformance", "RECOMPUTED", "algorithm_section", "closed_form_step", "random_step", "step_loss",
+]
+
 RECOMPUTED = "recomputed_logprobs"
 
 

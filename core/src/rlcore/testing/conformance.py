@@ -32,6 +32,11 @@ from rlcore.errors import RolloutError, WeightSyncError
 from rlcore.testing.contracts import assert_close
 from rlcore.types import Cap, HeadInput, Prompt, SamplingSettings, VocabShard
 
+__all__ = [
+    "EngineConformance", "ForwardFnConformance", "PROMPTS", "RolloutBackendConformance",
+    "WeightSyncConformance", "failing_stream", "float64_head", "float64_sum_pi_squared", "hf_export",
+]
+
 # --------------------------------------------------------------------------------------------
 # forward_fn
 # --------------------------------------------------------------------------------------------
@@ -442,7 +447,7 @@ def hf_export(model_dir) -> list[tuple[str, torch.Tensor]]:
     return list(HFEngine.from_pretrained(model_dir).export_hf_weights())
 
 
-def _failing_stream(weights, fail_after: int):
+def failing_stream(weights, fail_after: int):
     for i, item in enumerate(weights):
         if i == fail_after:
             raise RuntimeError("simulated trainer failure in the middle of a push")
@@ -517,7 +522,7 @@ class WeightSyncConformance:
         before = target.weight_version
         weights = hf_export(tiny_model_dirs["dense_b"])
         with pytest.raises(WeightSyncError) as info:
-            sync.push(_failing_stream(weights, fail_after=len(weights) // 2), target, before + 1)
+            sync.push(failing_stream(weights, fail_after=len(weights) // 2), target, before + 1)
         if Cap.ATOMIC in self.capabilities:
             assert info.value.receiver_version == before
             assert target.weight_version == before

@@ -38,6 +38,8 @@ import torch
 from rlcore.types import BuildContext, EnvironmentSpec, EnvStep, Prompt, SamplingSettings, Turn, implements
 from rlcore.types.environment import Environment
 
+__all__ = ["EnvironmentConformance", "model_turn", "tool_environment"]
+
 #: the ``environment:`` settings :func:`tool_environment` starts from (words format, short limits)
 TOOL_ENVIRONMENT_SETTINGS = dict(tool_timeout_seconds=10.0, tool_output_chars=64, observation_tokens=16,
                                  tool_call_reward=0.25, tool_format="words", observation_prefix="result")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
+__all__ = ["modules_loaded_by"]
+
 
 def modules_loaded_by(statements: str, watched: Iterable[str]) -> list[str]:
     """Run ``statements`` in a fresh interpreter (this one's ``sys.executable``) and return, sorted,

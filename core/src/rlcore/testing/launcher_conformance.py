@@ -27,6 +27,8 @@ import pytest
 from rlcore.errors import RunOutputError
 from rlcore.types import LauncherSpec
 
+__all__ = ["LauncherConformance"]
+
 
 class LauncherConformance:
     overrides: list[str] = []

@@ -9,6 +9,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+__all__ = [
+    "WORDS", "assert_same_tensors", "hf_greedy", "hf_model", "hf_token_logprobs", "make_mixed_moe_dir",
+    "make_model_dir", "model_dir_tensors", "tiny_config",
+]
+
 WORDS = [str(i) for i in range(10)] + ["=", "+", "a", "b", "c"]
 
 
