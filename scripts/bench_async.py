@@ -51,7 +51,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run_cli(out: Path, overrides: list[str]) -> list[dict]:
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import read_metrics
 
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "rlcore.cli", "train", "examples/tiny.yaml", "--output", str(out), *overrides]
@@ -62,8 +62,7 @@ def run_cli(out: Path, overrides: list[str]) -> list[dict]:
 
 
 def run_ray(out: Path, overrides: list[str]) -> list[dict]:
-    from rlcore.cli import main
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import main, read_metrics
 
     shutil.rmtree(out, ignore_errors=True)
     assert main(["train", str(ROOT / "examples" / "tiny.yaml"), "--output", str(out), *overrides, *RAY]) == 0

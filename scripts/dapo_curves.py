@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help="run these labels only (others are read from --out)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "core" / "src"))
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import read_metrics
 
     result = {}
     for label, overrides in RUNS.items():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from rlcore.stack import load_stack
-from rlcore.trainer import Trainer
+from rlcore.testing.runs import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,8 +54,8 @@ def test_turn_rewards_reach_a_token_level_estimator_on_their_turns(tmp_path, rlc
     reward."""
     import types
 
+    from rlcore.algorithms import PPOClip
     from rlcore.algorithms import advantages as adv
-    from rlcore.algorithms.losses import PPOClip
     from rlcore.hookspecs import hookimpl
     from rlcore.stack import load_config, resolve
     from rlcore.types import Algorithm, AlgorithmSpec

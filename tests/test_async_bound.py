@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlcore.cli import main
 from rlcore.errors import RolloutError
 from rlcore.loop_settings import ahead_steps, loop_note
 from rlcore.rollout_producer import apply_staleness
-from rlcore.run_output import read_metrics
 from rlcore.stack import load_config
+from rlcore.testing.runs import main, read_metrics
 from rlcore.types import Sample
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,11 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
-from rlcore.cli import main
 from rlcore.errors import ConfigError
-from rlcore.run_output import read_metrics
 from rlcore.stack import load_config
-from rlcore.testing.runs import comparable_metrics
+from rlcore.testing.runs import comparable_metrics, main, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny.yaml")

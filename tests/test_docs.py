@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from rlcore.hookspecs import CHAIN_HOOKS, DECLARATION_HOOKS, PROVIDER_HOOKS, RLCoreSpecs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +108,7 @@ def test_writing_plugins_shows_a_working_environment_plugin(capsys, monkeypatch)
     command selects a stack `rlcore check` accepts."""
     import shlex
 
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     part = _section((ROOT / "docs" / "writing-plugins.md").read_text(), "### An environment: multi-turn conversations")
     shown = {m["path"] for m in FILE_SNIPPET.finditer(part)} | {m["path"] for m in EXCERPT.finditer(part)}
@@ -246,7 +245,7 @@ def test_core_metrics_table_lists_exactly_what_a_run_writes(tmp_path, monkeypatc
     """docs/writing-plugins.md names every metric core writes per step, and only those."""
     import json
 
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     monkeypatch.delenv("RLCORE_PLUGINS", raising=False)
     out = tmp_path / "run"

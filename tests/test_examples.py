@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rlcore.cli import main
+from rlcore.testing.runs import main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -14,9 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rlcore.cli import main
-from rlcore.run_output import list_checkpoints, load_checkpoint, read_metrics
-from rlcore.testing.runs import comparable_metrics
+from rlcore.testing.runs import comparable_metrics, list_checkpoints, load_checkpoint, main, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny.yaml")

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from rlcore.cli import main
 from rlcore.errors import ConfigError
 from rlcore.stack import load_config
+from rlcore.testing.runs import main
 from rlcore.validation import pass_at_k, val_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from rlcore import errors, hookimpl
-from rlcore.algorithms.losses import TokenObjective
+from rlcore.algorithms import TokenObjective
 from rlcore.stack import check_engine_head, load_stack, resolve
 from rlcore.types import Cap, ForwardFnSpec, ForwardRequest, HeadWeight, VocabShard
 
@@ -54,8 +53,7 @@ def test_entropy_bonus_with_a_head_that_has_no_entropy_is_refused(rlcore_plugin_
 
 def test_entropy_bonus_never_drops_a_missing_entropy_at_run_time():
     """A head that declares ``entropy`` but returns ``None``: the loss refuses it (it was dropped)."""
-    from rlcore.algorithms.losses import PPOClip
-    from rlcore.algorithms.spec import TokenInputs
+    from rlcore.algorithms import PPOClip, TokenInputs
 
     T = 4
     lp = torch.full((T,), -1.0, requires_grad=True)
@@ -114,7 +112,7 @@ def _mtp_asker():
 
 def test_mtp_hidden_asked_of_the_hf_engine_names_the_engine_and_the_plugin(rlcore_plugin_manager, register_plugin,
                                                                          rlcore_config, tmp_path):
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
 
     register_plugin(_mtp_asker(), "mtpasker")
     cfg = rlcore_config(f"output.dir={tmp_path / 'run'}", *SMALL)
@@ -128,9 +126,8 @@ def test_mtp_hidden_asked_of_the_hf_engine_names_the_engine_and_the_plugin(rlcor
 
 def test_hf_engine_refuses_mtp_hidden_itself():
     from rlcore.batch import PackedBatch
-    from rlcore.engines.hf import HFEngine
     from rlcore.engines.tiny import make_tiny_model, make_tokenizer
-    from rlcore.config import TinyModelConfig
+    from rlcore.testing.models import HFEngine, TinyModelConfig
 
     tok = make_tokenizer(["a", "b"])
     engine = HFEngine(make_tiny_model(TinyModelConfig(hidden_size=32, head_dim=16, intermediate_size=32), tok), tok)
@@ -145,7 +142,7 @@ def test_hf_engine_refuses_mtp_hidden_itself():
 
 def _first_step_rollout(tmp_path, name, *overrides):
     """(seed asked for, prompt ids, response ids) of step 0's rollout."""
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
 
     trainer = Trainer(load_stack(TINY, [f"output.dir={tmp_path / name}", *SMALL, *overrides]))
     seen = []
@@ -186,7 +183,7 @@ def test_docs_tasks_example_trains(tmp_path, monkeypatch):
     """The task and reward of docs/tasks.md, written to mytask.py, train for two steps."""
     import json
 
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     (tmp_path / "mytask.py").write_text(_doc_python_blocks("tasks.md")[0])
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -211,7 +208,7 @@ def strings(data):
                                         ("strings", r"returned 'a' as prompt 0 at step 0")])
 def test_a_task_returning_the_wrong_prompts_is_named(tmp_path, monkeypatch, task, match):
     from rlcore.errors import ConfigError
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
 
     (tmp_path / "badtasks.py").write_text(BAD_TASKS)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from rlcore.cli import main
-from rlcore.run_output import list_checkpoints, read_metrics
+from rlcore.testing.runs import list_checkpoints, main, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny.yaml")
@@ -435,10 +433,9 @@ def test_corrupt_and_mismatched_checkpoints_are_one_line_errors(tmp_path, capsys
 
 def test_a_model_with_nonfinite_weights_never_reaches_the_rollout_engine(tmp_path):
     import torch
-
     from rlcore.errors import NonFiniteError
     from rlcore.stack import load_stack
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
 
     trainer = Trainer(load_stack(TINY, [f"output.dir={tmp_path / 'run'}", "training.steps=1", *SMALL]))
     with torch.no_grad():

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from rlcore.cli import main
+from rlcore.testing.runs import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny.yaml")

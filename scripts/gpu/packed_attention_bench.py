@@ -210,7 +210,7 @@ class HFFamily:
     def engine(self, dtype, path):
         import copy
 
-        from rlcore.engines.hf import HFEngine
+        from rlcore.testing.models import HFEngine
 
         return HFEngine(copy.deepcopy(self.cpu_model(dtype)), None, self.device, path)
 

@@ -64,7 +64,7 @@ def timed(fn, dev: torch.device, repeats: int, warmup: int = 2) -> float:
 def kernels_part(dev: torch.device, tiny: bool, repeats: int) -> dict:
     sys.path.insert(0, str(ROOT / "plugins" / "ray" / "bench"))
     from bench_transport_mapped_gpu import model_shapes
-    from rlcore.checksums import warm_checksum_kernels
+    from rlcore.sync import warm_checksum_kernels
 
     res: dict = {}
     t0 = time.perf_counter()
@@ -87,7 +87,7 @@ def d2d_copy(dev: torch.device, nbytes: int, repeats: int) -> dict:
 
 def layout_row(dev: torch.device, shapes: list, d2d: float, repeats: int) -> dict:
     """One model's tensors: plain copy, fused copy-and-checksum, copy then checksum, checksum alone."""
-    from rlcore.checksums import ChecksumPlan, ChecksumSlots, tensor_checksum
+    from rlcore.sync import ChecksumPlan, ChecksumSlots, tensor_checksum
 
     g = torch.Generator(device=dev).manual_seed(0)
     src = [torch.randn(sh, generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16) for _, sh in shapes]

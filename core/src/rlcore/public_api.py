@@ -29,6 +29,10 @@ PUBLIC_MODULES: dict[str, str] = {
         "([algorithms.md](algorithms.md#reusing-a-built-in-loss-or-estimator))"
     ),
     "rlcore.batch": "`PackedBatch`: the packed micro-batch your chain hooks receive",
+    "rlcore.tasks": (
+        "the task and reward contract of data.task / data.reward: `Task`, `TaskPrompt`, `RewardInput`, `l"
+        "oad_callable`, the built-in `successor` / `successor_reward` ([tasks.md](tasks.md))"
+    ),
     "rlcore.errors": (
         "the errors to raise: `ConfigError(message, key=...)` for a bad value, `RolloutError`, `WeightSyncError`, "
         "`BatchShapeError`; every one derives from `RLCoreError`"
@@ -93,6 +97,10 @@ PUBLIC_MODULES: dict[str, str] = {
         "`hf_token_logprobs`), to compare with"
     ),
     "rlcore.testing.imports": "`modules_loaded_by`: which heavy modules an import pulls in (section 3)",
+    "rlcore.testing.runs": (
+        "in tests: a run as the rlcore command starts it (`main(['train', config, ...])`, `Trainer(stack).run()`), what"
+        " it wrote (`read_metrics`, `list_checkpoints`, `load_checkpoint`) and what two runs of one config must agree on (`comparable_metrics`)"
+    ),
     "rlcore.manager": (
         "in tests: `PluginManager().activate([...])` loads plugins through their entry points, as `rlcore train` "
         "does; its typed calls (`PluginManager.step_end`, `PluginManager.algorithms`, ...) call hooks as core "
@@ -106,4 +114,4 @@ PUBLIC_MODULES: dict[str, str] = {
 
 #: public modules a plugin imports in its tests only, never in its source: core builds the manager
 #: and the stack for a run, a plugin is handed what it needs through its hooks
-FOR_TESTS_ONLY: frozenset[str] = frozenset({"rlcore.manager", "rlcore.stack"})
+FOR_TESTS_ONLY: frozenset[str] = frozenset({"rlcore.manager", "rlcore.stack", "rlcore.testing.runs"})

@@ -19,6 +19,9 @@ from typing import Any
 
 from rlcore.errors import ConfigError
 
+__all__ = ["RewardInput", "Task", "TaskPrompt", "load_callable", "make_prompts", "resolve_reward", "reward_factory",
+           "successor", "successor_reward", "successor_reward_parts", "tool_product", "tool_product_reward"]
+
 
 @dataclass
 class TaskPrompt:

@@ -1,8 +1,7 @@
 """Every algorithm of rlcore-algorithms passes core's algorithm conformance suite."""
 
 import pytest
-from rlcore.algorithms.losses import TokenObjective
-from rlcore.algorithms.spec import LOSS_AGGREGATIONS
+from rlcore.algorithms import LOSS_AGGREGATIONS, TokenObjective
 from rlcore.testing.algorithm_conformance import (
     AlgorithmConformance,
     closed_form_step,

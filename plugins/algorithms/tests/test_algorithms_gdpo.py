@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlcore.algorithms import GRPOAdvantage
-from rlcore.algorithms.spec import AdvantageInput
-from rlcore.cli import main
+from rlcore.algorithms import AdvantageInput, GRPOAdvantage
 from rlcore.errors import ConfigError
-from rlcore.run_output import read_metrics
 from rlcore.stack import load_stack
+from rlcore.testing.runs import main, read_metrics
 from rlcore_algorithms.advantages import GDPOAdvantage
 
 TINY = str(Path(__file__).resolve().parents[3] / "examples" / "tiny.yaml")

@@ -234,9 +234,8 @@ def test_new_settings_are_validated_naming_the_key():
 def test_new_algorithms_train_on_the_embedded_default(tmp_path, overrides):
     from pathlib import Path
 
-    from rlcore.run_output import read_metrics
     from rlcore.stack import load_config, resolve
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer, read_metrics
 
     root = Path(__file__).resolve().parents[3]
     cfg, pm = load_config(root / "examples" / "tiny.yaml",

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from rlcore import hookimpl
-from rlcore.algorithms.spec import AdvantageInput
+from rlcore.algorithms import AdvantageInput
 from rlcore.errors import ConfigError, MissingCapabilityError
-from rlcore.run_output import read_metrics
 from rlcore.stack import load_config, load_stack, resolve
+from rlcore.testing.runs import read_metrics
 from rlcore.types import Cap, ForwardFnSpec
 from rlcore_algorithms import plugin
 from rlcore_algorithms.token_baseline import OptimalTokenBaselineAdvantage
@@ -165,7 +165,7 @@ def test_the_trainer_fills_sum_pi_squared_from_the_old_logprob_pass(tmp_path, rl
     trainer's recomputed log-probs (π(label)² ≤ Σπ² ≤ 1), which equal the rollout's (same policy); with
     the mismatch correction on, its weights come per sample too (verl scales w by them squared)."""
     from rlcore.algorithms import PPOClip
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
     from rlcore.types import Algorithm, AlgorithmSpec
 
     seen = []
@@ -202,7 +202,7 @@ def test_the_trainer_fills_sum_pi_squared_from_the_old_logprob_pass(tmp_path, rl
 @pytest.mark.slow
 def test_optimal_token_baseline_learns_on_the_embedded_default(tmp_path):
     """~30 steps of the successor task from chance level (docs/algorithms/curves_more.png has 40)."""
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     assert main(["train", TINY, "--output", str(tmp_path), "plugins=[algorithms]", "algorithm.name=optimal_token_baseline",
                  "training.steps=30", *QUIET]) == 0

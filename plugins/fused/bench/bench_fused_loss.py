@@ -33,9 +33,8 @@ from pathlib import Path
 
 import torch
 from bench_measure import LOG, free_memory, log, make_inputs, peak_extra, rel_err, sync, time_fn
+from rlcore.algorithms import PPOClip, TokenInputs, TokenObjective
 from rlcore.algorithms.aggregation import step_weights
-from rlcore.algorithms.losses import PPOClip, TokenObjective
-from rlcore.algorithms.spec import TokenInputs
 from rlcore.types import HeadInput, LossRequest, VocabShard
 from rlcore_fused.head import FusedHead
 from rlcore_fused.tuning import TritonConfig

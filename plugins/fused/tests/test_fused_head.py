@@ -257,7 +257,7 @@ def test_settings_section_configures_the_head(register_plugin, rlcore_config):
 
 @pytest.mark.slow
 def test_grpo_run_with_the_fused_head_matches_the_reference_run(tmp_path):
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     tiny = str(ROOT / "examples" / "tiny.yaml")
     base = ["training.steps=8", "output.checkpoint_every=0", "output.plot=false"]
@@ -314,7 +314,7 @@ def test_fused_device_checks_apply_only_when_the_head_is_selected(register_plugi
 
 
 def test_cli_check_refuses_a_fused_section_the_run_would_reject(capsys):
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     root = Path(__file__).resolve().parents[3]
     rc = main(["check", str(root / "examples" / "tiny.yaml"), "plugins=[fused]", "forward.name=fused",

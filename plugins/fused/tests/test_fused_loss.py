@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import rlcore_fused.plugin as plugin
 import torch
+from rlcore.algorithms import PPOClip, TokenInputs, TokenObjective
 from rlcore.algorithms.aggregation import step_weights
-from rlcore.algorithms.losses import PPOClip, TokenObjective
-from rlcore.algorithms.spec import TokenInputs
 from rlcore.heads import reference_logprobs
 from rlcore.types import Cap, HeadInput, LossRequest, VocabShard
 from rlcore_algorithms.losses import CISPO, GSPO  # rlcore-algorithms: a token-level and a sequence-level loss

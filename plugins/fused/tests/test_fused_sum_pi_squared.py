@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlcore.algorithms.losses import PPOClip, TokenObjective
+from rlcore.algorithms import PPOClip, TokenObjective
 from rlcore.testing.conformance import float64_sum_pi_squared
 from rlcore.types import HeadInput, LossRequest, VocabShard
 from rlcore_fused.head import FusedHead
@@ -51,7 +51,7 @@ def test_records_of_vocabulary_splits_merge_to_the_whole_sum_pi_squared(scale):
 def test_sum_pi_squared_beside_a_loss_request_declines_the_fused_loss():
     """The fused loss returns detached log-probs and no Σπ²; asked for both, the head declines the loss
     (core then forms it from differentiable log-probs) and returns Σπ²."""
-    from rlcore.algorithms.spec import TokenInputs
+    from rlcore.algorithms import TokenInputs
 
     x, w, labels = _case(1)
     T = x.shape[0]
@@ -69,8 +69,7 @@ def test_sum_pi_squared_beside_a_loss_request_declines_the_fused_loss():
 
 
 def test_optimal_token_baseline_trains_with_the_fused_head(tmp_path):
-    from rlcore.cli import main
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import main, read_metrics
 
     assert main(["train", str(ROOT / "examples" / "tiny.yaml"), "--output", str(tmp_path),
                  "plugins=[fused,algorithms]", "forward.name=fused", "algorithm.name=optimal_token_baseline", "training.steps=2",

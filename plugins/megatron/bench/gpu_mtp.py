@@ -97,8 +97,8 @@ def check_mtp_once(path: Path, device: str) -> dict:
 
 def check_mimo_export(path: Path, device: str, out: Path) -> dict:
     from rlcore.batch import PackedBatch
-    from rlcore.engines.hf import HFEngine
     from rlcore.heads import reference_logprobs
+    from rlcore.testing.models import HFEngine
     from rlcore.types import HeadInput
 
     engine = engine_for(path, device)
@@ -242,7 +242,7 @@ def check_replay(path: Path, device: str) -> dict:
 def train(out_dir: Path, device: str, steps: int, forward: str, extra_plugins: list[str],
           extra: list[str], tiny: dict | None = None) -> dict:
     from rlcore.stack import load_config, resolve
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
 
     plugins = ["megatron", "mtp"] + ([forward] if forward != "reference" else []) + extra_plugins
     tiny = tiny or MOE

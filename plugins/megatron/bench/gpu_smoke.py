@@ -130,7 +130,7 @@ def train(out_dir: Path, device: str, steps: int, tiny: dict, forward: str = "re
     pm.register(_mtp_plugin(0.1), "gpu-smoke-mtp")
     stack = resolve(cfg, pm)
     t0 = time.perf_counter()
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
 
     summary = Trainer(stack).run()
     wall = time.perf_counter() - t0

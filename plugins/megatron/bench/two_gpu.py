@@ -486,7 +486,7 @@ def _measured_trainer(base: type, q_info: dict) -> type:
                     # the batched checksums (one kernel) the pushes were verified with, against the
                     # per-tensor reference on every tensor the rollout holds
                     try:
-                        from rlcore.checksums import ChecksumPlan, tensor_checksum
+                        from rlcore.sync import ChecksumPlan, tensor_checksum
                     except ImportError as exc:  # the core's checksums changed shape: not this bench's check
                         q_info["checksum_plan_check"] = {"skipped": str(exc)}
                         return report

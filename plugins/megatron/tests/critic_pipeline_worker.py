@@ -36,7 +36,7 @@ def _gathered_grads(engine) -> dict[str, torch.Tensor]:
 
 def run(model_dir: str, result_path: str, tp: int, ep: int, pp: int = 1, vpp: int = 1) -> None:
     import torch.distributed as dist
-    from rlcore.algorithms.spec import AdvantageInput
+    from rlcore.algorithms import AdvantageInput
     from rlcore.batch import PackedBatch
     from rlcore.critic import RETURNS, VALUES, Critic
     from rlcore.heads import reference_logprobs

@@ -26,8 +26,7 @@ def test_critic_parallel_matches_a_single_rank(megatron_dirs, run_worker, tmp_pa
 
 
 def test_ppo_trains_with_the_megatron_engine(tmp_path):
-    from rlcore.cli import main
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import main, read_metrics
 
     example = Path(__file__).resolve().parents[3] / "examples" / "megatron_tiny.yaml"
     assert main(["train", str(example), "--output", str(tmp_path), "algorithm.name=ppo", "training.steps=3",

@@ -141,7 +141,7 @@ def test_ppo_under_pipeline_stages_killed_and_resumed_continues_the_uninterrupte
     import json
 
     import torch
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import read_metrics
 
     pp = PPO_PP2 + ["megatron.virtual_pipeline_stages=2", "engine.model.tiny.num_layers=4", "training.steps=3",
                     "data.prompts_per_step=4", "rollout.n=4", "output.checkpoint_every=1",

@@ -45,7 +45,7 @@ class TestMegatronEngineConformance(EngineConformance):
 def _hf_engine(path: Path):
     """The hf engine on ``path``; for a non-Qwen2 model with MTP layers (DeepSeek-V3 layout, which
     the hf engine does not build) the trunk alone, through transformers' own class."""
-    from rlcore.engines.hf import HFEngine
+    from rlcore.testing.models import HFEngine
 
     cfg = json.loads((path / "config.json").read_text())
     if cfg.get("num_nextn_predict_layers") and cfg.get("model_type") != "qwen2":
@@ -76,7 +76,7 @@ def test_qwen2_moe_shared_expert_gate(engine_for, megatron_dirs):
         with pytest.raises(ConfigError, match="moe_shared_expert_gate"):
             engine_for("qwen2_moe")
         return
-    from rlcore.engines.hf import HFEngine
+    from rlcore.testing.models import HFEngine
 
     batch = PackedBatch.pack(SEQS, [1, 1, 2])
     with torch.no_grad():
@@ -273,7 +273,7 @@ def test_mtp_weights_can_be_left_out_of_the_export(engine_for):
 
 @pytest.mark.slow
 def test_rlcore_train_tiny_grpo_reward_rises(tmp_path, figures):
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     out = tmp_path / "run"
     # the example's 150 steps: RL trajectories are chaotic (the hf engine on the same weights

@@ -182,8 +182,8 @@ def test_megatron_mimo_export_agrees_with_the_hf_mimo_model(fresh, tmp_path, fig
     MiMo's layout and loaded into core's HF MiMo model (:mod:`rlcore.engines.mimo`, the model
     vLLM's loader describes): MTP hidden states, MTP log-probs and the trunk's log-probs agree
     on packed sequences of several lengths."""
-    from rlcore.engines.hf import HFEngine
     from rlcore.heads import reference_logprobs
+    from rlcore.testing.models import HFEngine
     from rlcore.types import HeadInput
 
     engine = fresh("dense_mtp")

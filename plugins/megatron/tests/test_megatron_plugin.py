@@ -64,7 +64,7 @@ def test_settings_section_validates(register_plugin, rlcore_config):
 def test_rlcore_check_resolves_the_example_stack(capsys):
     """`rlcore check` on the example config: the engine comes from this distribution and the
     ``megatron:`` section is validated (no megatron-core needed: check builds no engine)."""
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     example = str(ROOT / "examples" / "megatron_tiny.yaml")
     assert main(["check", example, "--json"]) == 0

@@ -26,8 +26,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the megatron suites install rlcore-ray and Ray (scripts/megatron_suite.sh)")
 
-from rlcore.run_output import read_metrics  # noqa: E402
 from rlcore.stack import load_stack  # noqa: E402
+from rlcore.testing.runs import read_metrics  # noqa: E402
 from rlcore_ray.testing import assert_reward_curves_agree  # noqa: E402
 
 pytestmark = [pytest.mark.engine("megatron"), pytest.mark.slow]
@@ -59,8 +59,7 @@ def two_nodes():
                          ids=["dense-tp", "moe-ep", "dense-dp", "dense4-pp-vpp2"])
 def test_two_model_parallel_ranks_on_two_nodes_match_one_process(two_nodes, tmp_path, figures, model, dim, ray_only,
                                                                  combinations_only_on_newest):
-    from rlcore.cli import main
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer, main
 
     if dim in ("dp", "pp"):  # the rank strategies under Ray: the same code as the torchrun tests of each kind
         combinations_only_on_newest(f"{dim.upper()}=2 under Ray")

@@ -43,7 +43,7 @@ def _one_process(out: str, reports: object) -> None:
     world of one, then one inside a default group the user created first."""
     import torch.distributed as dist
     from rlcore.stack import load_stack
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
 
     Trainer(load_stack(str(EXAMPLE), ONE_STEP + [f"output.dir={out}/own"])).run()
     reports.put(("engine's world", _groups_left()))  # type: ignore[attr-defined]

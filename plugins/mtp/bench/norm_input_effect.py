@@ -46,12 +46,11 @@ import time
 from pathlib import Path
 
 import torch
-from rlcore.engines.hf import HFEngine
 from rlcore.rollout_local import LocalRollout
-from rlcore.run_output import list_checkpoints
 from rlcore.sample_batch import pack_samples
 from rlcore.stack import load_stack
-from rlcore.trainer import Trainer
+from rlcore.testing.models import HFEngine
+from rlcore.testing.runs import Trainer, list_checkpoints
 from rlcore.types import Prompt, SamplingSettings
 from rlcore_mtp.loss import argmax_hits, depth_targets
 

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from rlcore.config import TinyModelConfig
 from rlcore.engines import mimo_layout
-from rlcore.engines.hf import HFEngine
 from rlcore.engines.tiny import make_tiny_model, make_tokenizer
 from rlcore.rollout_local import LocalRollout
 from rlcore.tasks import successor
+from rlcore.testing.models import HFEngine, TinyModelConfig
 from rlcore.types import Prompt, SamplingSettings
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -13,12 +13,11 @@ import torch
 from omegaconf import OmegaConf
 from rlcore import errors
 from rlcore.batch import PackedBatch
-from rlcore.config import TinyModelConfig
 from rlcore.engines import mimo_layout
-from rlcore.engines.hf import HFEngine
 from rlcore.engines.tiny import make_tiny_model, make_tokenizer
 from rlcore.heads import ReferenceHead
 from rlcore.stack import load_stack
+from rlcore.testing.models import HFEngine, TinyModelConfig
 from rlcore.types import HeadInput, ModelOutput
 from rlcore_mtp.loss import argmax_hits, depth_targets, mtp_postprocess
 from rlcore_mtp.plugin import MTPSettings
@@ -180,7 +179,7 @@ def _rows(out: Path) -> list[dict]:
 
 def test_fused_and_mtp_put_the_mtp_loss_through_the_fused_head(tmp_path, monkeypatch):
     pytest.importorskip("rlcore_fused")
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer
     from rlcore_fused.head import FusedHead
 
     calls: list[tuple[str, int, bool]] = []
@@ -208,7 +207,7 @@ def test_fused_and_mtp_put_the_mtp_loss_through_the_fused_head(tmp_path, monkeyp
 
 def test_short_grpo_run_logs_mtp_loss_and_acceptance_per_depth(tmp_path):
     """``examples/tiny_mtp.yaml`` for 2 steps, the local rollout drafting with both MTP depths."""
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     out = tmp_path / "run"
     assert main(["train", TINY_MTP, "-o", str(out), "training.steps=2", "rollout.draft_depths=2", *SMALL_RUN]) == 0

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def main() -> None:
     import ray
-    from rlcore.run_output import read_metrics
     from rlcore.stack import load_stack
+    from rlcore.testing.runs import read_metrics
     from rlcore_ray.launch import train_on_ray
 
     hidden = int(sys.argv[1]) if len(sys.argv) > 1 else 512

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import ray  # noqa: E402 - rlcore-ray depends on it
 from rlcore.errors import RolloutError  # noqa: E402
-from rlcore.run_output import read_metrics  # noqa: E402
 from rlcore.stack import load_stack  # noqa: E402
+from rlcore.testing.runs import read_metrics  # noqa: E402
 from rlcore_ray.testing import assert_reward_curves_agree  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -45,8 +45,7 @@ def two_nodes():
 
 
 def test_two_ranks_two_replicas_on_two_nodes_match_one_process(two_nodes, tmp_path):
-    from rlcore.cli import main
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer, main
 
     t0 = time.perf_counter()  # the command a user types (Ray is already up: the run joins it)
     assert main(["train", str(EXAMPLE), *RUN, *RAY, "--output", str(tmp_path / "ray")]) == 0
@@ -133,8 +132,7 @@ def test_mapped_sync_lends_the_writers_parameters_to_colocated_replicas(two_node
     parameters (moved into shared memory at the first push), no bucket, no object store; the
     replicas hold exactly what was lent (coverage+exact) and the run draws the same samples as
     the single-process run (same tolerance as above)."""
-    from rlcore.cli import main
-    from rlcore.trainer import Trainer
+    from rlcore.testing.runs import Trainer, main
 
     out = tmp_path / "mapped"
     assert main(["train", str(EXAMPLE), *RUN, *RAY, *MAPPED, "ray.strategy=STRICT_PACK", "--output", str(out)]) == 0

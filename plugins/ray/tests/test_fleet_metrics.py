@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import ray
-from rlcore.config import TinyModelConfig
 from rlcore.engines.tiny import save_tiny
 from rlcore.stack import config_yaml, load_stack
+from rlcore.testing.models import TinyModelConfig
 from rlcore.types import Prompt, SamplingSettings
 from rlcore_ray.fleet import RolloutFleet, RolloutReplica
 

@@ -107,8 +107,7 @@ def test_a_replica_killed_mid_push_with_a_request_in_flight_is_an_error_naming_i
 
 
 def test_one_step_off_trains_through_the_fleet(one_node, tmp_path):
-    from rlcore.cli import main
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import main, read_metrics
 
     out = tmp_path / "run"
     assert main(["train", str(EXAMPLE), "--output", str(out), "training.steps=4", "data.prompts_per_step=4",

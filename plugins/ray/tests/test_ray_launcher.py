@@ -148,7 +148,7 @@ def test_a_sync_must_feed_replicas_and_a_lending_one_needs_the_engines_own_param
 
 
 def test_check_prints_the_ray_line(capsys, monkeypatch):
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     monkeypatch.delenv("RLCORE_PLUGINS", raising=False)
     assert main(["check", str(EXAMPLE), *RAY, "cluster.trainer.dp=2", "cluster.rollout.replicas=2",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from rlcore.errors import ConfigError
-from rlcore.run_output import read_metrics
 from rlcore.stack import load_stack
+from rlcore.testing.runs import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_what_the_outsiders_providers_do_not_declare_is_refused_naming_them():
 
 
 def test_outsider_engine_and_backend_run_under_ray_with_two_ranks_and_a_replica(tmp_path):
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
     from rlcore_ray.testing import simulated_ray_nodes
 
     out = tmp_path / "outsider"

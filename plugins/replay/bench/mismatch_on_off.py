@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from rlcore.stack import load_stack
-from rlcore.trainer import Trainer
+from rlcore.testing.runs import Trainer
 
 ROOT = Path(__file__).resolve().parents[3]
 

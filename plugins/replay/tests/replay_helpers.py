@@ -9,9 +9,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 from rlcore.batch import PackedBatch
-from rlcore.config import TinyModelConfig
-from rlcore.engines.hf import HFEngine
 from rlcore.engines.tiny import init_tiny_weights, make_tokenizer, tiny_config
+from rlcore.testing.models import HFEngine, TinyModelConfig
 from rlcore.types import MicroBatchContext
 
 WORDS = [str(i) for i in range(20)]

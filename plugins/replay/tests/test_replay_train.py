@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from rlcore.cli import main
 from rlcore.errors import ConfigError
 from rlcore.stack import load_stack
+from rlcore.testing.runs import main
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY_MOE = str(ROOT / "examples" / "tiny_moe.yaml")

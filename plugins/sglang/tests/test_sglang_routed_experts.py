@@ -34,8 +34,7 @@ RESPONSES = [[10, 11, 12], [13, 14]]
 @pytest.fixture(scope="module")
 def mixed_moe(tmp_path_factory):
     """Qwen3-MoE with a dense middle layer (``mlp_only_layers=[1]``): HF directory + hf engine."""
-    from rlcore.engines.hf import HFEngine
-    from rlcore.testing.models import make_mixed_moe_dir
+    from rlcore.testing.models import HFEngine, make_mixed_moe_dir
 
     path, model, tok = make_mixed_moe_dir(tmp_path_factory.mktemp("mixed-moe"))
     engine = HFEngine(model, tok, "cpu")

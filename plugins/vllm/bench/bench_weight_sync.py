@@ -80,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from rlcore.engines.hf import HFEngine
+    from rlcore.testing.models import HFEngine
     from rlcore_vllm.backend import VLLMBackend
     from rlcore_vllm.settings import VLLMSettings
     from rlcore_vllm.sync import VLLMWeightSync

@@ -129,8 +129,7 @@ def test_one_step_off_with_two_vllm_replicas_under_ray(tmp_path):
     """The fleet of vLLM replicas (rlcore-ray) as the overlapped loop's rollout: each replica's
     backend is built from the run's config, so it resumes requests across a push (abort)."""
     ray = pytest.importorskip("ray", reason="scripts/suites/vllm.sh installs rlcore-ray into .venvs/vllm")
-    from rlcore.cli import main
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import main, read_metrics
     from rlcore_ray.testing import simulated_ray_nodes
 
     with simulated_ray_nodes(1, 4):

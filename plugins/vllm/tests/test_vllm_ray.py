@@ -25,9 +25,9 @@ ray = pytest.importorskip("ray", reason="scripts/suites/vllm.sh installs rlcore-
 
 from rlcore.errors import RolloutError, WeightSyncError  # noqa: E402
 from rlcore.parallel.worker import config_yaml  # noqa: E402
-from rlcore.run_output import read_metrics  # noqa: E402
 from rlcore.stack import load_stack  # noqa: E402
 from rlcore.testing.conformance import PROMPTS, hf_export  # noqa: E402
+from rlcore.testing.runs import read_metrics  # noqa: E402
 from rlcore.types import Prompt, SamplingSettings  # noqa: E402
 from rlcore_ray.fleet import RolloutFleet, RolloutReplica  # noqa: E402
 
@@ -53,7 +53,7 @@ def two_nodes():
 def test_grpo_with_two_vllm_replicas_on_two_nodes(two_nodes, tmp_path):
     """The command a user types (Ray is up already: the run joins it). In-process engines in the
     replica actors (examples/vllm_tiny.yaml's ``vllm.multiprocessing: false``)."""
-    from rlcore.cli import main
+    from rlcore.testing.runs import main
 
     steps = 3
     t0 = time.perf_counter()

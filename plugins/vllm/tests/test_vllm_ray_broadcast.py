@@ -120,9 +120,8 @@ def test_broadcast_group_rendezvous_ranks_bytes_and_a_close_that_waits_for_nobod
 @pytest.mark.slow
 def test_grpo_pushes_by_broadcast_into_two_vllm_replicas(tmp_path):
     pytest.importorskip("ray", reason="scripts/suites/vllm.sh installs rlcore-ray (ray==2.60.0) into .venvs/vllm")
-    from rlcore.cli import main
     from rlcore.parallel.worker import free_port
-    from rlcore.run_output import read_metrics
+    from rlcore.testing.runs import main, read_metrics
     from rlcore_ray.testing import simulated_ray_nodes
 
     steps = 3

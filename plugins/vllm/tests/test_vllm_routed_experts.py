@@ -19,8 +19,8 @@ import pytest
 import torch
 from rlcore.batch import PackedBatch, sample_routes
 from rlcore.errors import RolloutError
-from rlcore_enginekit.routed_experts import moe_shape
 from rlcore.types import Cap, Prompt, SamplingSettings
+from rlcore_enginekit.routed_experts import moe_shape
 
 pytestmark = pytest.mark.engine("vllm")
 
@@ -32,8 +32,7 @@ RESPONSES = [[10, 11, 12], [13, 14]]  # one completion per prompt
 def mixed_moe(tmp_path_factory):
     """A Qwen3-MoE with a dense layer in the middle (``mlp_only_layers=[1]``) saved as an HF
     directory, and the hf engine on it (its route layout: layers 0 and 2)."""
-    from rlcore.engines.hf import HFEngine
-    from rlcore.testing.models import make_mixed_moe_dir
+    from rlcore.testing.models import HFEngine, make_mixed_moe_dir
 
     path, model, tok = make_mixed_moe_dir(tmp_path_factory.mktemp("mixed-moe"))
     engine = HFEngine(model, tok, "cpu")

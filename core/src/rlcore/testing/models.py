@@ -9,17 +9,20 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from rlcore.config import TinyModelConfig
+from rlcore.engines.hf import HFEngine
+
+# HFEngine (core's built-in engine) and TinyModelConfig (engine.model.tiny's schema): what tests
+# build a reference engine or a tiny model from
 __all__ = [
-    "WORDS", "assert_same_tensors", "hf_greedy", "hf_model", "hf_token_logprobs", "make_mixed_moe_dir",
-    "make_model_dir", "model_dir_tensors", "tiny_config",
+    "HFEngine", "TinyModelConfig", "WORDS", "assert_same_tensors", "hf_greedy", "hf_model", "hf_token_logprobs",
+    "make_mixed_moe_dir", "make_model_dir", "model_dir_tensors", "tiny_config",
 ]
 
 WORDS = [str(i) for i in range(10)] + ["=", "+", "a", "b", "c"]
 
 
 def tiny_config(arch: str = "qwen2", seed: int = 0, **overrides: Any) -> Any:
-    from rlcore.config import TinyModelConfig
-
     cfg = OmegaConf.structured(TinyModelConfig)
     cfg.arch = arch
     cfg.seed = seed

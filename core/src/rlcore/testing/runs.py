@@ -1,4 +1,10 @@
-"""What two runs of one config must agree on: their ``metrics.jsonl`` rows without the timings.
+"""Runs in tests: start one as ``rlcore`` does, read what it wrote, compare two.
+
+* :func:`main` is the ``rlcore`` command line (``main(["train", config, ...])``), :class:`Trainer`
+  the loop it runs in one process (``Trainer(stack).run()``);
+* :func:`read_metrics`, :func:`list_checkpoints`, :func:`load_checkpoint` read a run directory;
+* :func:`comparable_metrics`: what two runs of one config must agree on, their ``metrics.jsonl``
+  rows without the timings.
 
 A run's timing metrics (``*_seconds``, ``sync/<phase>_seconds``, ``tokens_per_second``) differ
 between identical runs; everything else a deterministic run logs (rewards, losses, gradient norms,
@@ -12,6 +18,13 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from rlcore.cli import main
+from rlcore.run_output import list_checkpoints, load_checkpoint, read_metrics
+from rlcore.trainer import Trainer
+
+__all__ = ["Trainer", "comparable_metrics", "is_timing_metric", "list_checkpoints", "load_checkpoint", "main",
+           "read_metrics"]
 
 
 def is_timing_metric(name: str) -> bool:
