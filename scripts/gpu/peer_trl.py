@@ -359,6 +359,8 @@ def rlcore_rows(run_dir: Path) -> list[dict]:
     sys.path.insert(0, str(HERE))
     from one_gpu_vllm_report import read_rows
 
+    if not run_dir.is_dir():  # a part left out (SKIP_RLCORE) or stopped before it wrote anything
+        return []
     rows = []
     for r in read_rows(str(run_dir)):
         if "step_seconds" not in r:

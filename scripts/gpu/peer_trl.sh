@@ -28,7 +28,8 @@
 # Device call (warm machine with the tworay wheels; about 4-5 min, at most ~6.5 with both limits hit):
 #   bash scripts/gpu/peer_trl.sh        carry [".device-carry/peer_trl"]
 # OVERRIDES="key=value ..." changes the config for both sides; SKIP_TRL=1 runs rlcore's side only (a
-# variant of rlcore beside a full call's table); VARIANTS="name: key=value ...; name2: ..." runs rlcore
+# variant of rlcore beside a full call's table); SKIP_RLCORE=1 leaves out rlcore's main run (a call of
+# variants only: ~130 s of start-up and steps saved on a call that compares them with an earlier one); VARIANTS="name: key=value ...; name2: ..." runs rlcore
 # once more per variant after its main run, in the same call (a table of A/Bs beside the same TRL); PYTHON (default python3) and
 # NO_INSTALL=1 (use PYTHON's own packages) serve the CPU check, scripts/gpu/peer_trl_dry.sh.
 set -uo pipefail
@@ -101,9 +102,13 @@ if [ -z "${SKIP_TRL:-}" ]; then
 else
   log "=== trl skipped (SKIP_TRL): the TRL column of this summary is empty"
 fi
-limited rlcore "${LIMIT_RLCORE:-160}" "$PY" -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" "${OVR[@]}" \
-  --output "$PARTS/rlcore-run" --overwrite
-report
+if [ -z "${SKIP_RLCORE:-}" ]; then
+  limited rlcore "${LIMIT_RLCORE:-160}" "$PY" -m rlcore.cli train "$CONFIG" "engine.model.path=$MODEL" "${OVR[@]}" \
+    --output "$PARTS/rlcore-run" --overwrite
+  report
+else
+  log "=== rlcore skipped (SKIP_RLCORE): only the variants run; the rlcore column of this summary is empty"
+fi
 # VARIANTS="name: key=value ...; name2: ...": rlcore again per variant (OVERRIDES, then the variant's own),
 # each limited to LIMIT_VARIANT (default LIMIT_RLCORE), its column in the summary's variants table
 IFS=';' read -r -a VARS <<< "${VARIANTS:-}"
