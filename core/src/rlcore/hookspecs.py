@@ -2,7 +2,7 @@
 
 Each spec says its kind by its decorator (docs/hooks.md has the lifecycle diagram):
 
-* ``@provider(Descriptor)``: returns typed descriptors (:mod:`rlcore.types`) naming
+* ``@provider(Descriptor, key=...)``: returns typed descriptors (:mod:`rlcore.types`) naming
   implementations. Every name must be unique across installed distributions; the config selects
   one by name.
 * ``@chain``: runs every active plugin's implementation in the order the config's ``plugins:``
@@ -140,7 +140,7 @@ class RLCoreSpecs:
 
     # ------------------------------------------------------------------- providers -------
 
-    @provider(ForwardFnSpec, key='forward.name')
+    @provider(ForwardFnSpec, key="forward.name")
     def forward_fn(self) -> Iterable[ForwardFnSpec]:
         """Register policy heads: per-token log-probs and entropy from hidden states.
 
@@ -175,7 +175,7 @@ class RLCoreSpecs:
                                     capabilities={Cap.ENTROPY, Cap.VOCAB_PARALLEL})
         """
 
-    @provider(RolloutBackendSpec, key='rollout.backend')
+    @provider(RolloutBackendSpec, key="rollout.backend")
     def rollout_backend(self) -> Iterable[RolloutBackendSpec]:
         """Register rollout engines that generate samples from the policy.
 
@@ -207,7 +207,7 @@ class RLCoreSpecs:
                     capabilities={Cap.LOGPROBS, Cap.PAUSE, Cap.RELEASE_KV_CACHE})
         """
 
-    @provider(WeightSyncSpec, key='sync.name')
+    @provider(WeightSyncSpec, key="sync.name")
     def weight_sync(self) -> Iterable[WeightSyncSpec]:
         """Register weight transports from the trainer into a rollout backend.
 
@@ -238,7 +238,7 @@ class RLCoreSpecs:
                                      backends={"vllm"})
         """
 
-    @provider(EngineSpec, key='engine.name')
+    @provider(EngineSpec, key="engine.name")
     def engine(self) -> Iterable[EngineSpec]:
         """Register training engines (built-in ``hf``; ``megatron`` from the ``rlcore-megatron``
         plugin).
@@ -266,7 +266,7 @@ class RLCoreSpecs:
                                  capabilities={Cap.MOE, Cap.MTP, Cap.TENSOR_PARALLEL})
         """
 
-    @provider(AlgorithmSpec, key='algorithm.name')
+    @provider(AlgorithmSpec, key="algorithm.name")
     def algorithm(self) -> Iterable[AlgorithmSpec]:
         """Register RL algorithms: an advantage estimator and a policy loss in closed form.
 
@@ -343,7 +343,7 @@ class RLCoreSpecs:
                                    is_available=lambda: importlib.util.find_spec("xpu_ext") is not None)
         """
 
-    @provider(LauncherSpec, key='cluster.backend')
+    @provider(LauncherSpec, key="cluster.backend")
     def launcher(self) -> Iterable[LauncherSpec]:
         """Register launchers: where a run's trainer ranks and rollout replicas run.
 
@@ -381,7 +381,7 @@ class RLCoreSpecs:
                                    remote_ranks=lambda config: True)
         """
 
-    @provider(EnvironmentSpec, key='environment.name')
+    @provider(EnvironmentSpec, key="environment.name")
     def environment(self) -> Iterable[EnvironmentSpec]:
         """Register environments: what answers the model's turns in a rollout (tool outputs, user
         messages, the end of the conversation) and rewards them per turn or at the end.
@@ -420,7 +420,7 @@ class RLCoreSpecs:
                                       description="the model guesses; the environment says higher or lower")
         """
 
-    @provider(ToolSpec, key='environment.tools')
+    @provider(ToolSpec, key="environment.tools")
     def tool(self) -> Iterable[ToolSpec]:
         """Register tools: what an environment whose spec ``uses_tools`` (built-in ``tools``) lets
         the model call, by name, with one string argument.
@@ -455,7 +455,7 @@ class RLCoreSpecs:
                 yield ToolSpec(name="search", factory=build, description="searches an index")
         """
 
-    @provider(TrackerSpec, key='tracking.backends')
+    @provider(TrackerSpec, key="tracking.backends")
     def tracker(self) -> Iterable[TrackerSpec]:
         """Register experiment trackers: where each step's metrics go besides ``metrics.jsonl``.
 
@@ -644,7 +644,9 @@ class Role:
 #: the role table, read from the ``@provider`` decorators above: the manager's typed lookups,
 #: ``rlcore.stack.resolve``'s selections, ``Stack.role``, ``rlcore plugins`` and docs/hooks.md's
 #: role table (a test compares them) all read it
-ROLES: dict[str, Role] = {name: Role(name, getattr(RLCoreSpecs, name).rlcore_descriptor, getattr(RLCoreSpecs, name).rlcore_key,
-                                     getattr(RLCoreSpecs, name).rlcore_rule) for name in PROVIDER_HOOKS}
+ROLES: dict[str, Role] = {
+    name: Role(name, spec.rlcore_descriptor, spec.rlcore_key, spec.rlcore_rule)
+    for name, spec in ((name, getattr(RLCoreSpecs, name)) for name in PROVIDER_HOOKS)
+}
 #: the descriptor type each provider hook's implementations return
 DESCRIPTORS: dict[str, type[ProviderSpec]] = {name: role.descriptor for name, role in ROLES.items()}

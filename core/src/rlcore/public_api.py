@@ -30,8 +30,8 @@ PUBLIC_MODULES: dict[str, str] = {
     ),
     "rlcore.batch": "`PackedBatch`: the packed micro-batch your chain hooks receive",
     "rlcore.tasks": (
-        "the task and reward contract of data.task / data.reward: `Task`, `TaskPrompt`, `RewardInput`, `l"
-        "oad_callable`, the built-in `successor` / `successor_reward` ([tasks.md](tasks.md))"
+        "the task and reward contract of data.task / data.reward: `Task`, `TaskPrompt`, `RewardInput`, "
+        "`load_callable`, the built-in `successor` / `successor_reward` ([tasks.md](tasks.md))"
     ),
     "rlcore.errors": (
         "the errors to raise: `ConfigError(message, key=...)` for a bad value, `RolloutError`, `WeightSyncError`, "
@@ -98,8 +98,9 @@ PUBLIC_MODULES: dict[str, str] = {
     ),
     "rlcore.testing.imports": "`modules_loaded_by`: which heavy modules an import pulls in (section 3)",
     "rlcore.testing.runs": (
-        "in tests: a run as the rlcore command starts it (`main(['train', config, ...])`, `Trainer(stack).run()`), what"
-        " it wrote (`read_metrics`, `list_checkpoints`, `load_checkpoint`) and what two runs of one config must agree on (`comparable_metrics`)"
+        "in tests: a run as the rlcore command starts it (`main(['train', config, ...])`, `Trainer(stack).run()`), "
+        "what it wrote (`read_metrics`, `list_checkpoints`, `load_checkpoint`) and what two runs of one config "
+        "must agree on (`comparable_metrics`)"
     ),
     "rlcore.manager": (
         "in tests: `PluginManager().activate([...])` loads plugins through their entry points, as `rlcore train` "

@@ -32,8 +32,6 @@ __all__ = ["ONE_ROLES", "check_engine_head", "config_yaml", "load_config", "load
 
 #: the roles that select one provider, in the table's order (each a field of :class:`Stack`)
 ONE_ROLES = tuple(hook for hook, role in ROLES.items() if role.selects == "one")
-#: the fields every Stack is built with
-_STACK_ARGS = ("engine", "forward_fn", "rollout_backend", "weight_sync")
 
 
 @dataclass
@@ -146,9 +144,7 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
     # every role the table gives a key of one name: the provider that name selects
     selected = {hook: pm.select(hook, str(OmegaConf.select(cfg, role.key)), key=role.key)
                 for hook, role in ROLES.items() if role.selects == "one" and role.key is not None}
-    stack = Stack(cfg, pm, **{hook: selected.pop(hook) for hook in _STACK_ARGS})  # type: ignore[arg-type]
-    for hook, spec in selected.items():
-        setattr(stack, hook, spec)
+    stack = Stack(cfg, pm, **selected)  # type: ignore[arg-type]  (each role's field has the hook's name)
     rollout, sync = stack.rollout_backend, stack.weight_sync
     from rlcore.platforms import select_platform
 
@@ -165,8 +161,6 @@ def resolve(cfg: DictConfig, pm: PluginManager) -> Stack:
     # capabilities the providers declare but cannot deliver on this machine / with this config
     for role in ONE_ROLES:
         spec = stack.role(role)
-        if spec is None:
-            continue
         try:
             gaps = spec.gaps(cfg)
         except Exception as exc:  # noqa: BLE001 - a broken probe must not hide the stack

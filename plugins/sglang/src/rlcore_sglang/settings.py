@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcore.errors import ConfigError
 from rlcore_enginekit.serving import LOOPBACK, check_bind_host
 
 MODES = ("server", "engine")
@@ -132,8 +133,6 @@ def sglang_speculation(section: Any) -> tuple[str, int | None]:
             try:
                 topk = int(value)
             except ValueError:
-                from rlcore.errors import ConfigError
-
                 raise ConfigError(f"sglang.launch_args: --speculative-eagle-topk {value!r} is not an integer",
                                   key="sglang.launch_args") from None
     return algo.strip().upper(), topk
@@ -168,8 +167,6 @@ def routed_experts_refusal(section: Any) -> str | None:
 def check_settings(s: Any, config: Any = None) -> None:
     """Value checks omegaconf's types cannot express; errors name the key. With the whole
     ``config``, also the combinations that would leave a policy-derived draft stale."""
-    from rlcore.errors import ConfigError
-
     choices = {
         "mode": MODES,
         "pause_mode": PAUSE_MODES,
