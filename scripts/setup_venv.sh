@@ -19,7 +19,7 @@ fi
 
 echo "[setup] preparing $VENV (first run takes about a minute)" >&2
 venv_create_cpu_torch "$VENV"
-editables=(-e "core[test,tensorboard,data,math,mlflow,wandb,trackio]")
+editables=(-e "core[test,tensorboard,data,math,mlflow,wandb,trackio,lora]")
 # every plugin editable, rlcore-ray (cluster.backend: ray) among them
 for d in plugins/*/; do [ -f "$d/pyproject.toml" ] && editables+=(-e "$d"); done
 # ray pinned for CI (rlcore-ray allows >=2.40,<3; 2.60.0 has the cp311 wheel)

@@ -208,7 +208,7 @@ _SIZE_CAPS = {"rollout.n": 64, "data.prompts_per_step": 128, "rollout.max_new_to
               "training.steps": 500, "engine.model.tiny.hidden_size": 256, "engine.model.tiny.num_layers": 4,
               "engine.model.tiny.intermediate_size": 512, "engine.model.tiny.num_experts": 16,
               "engine.model.tiny.moe_intermediate_size": 128, "engine.model.tiny.head_dim": 64,
-              "engine.model.tiny.num_heads": 8, "engine.model.tiny.vocab_size": 4096}
+              "engine.model.tiny.num_heads": 8, "engine.model.tiny.vocab_size": 4096, "lora.rank": 64}
 #: key prefixes whose valid values valid_documents sets by cross-key rules
 RULED = ("engine.model.tiny.", "algorithm.", "cluster.", "rollout.", "loop.", "environment.")
 #: keys the generator leaves at their defaults, and why (each is tested elsewhere)
@@ -219,6 +219,7 @@ HELD = {
     "engine.model.path": "needs a model directory (core/tests/test_preflight.py)",
     "data.task": "a module path (core/tests/test_preflight.py)", "data.reward": "a module path (same)",
     "output.dir": "where a run writes: check never touches it",
+    "lora.target_modules": "names of the model's layers (core/tests/test_lora.py)",
     **{f"data.{k}": "names dataset files and their columns (core/tests/test_datasets.py)"
        for k in ("train_files", "val_files", "prompt_key", "answer_key")},
     **{k: "validation runs on data.val_files (tests/test_gsm8k_example.py)" for k in DEFAULTS
@@ -280,6 +281,8 @@ def valid_documents(draw) -> dict[str, Any]:
             put(key, st.sampled_from(["float32", "bfloat16", "float16"]))
         elif key == "sync.name":
             put(key, st.sampled_from(["inproc", "disk"]))
+        elif key == "sync.delta":  # needs a sync that declares delta (inproc; disk is refused naming sync.delta)
+            put(key, st.booleans() if value("sync.name") == "inproc" else st.just(False))
         elif key == "training.lr":  # preflight.check_optimizer: below MAX_LR, and lr x weight_decay < 1
             put(key, st.floats(0.0, MAX_LR, exclude_max=True))
         elif key == "training.weight_decay":

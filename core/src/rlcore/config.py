@@ -27,6 +27,7 @@ from rlcore.datasets.files import OVERLONG_CHOICES, check_data_files
 from rlcore.environment_settings import EnvironmentConfig, check_environment
 from rlcore.errors import ConfigError, ConfigErrors, closest_name
 from rlcore.loop_settings import LoopConfig, check_loop
+from rlcore.lora import LORA_PUSH_MODES, LoraSettings, check_lora
 from rlcore.model_settings import ATTENTION_CHOICES, check_model
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES, check_local_rollout
 from rlcore.tracking.settings import (
@@ -128,9 +129,23 @@ class RolloutConfig:
 
 @dataclass
 class SyncConfig:
+    """The weight sync (hook ``weight_sync``). ``name``: the sync (``inproc``, ``disk``, a
+    plugin's); ``bucket_mb``: the capacity of a bucket; ``verify``: check every push (``exact``:
+    checksums of what the receiver holds after it equal the trainer's). ``delta`` (a sync that
+    declares ``delta`` into a backend that declares ``receive_deltas``: ``inproc`` into ``local``):
+    send only what changed since the version the receiver holds (rows or elements, each tensor as
+    whichever is smallest; :mod:`rlcore.delta`), verified as a full push is; the sender keeps a copy
+    of the model as last pushed, on the trainer's device. ``delta_max_ratio`` in (0, 1]: a push
+    whose encoding would exceed this fraction of the full push's bytes is sent full instead.
+    ``delta_full_every``: every N-th push is a full one (0: only when needed: the first push, after
+    a failed one, when the receiver is not on the version the delta starts from)."""
+
     name: str = "inproc"
     bucket_mb: float = 64.0
     verify: bool = True
+    delta: bool = False
+    delta_max_ratio: float = 0.5
+    delta_full_every: int = 20
 
 
 @dataclass
@@ -290,6 +305,7 @@ class RunConfig:
     loop: LoopConfig = field(default_factory=LoopConfig)  #: rlcore.loop_settings
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  #: rlcore.environment_settings
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  #: rlcore.tracking
+    lora: LoraSettings = field(default_factory=LoraSettings)  #: rlcore.lora
 
 
 CORE_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
@@ -569,6 +585,7 @@ _CHOICES = {
     "output.export_hf": ("checkpoints", "final", "never"),
     "engine.attention": ATTENTION_CHOICES,
     "data.overlong": OVERLONG_CHOICES,
+    "lora.push": LORA_PUSH_MODES,
 }
 
 
@@ -588,7 +605,7 @@ def _check_values(cfg: DictConfig, problems: _Problems | None = None) -> None:
         if ":" not in val:
             problems.add(ConfigError(f"bad value for config key {key!r}: {val!r} must be 'module:function'", key=key))
     for check in (check_local_rollout, check_model, check_cluster, check_loop, check_environment,
-                  resolve_seed_per_prompt, check_data_files, check_tracking, check_validation):
+                  resolve_seed_per_prompt, check_data_files, check_tracking, check_validation, check_lora):
         problems.attempt(check, cfg)
     if own:
         problems.raise_if_any()
@@ -607,6 +624,8 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "rollout.draft_depths": (0, math.inf, True, False),
     "rollout.seed": (0, 2**32 - 1, True, True),  # per-step seeds derive from it in int64
     "sync.bucket_mb": (2.0**-20, 1 << 30, True, True),  # 1 byte to 1 PiB: bucket byte counts stay int64
+    "sync.delta_max_ratio": (0.0, 1.0, False, True),
+    "sync.delta_full_every": (0, math.inf, True, False),
     "forward.chunk_tokens": (1, math.inf, True, False),
     "algorithm.kl_coef": (0.0, math.inf, True, False),
     "algorithm.entropy_coef": (0.0, math.inf, True, False),
@@ -630,6 +649,9 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
         "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_experts",
         "topk", "moe_intermediate_size")},
     "engine.model.tiny.mtp_layers": (0, math.inf, True, False),
+    "lora.rank": (0, math.inf, True, False),
+    "lora.alpha": (0.0, math.inf, False, False),
+    "lora.dropout": (0.0, 1.0, True, False),
     "engine.model.tiny.vocab_size": (0, math.inf, True, False),
     "engine.model.tiny.seed": (-(2**63), 2**64 - 1, True, True),  # torch.Generator.manual_seed's domain
 }
@@ -684,6 +706,9 @@ FINGERPRINT_EXCLUDED = (
     "forward.chunk_tokens",
     "sync.bucket_mb",
     "sync.verify",
+    "sync.delta",  # how the weights travel (only what changed), not what they are: every push is verified
+    "sync.delta_max_ratio",
+    "sync.delta_full_every",
     "engine.device",
     "engine.attention",  # packed or padded rows: the same attention, summed in another order
     "cluster.",  # where ranks run; data-parallel ranks hold the same weights, so any size resumes

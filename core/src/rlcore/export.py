@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import CheckpointError, RLCoreError, RunOutputError
+from rlcore.lora import MERGED_DIR
 
 #: the directory of the trained model at the end of a run
 MODEL_DIR = "model"
@@ -334,6 +335,8 @@ def export_policy(trainer: Any, final: Path, step: int, *, at_checkpoint: bool) 
     try:
         if not on_writer(ranks, reuse):
             trainer._write_policy_hf(staging)
+            if trainer.cfg.lora.export_merged and trainer.cfg.lora.rank > 0:  # rlcore.lora: the merged model too
+                on_writer(ranks, lambda: trainer.engine.save_merged(staging / MERGED_DIR))
         on_writer(ranks, lambda: commit_dir(staging, final, info))
     except BaseException as exc:  # a signal that stops the run at once, too: no staging directory left
         if ranks.writer:  # no collective here: the other ranks may not have failed
@@ -607,6 +610,8 @@ def export_checkpoint(run: str | Path, step: int | None = None, out: str | Path 
             info = export_info(step, int(state.get("version", 0)), f"rlcore export of {run} step {step}")
             try:
                 engine.save_hf(staging)
+                if stack.config.lora.export_merged and stack.config.lora.rank > 0:
+                    engine.save_merged(staging / MERGED_DIR)
                 return commit_dir(staging, dest, info)
             except RLCoreError:
                 raise

@@ -8,7 +8,10 @@ collapse silently (SGLang #27718, vLLM level-2 sleep, vllm-ascend #13209), so a 
 run here. Metrics: ``rollout/draft_weight_version``, the backend's ``memory_metrics()`` (KV
 cache bytes freed by the release) and, from a sync that reports where its push's time went
 (``SyncReport.details["phases"]``, named as :data:`rlcore.sync.PUSH_PHASES`), one
-``sync/<phase>_seconds`` each.
+``sync/<phase>_seconds`` each; from a delta push (``sync.delta``, :mod:`rlcore.delta`):
+``sync/delta`` (1.0: a delta, 0.0: a full push, ``sync/delta_reason`` saying why), ``sync/model_bytes``
+(the bytes of a full push; ``sync_bytes`` is what was sent), ``sync/delta_tensors_<kind>`` (how many
+tensors went unchanged, as rows, as elements, dense) and ``sync/delta_encode_seconds``.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from rlcore.types import Cap
 
 
 def push_weights(backend: Any, sync: Any, weights: Iterable[Any], version: int,
-                 release_kv: bool) -> tuple[Any, dict[str, float]]:
+                 release_kv: bool) -> tuple[Any, dict[str, Any]]:
     caps = backend.capabilities()
     can_pause = Cap.PAUSE in caps
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Any] = {}
     if can_pause:
         backend.pause()
     if release_kv:
@@ -50,6 +53,7 @@ def push_weights(backend: Any, sync: Any, weights: Iterable[Any], version: int,
         )
     metrics.update(check_draft_version(backend, version))
     metrics.update(phase_metrics(report))
+    metrics.update(delta_metrics(report))
     return report, metrics
 
 
@@ -58,6 +62,21 @@ def phase_metrics(report: Any) -> dict[str, float]:
     report's ``details["phases"]`` names (a sync that reports no phases adds none)."""
     phases = (getattr(report, "details", None) or {}).get("phases") or {}
     return {f"sync/{p}_seconds": float(phases[p]) for p in PUSH_PHASES if p in phases}
+
+
+def delta_metrics(report: Any) -> dict[str, float | str]:
+    """What a push with ``sync.delta`` reports of its encoding (see the module docstring); none
+    without it."""
+    details = getattr(report, "details", None) or {}
+    if "delta" not in details:
+        return {}
+    out: dict[str, float | str] = {"sync/delta": float(details["delta"] == "delta"),
+                                   "sync/model_bytes": float(details["model_bytes"]),
+                                   "sync/delta_encode_seconds": float(details.get("delta_seconds", 0.0))}
+    out.update({f"sync/{k}": float(v) for k, v in details.items() if k.startswith("delta_tensors_")})
+    if details.get("delta_reason"):
+        out["sync/delta_reason"] = str(details["delta_reason"])
+    return out
 
 
 def check_draft_version(backend: Any, version: int) -> dict[str, float]:

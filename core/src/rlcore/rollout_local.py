@@ -13,7 +13,10 @@ not copied out; in place it takes the sender's tensors without buckets, ``receiv
 the checksum kernel runs (a GPU with Triton; ``fused_checksums``), a push lands with copies that
 checksum what they write (:meth:`~rlcore.checksums.ChecksumSlots.copy`: the staged commit, or
 each in-place bucket), so ``weight_checksums()`` after it reads those sums instead of the weights
-again; elsewhere it checksums the weights when asked.
+again; elsewhere it checksums the weights when asked. It applies delta pushes (``sync.delta``,
+``begin_delta``; :mod:`rlcore.delta`): a delta over a version it does not hold is refused before
+anything lands, each delta is checked, then applied to a copy of the live weight (staged) or to it
+(in place); the tensors the push names unchanged keep their values.
 
 KV cache: a transformers ``DynamicCache`` built by each ``generate`` call and dropped when it
 returns, so between calls — and therefore around a push — none is resident.
@@ -49,10 +52,12 @@ from typing import Any
 import torch
 
 from rlcore.checksums import ChecksumPlan, ChecksumSlots, checksum_kernel_runs_on, warm_checksum_kernels
+from rlcore.delta import DeltaIntake, apply_delta, check_delta
 from rlcore.engines.hf_names import checkpoint_views
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.engines.kv_cache import cache_arg
 from rlcore.errors import RolloutError, WeightSyncError
+from rlcore.lora import ADAPTER_DIR, ADAPTER_FILE, Adapters, pushes_adapter
 from rlcore.platforms import run_device
 from rlcore.rollout_seeds import CallSeeds, base_seed, copy_seed
 from rlcore.rollout_settings import LOCAL_UPDATE_MODES
@@ -69,6 +74,8 @@ LOCAL_CAPABILITIES = frozenset(
         Cap.RECEIVE_BUCKETS,
         Cap.RECEIVE_DISK,
         Cap.WEIGHT_CHECKSUMS,
+        Cap.RECEIVE_DELTAS,
+        Cap.RECEIVE_ADAPTERS,
     }
 )
 
@@ -120,7 +127,8 @@ class LocalRollout:
     """See module docstring."""
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0, draft_depths: int = 0,
-                 seed_per_prompt: bool = False, update: str = "staged", fused_checksums: bool | None = None):
+                 seed_per_prompt: bool = False, update: str = "staged", fused_checksums: bool | None = None,
+                 lora: Any = None):
         if update not in LOCAL_UPDATE_MODES:
             raise RolloutError(f"rollout.local_update must be one of {LOCAL_UPDATE_MODES}, got {update!r}")
         self.device = torch.device(device)
@@ -133,6 +141,9 @@ class LocalRollout:
         #: every row samples from its own seed (see :func:`row_uniforms`), not one generator per call
         self.seed_per_prompt = seed_per_prompt
         self.dtype = getattr(torch, dtype)
+        #: LoRA adapter pushes (rlcore.lora): the settings the trainer's adapters have; the base stays as loaded
+        self.lora = lora
+        self.adapters: Adapters | None = None
         self._seeds = CallSeeds(seed)
         self.model: Any = None
         self.seam: RouterSeam | None = None
@@ -143,6 +154,7 @@ class LocalRollout:
         self._kv_released = False
         self._staging: dict[str, torch.Tensor] | None = None
         self._staging_version: int | None = None
+        self._delta: DeltaIntake | None = None  # the push in progress is a delta (begin_delta)
         self._unknown_weights: str | None = None
         self._checksum_plan: tuple[tuple[str, ...], ChecksumPlan] | None = None
         #: land pushes with copy-and-checksum (None: where the kernel runs, i.e. free)
@@ -172,11 +184,18 @@ class LocalRollout:
 
         # a MiMo directory loads with its MTP layers, so pushes carry (and verify) model.mtp_layers.*
         self.model = load_causal_lm(str(model_dir), self.dtype).to(self.device)
+        if self.lora is not None:  # the trainer's adapters over the base: pushes carry them only
+            if self.draft_depths:
+                raise RolloutError("rollout.draft_depths with LoRA adapter pushes: the draft would keep the base "
+                                   "MTP layers; set lora.push=merged or rollout.draft_depths=0")
+            self.adapters = Adapters(self.model, self.lora)
+            if (Path(model_dir) / ADAPTER_DIR / ADAPTER_FILE).exists():  # a resumed run's adapters
+                self.adapters.load(Path(model_dir) / ADAPTER_DIR)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.seam = RouterSeam(self.model)
-        self._views = checkpoint_views(self.model)
+        self._views = self.adapters.views() if self.adapters is not None else checkpoint_views(self.model)
         self._manifest = None
         self._checksum_plan = None
         self._landed = None
@@ -442,9 +461,51 @@ class LocalRollout:
             raise WeightSyncError("a weight update is already in progress", receiver_version=self._version)
         self._staging = {}
         self._staging_version = version
+        self._delta = None
         self._landed = None
         self._landing.reset()
         self._landing_now = {}
+
+    def begin_delta(self, version: int, base_version: int, unchanged: Iterable[str] = ()) -> None:
+        """A delta push (``sync.delta``, :mod:`rlcore.delta`) of ``version`` over ``base_version``,
+        leaving ``unchanged`` as they are: refused before anything lands unless this rollout holds
+        ``base_version`` (a lost delta: it missed a push, and only a full push can bring it back)."""
+        if base_version != self._version or self._unknown_weights is not None:
+            held = (f"version {self._version}" if self._unknown_weights is None
+                    else f"unknown weights ({self._unknown_weights})")
+            raise WeightSyncError(
+                f"lost delta: the push of version {version} is a delta from version {base_version}, but the local "
+                f"rollout holds {held}; it missed a push and needs a full one",
+                receiver_version=self._version if self._unknown_weights is None else None)
+        intake = DeltaIntake(version, base_version, unchanged, self._views, receiver_version=self._version)
+        self.begin_update(version)
+        self._delta = intake
+
+    def _split_bucket(self, named: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], list]:
+        """The tensors of ``named`` sent whole, and (a delta push) the encoded pieces."""
+        if self._delta is None:
+            return named, []  # an encoded name in a full push is refused by _check_tensor, as any unknown name
+        return self._delta.split(named)
+
+    def _take_deltas(self, parts: list[tuple[str, str, str, torch.Tensor]], keep: bool) -> None:
+        """Hold each encoded piece until its pair came, then check and apply the delta (staged: to a
+        copy of the live weight; in place: to it). ``keep``: a piece may be kept as it is (its
+        sender never writes it again)."""
+        for name, kind, part, piece in parts:
+            if not keep or piece.device != self.device:
+                piece = piece.to(self.device, copy=True)
+            pair = self._delta.take(name, kind, part, piece)
+            if pair is None:
+                continue
+            live = self._views[name]
+            check_delta(live, kind, *pair, name, receiver_version=self._version)
+            if self.update == "in_place":
+                self._unknown_weights = f"the push of version {self._staging_version} did not complete"
+                apply_delta(live, kind, *pair)
+                self._staging[name] = live
+            else:
+                self._staging[name] = staged = live.clone()
+                apply_delta(staged, kind, *pair)
 
     def _fuses(self) -> bool:
         if self.fused_checksums is not None:
@@ -454,7 +515,7 @@ class LocalRollout:
     def receive_bucket(self, bucket: Bucket) -> None:
         if self._staging is None:
             raise WeightSyncError("receive_bucket() outside begin_update()/commit_update()", self._version)
-        tensors = list(bucket.tensors())
+        tensors, parts = self._split_bucket(list(bucket.tensors()))
         for name, view in tensors:  # the whole bucket is checked before any of it lands
             self._check_tensor(name, view)
         if self.update == "in_place":
@@ -465,6 +526,7 @@ class LocalRollout:
                 # commit's copy is the only one after the bucket fill); otherwise copy it out
                 keep = bucket.receiver_may_keep and view.device == self.device
                 self._staging[name] = view if keep else view.to(self.device, copy=True)
+        self._take_deltas(parts, keep=bucket.receiver_may_keep)
 
     def lands_directly(self) -> bool:
         """Whether a push may hand its tensors to :meth:`receive_tensors` instead of buckets: in
@@ -473,15 +535,17 @@ class LocalRollout:
 
     def receive_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """In place only: ``named`` (the sender's own tensors, a bucket's worth) copied into the live
-        weights, checked first as a bucket is."""
+        weights, checked first as a bucket is (in a delta push, its encoded pieces applied)."""
         if self._staging is None:
             raise WeightSyncError("receive_tensors() outside begin_update()/commit_update()", self._version)
         if self.update != "in_place":
             raise WeightSyncError("receive_tensors() lands in place only (rollout.local_update: in_place); a staged "
                                   "update takes buckets", self._version)
+        named, parts = self._split_bucket(named)
         for name, t in named:
             self._check_tensor(name, t)
         self._land_in_place(named)
+        self._take_deltas(parts, keep=True)
 
     def _land_in_place(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         if tensors:  # from here on the live weights mix versions until the push commits
@@ -499,8 +563,11 @@ class LocalRollout:
     def commit_update(self, version: int) -> None:
         if self._staging is None or self._staging_version != version:
             raise WeightSyncError(f"commit_update({version}) without a matching begin_update", self._version)
+        names = set(self._staging) | (self._delta.unchanged if self._delta is not None else set())
         try:
-            self._check_complete(self._staging, version)
+            if self._delta is not None:
+                self._delta.check_done()
+            self._check_complete(names, version)
         except WeightSyncError as exc:
             if self._unknown_weights is not None:  # in place: what did land cannot be taken back
                 self._staging, self._staging_version = None, None
@@ -518,14 +585,16 @@ class LocalRollout:
             self._version = version
         self._landed = self._landing_now if self._fuses() else None
         self._unknown_weights = None
-        self._mark_draft(self._staging, version)
+        self._mark_draft(names, version)
         self._staging = None
         self._staging_version = None
+        self._delta = None
 
     def abort_update(self) -> None:
         self._landed = None
         self._staging = None
         self._staging_version = None
+        self._delta = None
 
     @property
     def holds_unknown_weights(self) -> bool:
@@ -580,7 +649,8 @@ def build_local_rollout(ctx: Any) -> LocalRollout:
     device = run_device(ctx)
     return LocalRollout(device=device, dtype=cfg.engine.model.dtype, seed=base_seed(cfg),
                         draft_depths=int(cfg.rollout.draft_depths),
-                        seed_per_prompt=bool(cfg.rollout.seed_per_prompt), update=str(cfg.rollout.local_update))
+                        seed_per_prompt=bool(cfg.rollout.seed_per_prompt), update=str(cfg.rollout.local_update),
+                        lora=cfg.lora if pushes_adapter(cfg, LOCAL_CAPABILITIES) else None)
 
 
 def _cache_bytes(past: Any) -> int:

@@ -153,8 +153,9 @@ def _build(stack: Stack, strategy: RankStrategy, resume: bool, console: Any, ove
         section = sections.get(spec.plugin)
         return BuildContext(config=cfg, settings=cfg[section] if section else None, output_dir=str(out),
                             engine=engine, extras={"task": task}, device=device, platform=platform,
-                            engine_capabilities=frozenset(stack.engine.capabilities) if engine is not None else
-                            frozenset())
+                            engine_capabilities=frozenset(  # what it declares less what this config or platform lacks
+                                c for c in stack.engine.capabilities if stack.has("engine", c))
+                            if engine is not None else frozenset())
 
     # the device platform first: a vendor extension (torch_npu) is imported by its factory
     platform_ctx = ctx_for(stack.platform) if stack.platform is not None else BuildContext(config=cfg)

@@ -40,6 +40,7 @@ from rlcore.errors import CheckpointError, ConfigError, NonFiniteError
 from rlcore.export import MODEL_DIR, export_policy, write_run_config
 from rlcore.faults import fault_point
 from rlcore.loop_settings import loop_note
+from rlcore.lora import lora_on, pushes_adapter
 from rlcore.parallel.push_memory import PushMeter
 from rlcore.parallel.strategy import RankStrategy
 from rlcore.pass_metrics import PassMetrics
@@ -95,6 +96,8 @@ class Trainer:
         self.version = 0
         self.wall_before = 0.0  # wall seconds of earlier (resumed) segments
         self.release_kv = False
+        #: LoRA (rlcore.lora): pushes carry the adapters only, or full merged weights (a backend without adapters)
+        self.push_adapter = pushes_adapter(self.cfg, stack.rollout_backend.capabilities)
         self.push_metrics: dict[str, float] = {}
         self.source: Any = None  # where the steps' samples come from (run() builds it)
         self.validation = Validation.from_run(self.cfg, built.task)  # validation.every_steps (rlcore/validation.py)
@@ -106,7 +109,10 @@ class Trainer:
                                    "the checkpoint resumed) holds NaN/inf")
         on_writer(self.ranks, lambda: write_run_config(self.out, config_yaml(self.stack)))  # for rlcore export
         model_dir = self.out / "policy_hf"  # what the rollout starts from; the trained model: rlcore/export.py
-        self._write_policy_hf(model_dir)
+        if lora_on(self.cfg) and not self.push_adapter:  # a backend that takes full weights starts from them
+            on_writer(self.ranks, lambda: self.engine.save_merged(model_dir))
+        else:
+            self._write_policy_hf(model_dir)
         self.backend.start(str(model_dir), version=self.version)
         self.release_kv = check_started_rollout(self.stack, self.backend, self.report)
 
@@ -428,7 +434,8 @@ class Trainer:
         return report
 
     def _export_for_push(self, meter: PushMeter) -> Any:
-        for n, (name, t) in enumerate(self.engine.export_hf_weights()):
+        weights = self.engine.export_adapter() if self.push_adapter else self.engine.export_hf_weights()
+        for n, (name, t) in enumerate(weights):
             meter.sample()  # a gathered full tensor is alive next to the bucket being filled
             yield name, t
             if n == 0:

@@ -1,7 +1,8 @@
 """The built-in weight syncs: ``inproc`` (buckets straight into an in-process receiver; a receiver
 that loads in place, ``lands_directly()``, takes the sender's tensors themselves, a bucket's worth
 at a time, so a push copies the bytes once) and
-``disk`` (safetensors in HF names, then a reload). Both stream the engine's export through the
+``disk`` (safetensors in HF names, then a reload); ``inproc`` with ``sync.delta`` sends only what
+changed since the receiver's version (:mod:`rlcore.delta`). Both stream the engine's export through the
 core bucket builder and version every push. Verification (``details["level"]``, see
 :mod:`rlcore.sync`): ``coverage`` where the receiver has a ``weight_manifest()`` (every tensor it
 holds arrived with its shape; the local receiver also refuses a wrong shape or a partial push
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from rlcore.checksums import warm_checksum_kernels
+from rlcore.delta import DeltaEncoder, DeltaPlan
 from rlcore.errors import WeightSyncError
 from rlcore.platforms import run_device
 from rlcore.sync import Bucket, Phases, SentChecksums, check_after_push, iter_buckets, prune_versions
@@ -104,23 +106,47 @@ class _Tally:
 
 
 class InprocSync:
-    """``inproc``: flattened buckets handed to a :class:`~rlcore.types.BucketReceiver`."""
+    """``inproc``: flattened buckets handed to a :class:`~rlcore.types.BucketReceiver`. With
+    ``delta`` (a :class:`~rlcore.delta.DeltaEncoder`, ``sync.delta``) a push sends only what changed
+    since the receiver's version, into a receiver with ``begin_delta``; verified as a full push."""
 
-    def __init__(self, bucket_bytes: int, verify: bool = True):
+    def __init__(self, bucket_bytes: int, verify: bool = True, delta: DeltaEncoder | None = None):
         self.bucket_bytes = int(bucket_bytes)
         self.verify = verify
         # kept across pushes: the sender's checksums, one device slot per tensor, sized by the last push
         self._sent = SentChecksums() if verify else None
+        self.delta = delta
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], target: RolloutBackend, version: int) -> SyncReport:
+        t0 = time.perf_counter()
+        if self.delta is None:
+            return self._push(weights, target, version, None, t0)
+        if not callable(getattr(target, "begin_delta", None)):
+            raise WeightSyncError(f"sync.delta is on but the receiver {type(target).__name__} cannot apply delta "
+                                  f"pushes (it has no begin_delta): set sync.delta=false",
+                                  receiver_version=target.weight_version)
+        plan = self.delta.plan(weights, target.weight_version)
+        try:
+            report = self._push(plan.stream, target, version, plan, t0)
+        except BaseException:
+            self.delta.failed()  # what the receiver holds is not the snapshot any more: the next push is full
+            raise
+        self.delta.committed(plan, version)
+        return report
+
+    def _push(self, weights: Iterable[tuple[str, torch.Tensor]], target: RolloutBackend, version: int,
+              plan: DeltaPlan | None, t0: float) -> SyncReport:
         if not implements(target, BucketReceiver):
             raise WeightSyncError(f"inproc sync needs a BucketReceiver backend, got {type(target).__name__}")
-        t0 = time.perf_counter()
         before = target.weight_version
         phases = Phases()
-        tally = _Tally(phases, self._sent)
+        delta = plan is not None and not plan.full
+        tally = _Tally(phases, None if delta else self._sent)  # a delta's pieces are not what is compared
         with phases("control"):
-            target.begin_update(version)
+            if delta:
+                target.begin_delta(version, plan.base, plan.unchanged)
+            else:
+                target.begin_update(version)
         # a receiver that loads in place may take the tensors themselves: one copy per push, not two
         direct = callable(getattr(target, "lands_directly", None)) and target.lands_directly()
         try:
@@ -149,13 +175,27 @@ class InprocSync:
                 f"{type(exc).__name__}: {exc}; {where}",
                 receiver_version=now,
             ) from exc
-        sent = tally.sent()
+        # a delta is checked as a full push is: every tensor the trainer holds, against every one the receiver does
+        sent, shapes = (self._checksums(plan.named, phases), plan.shapes) if delta else (tally.sent(), tally.shapes)
         with phases("receiver_checksum"):
-            checked, level = check_after_push(target, tally.shapes, sent, version, "inproc")
+            checked, level = check_after_push(target, shapes, sent, version, "inproc")
         return SyncReport(version, tally.ntensors, tally.nbuckets, tally.nbytes, time.perf_counter() - t0,
                           verified=self.verify, checked=checked, method="inproc",
                           details={"level": level, "phases": dict(phases.seconds),
-                                   "landing": "direct" if direct else "buckets"})
+                                   "landing": "direct" if direct else "buckets",
+                                   **(plan.details() if plan is not None else {})})
+
+    def _checksums(self, named: list[tuple[str, torch.Tensor]], phases: Phases) -> dict[str, int] | None:
+        """The sender's checksums of ``named`` (all its tensors), None when not verifying."""
+        if self._sent is None:
+            return None
+        self._sent.start()
+        with phases("sender_checksum"):
+            self._sent.add(named)
+        with phases("wait"):
+            _device_sync(self._sent.slots.device)
+        with phases("sender_checksum"):
+            return self._sent.values()
 
     def close(self) -> None:
         pass
@@ -221,8 +261,10 @@ def warm_for_run(ctx: Any, verify: bool) -> None:
 
 
 def build_inproc(ctx: Any) -> InprocSync:
-    warm_for_run(ctx, bool(ctx.config.sync.verify))
-    return InprocSync(int(ctx.config.sync.bucket_mb * MB), verify=bool(ctx.config.sync.verify))
+    s = ctx.config.sync
+    warm_for_run(ctx, bool(s.verify))
+    delta = DeltaEncoder(float(s.delta_max_ratio), int(s.delta_full_every)) if getattr(s, "delta", False) else None
+    return InprocSync(int(s.bucket_mb * MB), verify=bool(s.verify), delta=delta)
 
 
 def build_disk(ctx: Any) -> DiskSync:

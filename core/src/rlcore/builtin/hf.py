@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from rlcore import PLUGIN_API, hookimpl
+from rlcore.lora import LORA_ADAPTER_PUSH, LORA_ENGINE
 from rlcore.model_settings import TINY_MTP_OVER_MOE
 from rlcore.types import Cap, EngineSpec
 
@@ -18,7 +19,16 @@ def _build(ctx):
 
 def _gaps(config):
     """``mtp`` is declared because MiMo models have MTP layers; any other model lacks it (read
-    from the tiny-model settings or the directory's config.json: no model is built here)."""
+    from the tiny-model settings or the directory's config.json: no model is built here). With LoRA
+    the export is merged weights computed per push, not the engine's own parameters."""
+    gaps = {}
+    if int(config.lora.rank) > 0:
+        gaps[Cap.EXPORTS_OWN_PARAMETERS] = (f"lora.rank={config.lora.rank}: the exported weights are merged per push "
+                                            f"(W + scaling * B @ A), not the engine's own parameters")
+    return {**gaps, **_model_gaps(config)}
+
+
+def _model_gaps(config):
     model = config.engine.model
     if model.path:
         cfg_file = Path(str(model.path)) / "config.json"
@@ -45,7 +55,7 @@ def engine():
         name="hf",
         factory=_build,
         capabilities={Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL, Cap.DATA_PARALLEL,
-                      Cap.EXPORTS_OWN_PARAMETERS, Cap.ENGINE_MODEL},
+                      Cap.EXPORTS_OWN_PARAMETERS, Cap.ENGINE_MODEL, Cap.LORA},
         description="any transformers causal LM (CPU or GPU); tiny models created locally; MTP in MiMo's layout",
         platform_gaps=_gaps,
     )
@@ -54,3 +64,5 @@ def engine():
 @hookimpl
 def constraints():
     yield TINY_MTP_OVER_MOE  # the tiny model's MTP layers over an MoE arch: transformers has none
+    yield LORA_ENGINE  # lora.rank > 0: an engine that trains adapters (core's lora section, rlcore.lora)
+    yield LORA_ADAPTER_PUSH

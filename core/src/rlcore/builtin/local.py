@@ -42,7 +42,8 @@ def rollout_backend():
         factory=_build,
         capabilities={Cap.LOGPROBS, Cap.PAUSE, Cap.RELEASE_KV_CACHE, Cap.ROUTED_EXPERTS, Cap.RECEIVE_BUCKETS,
                       Cap.RECEIVE_DISK, Cap.WEIGHT_CHECKSUMS, Cap.SPECULATIVE, Cap.REPLICA, Cap.STAGED_LOAD,
-                      Cap.IN_PLACE_LOAD, Cap.POLICY_MTP_DRAFTS},
+                      Cap.IN_PLACE_LOAD, Cap.POLICY_MTP_DRAFTS, Cap.RECEIVE_DELTAS,
+                      Cap.RECEIVE_ADAPTERS},
         description="in-process sampler over a copy of the policy (transformers, KV cache; MTP speculative drafts)",
         platform_gaps=_gaps,
     )

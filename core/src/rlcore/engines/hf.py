@@ -36,7 +36,8 @@ from rlcore.engines.hf_names import checkpoint_tensors
 from rlcore.engines.hf_routers import RouterSeam
 from rlcore.engines.mimo import has_mtp_layers, load_causal_lm
 from rlcore.engines.varlen import TORCH_VARLEN, varlen_attention, varlen_backend
-from rlcore.errors import ConfigError, MissingCapabilityError, RLCoreError
+from rlcore.errors import CheckpointError, ConfigError, MissingCapabilityError, RLCoreError
+from rlcore.lora import ADAPTER_DIR, Adapters, adapter_state, load_adapter_state
 from rlcore.model_settings import ATTENTION_CHOICES
 from rlcore.platforms import run_device
 from rlcore.types import (
@@ -50,7 +51,7 @@ from rlcore.types import (
     value_head,
 )
 
-HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL})
+HF_ENGINE_CAPABILITIES = frozenset({Cap.MOE, Cap.MTP, Cap.ROUTER_HOOK, Cap.RECORD_ROUTES, Cap.VALUE_MODEL, Cap.LORA})
 
 #: the name the packed attention function (and its no-mask function) is registered under in transformers
 PACKED_ATTENTION = "rlcore_packed"
@@ -104,8 +105,11 @@ class HFEngine:
 
     capabilities = HF_ENGINE_CAPABILITIES
 
-    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu", attention: str = "padded"):
+    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device = "cpu", attention: str = "padded",
+                 lora: Any = None):
         self.model = model.to(device)
+        #: ``lora.rank`` > 0: the model's linear layers wrapped with LoRA adapters (rlcore.lora), the base frozen
+        self.adapters: Adapters | None = Adapters(self.model, lora) if lora is not None and int(lora.rank) > 0 else None
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.attention_path = choose_attention_path(attention, self.model, self.device)
@@ -129,12 +133,12 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
-                        attention: str = "padded") -> HFEngine:
+                        attention: str = "padded", lora: Any = None) -> HFEngine:
         from transformers import AutoTokenizer
 
         model = load_causal_lm(str(path), getattr(torch, dtype))
         tok = AutoTokenizer.from_pretrained(str(path))
-        return cls(model, tok, device, attention)
+        return cls(model, tok, device, attention, lora)
 
     # ----------------------------------------------------------------- forward -----------
 
@@ -259,8 +263,11 @@ class HFEngine:
         self.optimizer.step()
         return float(norm)
 
-    def make_reference(self) -> HFEngine:
-        """A frozen copy of the current policy (for the KL penalty)."""
+    def make_reference(self) -> HFEngine | BaseWithoutAdapters:
+        """A frozen copy of the current policy (for the KL penalty); with LoRA, the policy's own model
+        with its adapters off (the base: no copy)."""
+        if self.adapters is not None:
+            return BaseWithoutAdapters(self)
         ref = HFEngine(copy.deepcopy(self.model), self.tokenizer, self.device, self.attention_path)
         ref.model.eval()
         for p in ref.model.parameters():
@@ -275,26 +282,83 @@ class HFEngine:
     # ----------------------------------------------------------------- weights -----------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in checkpoint_tensors(self.model):
+        """Every weight under its checkpoint name (with LoRA: merged, ``W + scaling · B @ A``)."""
+        tensors = self.adapters.merged() if self.adapters is not None else checkpoint_tensors(self.model)
+        for name, t in tensors:
+            yield name, t.detach()
+
+    def export_adapter(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters' tensors in PEFT's saved names (what an adapter push carries)."""
+        if self.adapters is None:
+            raise MissingCapabilityError("engine 'hf': export_adapter() without LoRA adapters (lora.rank is 0)")
+        for name, t in self.adapters.tensors():
             yield name, t.detach()
 
     def save_hf(self, path: str | Path) -> None:
+        """An HF directory; with LoRA, the base model and the adapters in ``adapter/`` (rlcore.lora)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        if self.adapters is not None:
+            self.model.save_pretrained(path, state_dict=self.adapters.base_state())
+            self.adapters.save(path / ADAPTER_DIR)
+        else:
+            self.model.save_pretrained(path)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)
 
+    def save_merged(self, path: str | Path) -> None:
+        """With LoRA: the merged model as a plain HF directory (``lora.export_merged``; a rollout
+        that takes full weights starts from it)."""
+        if self.adapters is None:
+            return self.save_hf(path)
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, state_dict=self.adapters.merged_state())
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+        return None
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-        }
+        """The model's weights (with LoRA: the adapters only, the base is rebuilt from
+        ``engine.model``) and the optimizer's state."""
+        weights = adapter_state(self.adapters) if self.adapters is not None else {"model": self.model.state_dict()}
+        return {**weights, "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.adapters is not None:
+            load_adapter_state(self.adapters, state)
+        elif "model" not in state and "adapter" in state:
+            raise CheckpointError("the checkpoint holds LoRA adapters (trained with lora.rank > 0), but this run "
+                                  "fine-tunes the whole model: resume it with the checkpoint's lora.* settings")
+        else:
+            self.model.load_state_dict(state["model"])
         if state.get("optimizer") is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+
+
+class BaseWithoutAdapters:
+    """A LoRA policy's KL reference: the policy's own model with its adapters off, i.e. the frozen
+    base it started from (no second copy of the model). Everything but the forward is the policy's."""
+
+    def __init__(self, policy: HFEngine):
+        self.policy = policy
+        self.info = policy.info
+        self.device = policy.device
+        self.tokenizer = policy.tokenizer
+        self.capabilities = policy.capabilities
+
+    def forward(self, batch: PackedBatch, **kwargs: Any) -> EngineOutput:
+        with torch.no_grad(), self.policy.adapters.disabled():
+            return self.policy.forward(batch, **kwargs)
+
+    def head(self) -> HeadWeight:
+        return self.policy.head()
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        return iter(())  # the policy's own: nothing of its own to broadcast or train
+
+    def train(self, mode: bool = True) -> BaseWithoutAdapters:
+        return self
 
 
 class HFValueModel:
@@ -356,12 +420,13 @@ def build_hf_engine(ctx: Any) -> HFEngine:
 
     ecfg = ctx.config.engine
     device = run_device(ctx)
+    lora = ctx.config.lora if int(ctx.config.lora.rank) > 0 else None
     if ecfg.model.path:
         return HFEngine.from_pretrained(ecfg.model.path, device=device, dtype=ecfg.model.dtype,
-                                        attention=ecfg.attention)
+                                        attention=ecfg.attention, lora=lora)
     task = ctx.extras.get("task")
     words = task.vocab if task is not None else [str(i) for i in range(10)]
     tok = make_tokenizer(words, chat_template=getattr(task, "chat_template", None))  # data.train_files: a template
     check_hf_mtp(ecfg.model.tiny)
     model = make_tiny_model(ecfg.model.tiny, tok, ecfg.model.dtype)
-    return HFEngine(model, tok, device, ecfg.attention)
+    return HFEngine(model, tok, device, ecfg.attention, lora)

@@ -82,6 +82,13 @@ class Cap:
     IN_PLACE_LOAD = "in_place_load"
     #: drafts speculatively with the pushed policy's own first ``rollout.draft_depths`` MTP layers
     POLICY_MTP_DRAFTS = "policy_mtp_drafts"
+    #: applies delta pushes (``sync.delta``): ``begin_delta(version, base_version, unchanged)`` and
+    #: encoded tensors (:mod:`rlcore.delta`), refusing one whose base it does not hold (declared by
+    #: a launcher: the fleet of its replicas forwards them)
+    RECEIVE_DELTAS = "receive_deltas"
+    #: takes LoRA adapter pushes (``lora.push``): the adapter's tensors in PEFT's names over the base
+    #: it started from (:mod:`rlcore.lora`), not full weights
+    RECEIVE_ADAPTERS = "receive_adapters"
     #: loads pushed MTP layers in any model's layout (core's local backend builds them only in
     #: MiMo's layout over Qwen2, so it does not declare this)
     ANY_MTP_LAYOUT = "any_mtp_layout"
@@ -97,6 +104,8 @@ class Cap:
     FEEDS_REPLICAS = "feeds_replicas"
     #: lends the writer's parameter storages to colocated replicas instead of copying them out
     LENDS_STORAGE = "lends_storage"
+    #: can push only what changed since the receiver's version (``sync.delta``), verified as a full push
+    DELTA = "delta"
 
     # engine
     PACKED_THD = "packed_thd"  #: runs packed sequences without padding
@@ -117,6 +126,9 @@ class Cap:
     #: builds its model from core's ``engine.model`` (an HF directory or the tiny config), so core's
     #: preflight measures that model; an engine without it takes its model from its own settings
     ENGINE_MODEL = "engine_model"
+    #: trains LoRA adapters on a frozen base (``lora.rank`` > 0, :mod:`rlcore.lora`): the optimizer over
+    #: the adapters, the reference is the base with adapters off, ``export_adapter()`` yields them
+    LORA = "lora"
     #: builds MTP layers over an MoE model (``engine.model.tiny.mtp_layers`` on ``qwen2_moe``/``qwen3_moe``)
     MOE_MTP = "moe_mtp"
 
