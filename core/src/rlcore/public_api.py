@@ -52,6 +52,10 @@ PUBLIC_MODULES: dict[str, str] = {
     ),
     "rlcore.sync": ("for weight syncs: the bucket builder (`iter_buckets`), checksums (`tensor_checksum`) and the "
                     "sender's checksums summed by the bucket fills (`SentChecksums`)"),
+    "rlcore.lora": (
+        "for a rollout backend that takes LoRA adapter pushes: `pushes_adapter(config, capabilities)` (the trainer's "
+        "rule), `lora_on`, the adapter directory's names (`ADAPTER_DIR`, `ADAPTER_FILE`)"
+    ),
     "rlcore.rollout_seeds": (
         "for a rollout backend: the sampling seeds every backend uses, `base_seed(config)` and `CallSeeds`"
     ),

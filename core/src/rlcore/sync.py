@@ -36,7 +36,7 @@ from rlcore.checksums import ChecksumPlan, ChecksumSlots, tensor_checksum, warm_
 from rlcore.errors import BucketError, WeightSyncError
 
 __all__ = [
-    "Bucket", "ChecksumPlan", "ChecksumSlots", "LEVEL_CHECKS", "Phases", "SentChecksums", "TensorMeta",
+    "Bucket", "ChecksumPlan", "ChecksumSlots", "LEVEL_CHECKS", "PUSH_PHASES", "Phases", "SentChecksums", "TensorMeta",
     "WeightManifest", "iter_buckets", "prune_versions", "sync_level", "tensor_checksum", "verification_level",
     "verify_checksums", "warm_checksum_kernels",
 ]

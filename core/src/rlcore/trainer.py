@@ -97,7 +97,10 @@ class Trainer:
         self.wall_before = 0.0  # wall seconds of earlier (resumed) segments
         self.release_kv = False
         #: LoRA (rlcore.lora): pushes carry the adapters only, or full merged weights (a backend without adapters)
-        self.push_adapter = pushes_adapter(self.cfg, stack.rollout_backend.capabilities)
+        # what the backend has here: a declared capability with a gap in this config (rlcore-vllm's
+        # receive_adapters under vllm.mode=http) does not count, so auto merges there
+        self.push_adapter = pushes_adapter(self.cfg, {c for c in stack.rollout_backend.capabilities
+                                                      if stack.has("rollout_backend", c)})
         self.push_metrics: dict[str, float] = {}
         self.source: Any = None  # where the steps' samples come from (run() builds it)
         self.validation = Validation.from_run(self.cfg, built.task)  # validation.every_steps (rlcore/validation.py)

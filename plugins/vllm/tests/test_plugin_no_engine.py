@@ -83,7 +83,8 @@ def test_rlcore_check_reports_the_vllm_stack(tmp_path):
 
 def test_runtime_capabilities_by_platform():
     cpu = runtime_backend_capabilities(is_cpu=True, sleep_mode=True, routed_experts=True, speculative=False)
-    gpu = runtime_backend_capabilities(is_cpu=False, sleep_mode=True, routed_experts=True, speculative=True)
+    gpu = runtime_backend_capabilities(is_cpu=False, sleep_mode=True, routed_experts=True, speculative=True,
+                                       adapters=True)
     assert cpu == {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.REPLICA, Cap.ANY_MTP_LAYOUT}
     assert gpu == DECLARED_BACKEND_CAPABILITIES
     assert cpu <= DECLARED_BACKEND_CAPABILITIES
@@ -91,6 +92,7 @@ def test_runtime_capabilities_by_platform():
     for cap in (Cap.RELEASE_KV_CACHE, Cap.RELEASE_WEIGHTS, Cap.ROUTED_EXPERTS):
         assert reasons[cap] == CPU_LIMITS[cap]
     assert "speculative_config" in reasons[Cap.SPECULATIVE]
+    assert "started without LoRA" in reasons[Cap.RECEIVE_ADAPTERS]
     off = runtime_backend_capabilities(is_cpu=False, sleep_mode=False, routed_experts=False, speculative=False)
     assert "enable_sleep_mode" in missing_reasons(off, is_cpu=False)[Cap.RELEASE_KV_CACHE]
 
@@ -383,3 +385,69 @@ def test_tempered_logprobs_equal_the_softmax_at_that_temperature():
     assert needs_tempering(1e-6, 0.0, raw_logprobs=False)  # sent greedy: vLLM returns temperature 1
     assert needs_tempering(0.7, 0.7, raw_logprobs=True) and not needs_tempering(0.7, 0.7, raw_logprobs=False)
     assert not needs_tempering(1.0, 1.0, raw_logprobs=True)
+
+
+def test_lora_adapter_pushes_need_an_offline_engine_and_are_refused_by_name_elsewhere():
+    """lora.push=adapter with a vLLM mode that cannot load adapters is refused at config time, naming
+    the mode (core's rule on the backend's receive_adapters gap); auto then pushes merged weights."""
+    import types
+
+    from rlcore.errors import MissingCapabilityError
+    from rlcore.stack import load_stack
+    from rlcore_vllm.backend import build_backend
+
+    example = os.path.join(EXAMPLES, "vllm_tiny.yaml")
+    lora = ["lora.rank=8", "lora.push=adapter"]
+    stack = load_stack(example, lora)  # offline: loads adapters
+    assert Cap.RECEIVE_ADAPTERS not in stack.gaps["rollout_backend"]
+    assert build_backend(types.SimpleNamespace(config=stack.config, settings=stack.config.vllm,
+                                               output_dir=None)).lora.rank == 8
+    for override, message in [("vllm.mode=http", "vllm.mode=http"), ("vllm.speculative=mtp", "speculative draft")]:
+        with pytest.raises(MissingCapabilityError, match=f"receive_adapters.*lora.push='adapter'.*{message}"):
+            load_stack(os.path.join(EXAMPLES, "vllm_tiny_mtp.yaml") if "mtp" in override else example,
+                       [*lora, override] + (["plugins=[mtp,vllm]"] if "mtp" in override else []))
+    with pytest.raises(MissingCapabilityError, match="Ray fleet carries full weights"):
+        load_stack(example, ["plugins=[vllm,ray]", *RAY_REPLICAS, *lora])
+    # auto where adapters cannot load: merged pushes, and a start directory with adapters is refused
+    http = load_stack(example, ["lora.rank=8", "vllm.mode=http"]).config
+    backend = build_backend(types.SimpleNamespace(config=http, settings=http.vllm, output_dir=None))
+    assert backend.lora is None and "vllm.mode=http" in backend.adapter_refusal
+    assert build_backend(types.SimpleNamespace(config=stack.config, settings=stack.config.vllm,
+                                               output_dir=None)).adapter_refusal is None
+
+
+def test_lora_engine_arguments_and_what_vllm_must_hold():
+    from rlcore.sync import tensor_checksum
+    from rlcore_vllm.adapters import AdapterStore, adapter_scaling, expected_checksums, max_lora_rank
+
+    kw = engine_kwargs(VLLMSettings(), "/m", "float32", is_cpu=True, routed_experts=False, transport="shm",
+                       lora_rank=8)
+    assert {k: kw[k] for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras", "lora_dtype")} == \
+        {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 1, "lora_dtype": "auto"}
+    assert engine_kwargs(VLLMSettings(), "/m", "bfloat16", is_cpu=False, routed_experts=False, transport="shm",
+                         lora_rank=12)["lora_dtype"] == "bfloat16"
+    assert "enable_lora" not in engine_kwargs(VLLMSettings(), "/m", "float32", is_cpu=True, routed_experts=False,
+                                              transport="shm")
+    assert [max_lora_rank(r) for r in (1, 2, 8, 12, 64, 300)] == [1, 8, 8, 16, 64, 320]
+    with pytest.raises(Exception, match="up to rank 512"):
+        max_lora_rank(600)
+    assert adapter_scaling({"r": 8, "lora_alpha": 32}) == 4.0
+    assert adapter_scaling({"r": 16, "lora_alpha": 8, "use_rslora": True}) == 2.0
+    with pytest.raises(Exception, match="rank_pattern"):
+        adapter_scaling({"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 4}})
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    sums = expected_checksums({"x.lora_A.weight": a, "x.lora_B.weight": b}, 4.0)
+    assert sums == {"x.lora_A.weight": tensor_checksum(a), "x.lora_B.weight": tensor_checksum(b * 4.0)}
+    store = AdapterStore({"r": 8, "lora_alpha": 32})
+    try:
+        first = store.write(1, {"x.lora_A.weight": a})
+        second = store.write(2, {"x.lora_A.weight": a})
+        assert sorted(p.name for p in store.root.iterdir()) == ["v1", "v2"]  # no temporary left behind
+        assert json.loads((first / "adapter_config.json").read_text()) == {"r": 8, "lora_alpha": 32}
+        store.keep_only(second)
+        assert [p.name for p in store.root.iterdir()] == ["v2"]
+        if os.path.isdir("/dev/shm"):
+            assert str(store.root).startswith("/dev/shm/")
+    finally:
+        store.close()
+    assert not store.root.exists()

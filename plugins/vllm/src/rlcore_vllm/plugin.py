@@ -60,5 +60,6 @@ def weight_sync():
         backends={"vllm"},
         requires_backend={Cap.LOGPROBS},
         description="core buckets into vLLM: shared memory + layerwise reload (any platform), "
-                    "native NCCL/IPC weight transfer (GPU); checksums computed in the worker",
+                    "native NCCL/IPC weight transfer (GPU); LoRA adapter pushes into vLLM's LoRA (offline); "
+                    "checksums computed in the worker",
     )

@@ -36,6 +36,14 @@ Transports (``vllm.transport``):
   (:mod:`rlcore_vllm.native`). These engines return nothing per chunk, so verification compares
   the engine's prompt log-probs on a probe sequence with the training engine's (level ``probe``).
 
+LoRA adapter pushes (``lora.rank`` > 0, the backend started with adapters: :mod:`rlcore_vllm.adapters`)
+go another way, whatever the transport: the adapter tensors are checked against the engine's adapter
+(names, shapes, complete), cast to its LoRA dtype, written as a PEFT adapter directory in shared
+memory and loaded by vLLM's ``LLMEngine.add_lora``; each worker then reports what it holds of the
+adapter, as registered and in the stacked buffers' slot the forward reads, and every tensor's
+checksum must equal the trainer's (``coverage+exact``) before the version is served and the older
+adapter leaves vLLM. ``sync_bytes`` is the adapter's bytes in the LoRA dtype.
+
 A push that fails at any point raises :class:`~rlcore.errors.WeightSyncError` with
 ``receiver_version=None`` and leaves the backend marked as holding unknown weights: it refuses to
 generate until a later push succeeds; with ``shm`` the engine's workers refuse too, for any caller
@@ -55,6 +63,7 @@ from typing import Any
 from rlcore.errors import ConfigError, WeightSyncError
 from rlcore.sync import (
     LEVEL_CHECKS,
+    PUSH_PHASES,
     Bucket,
     Phases,
     SentChecksums,
@@ -65,6 +74,7 @@ from rlcore.sync import (
 from rlcore.types import Cap, SyncReport
 
 from rlcore_vllm import native
+from rlcore_vllm.adapters import check_held, expected_checksums
 from rlcore_vllm.backend import VLLMBackend
 from rlcore_vllm.broadcast import BroadcastGroup, tensors_extent
 from rlcore_vllm.bucket_requests import (
@@ -130,11 +140,14 @@ class VLLMWeightSync:
             raise WeightSyncError("vllm.transport 'broadcast' feeds Ray rollout replicas only (cluster.backend=ray)",
                                   receiver_version=None)
         before = target.weight_version
+        kind = "adapter" if target.lora is not None else self.transport
         t0 = time.perf_counter()
         target.begin_push(version)
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
         try:
-            if self.transport in ("shm", "cuda_ipc"):
+            if target.lora is not None:
+                checked, details = self._push_adapter(weights, target, version, stats)
+            elif self.transport in ("shm", "cuda_ipc"):
                 checked, details = self._push_shm(weights, target, version, stats)
             elif self.transport == "mapped":
                 checked, details = self._push_mapped(weights, target, version, stats)
@@ -143,7 +156,7 @@ class VLLMWeightSync:
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             target.fail_push(reason)
-            msg = (f"vllm {self.transport} push of version {version} failed after {stats['buckets']} bucket(s): "
+            msg = (f"vllm {kind} push of version {version} failed after {stats['buckets']} bucket(s): "
                    f"{reason}. The engine held version {before} before; it may now hold a mix of versions, so it "
                    f"refuses to generate until a push succeeds")
             raise WeightSyncError(msg, receiver_version=None) from exc
@@ -151,7 +164,7 @@ class VLLMWeightSync:
         pending = bool(details.get("probe_pending"))
         details.setdefault("level", verification_level(*details.pop("checks", [])))
         return SyncReport(version, stats["tensors"], stats["buckets"], stats["bytes"], time.perf_counter() - t0,
-                          verified=self.verify and not pending, checked=checked, method=f"vllm-{self.transport}",
+                          verified=self.verify and not pending, checked=checked, method=f"vllm-{kind}",
                           details=details)
 
     def finalize(self, target: Any, report: SyncReport) -> SyncReport:
@@ -286,6 +299,45 @@ class VLLMWeightSync:
                 details["direct_refused"] = next((r["reason"] for r in reports if r.get("reason")),
                                                  "a worker did not take the direct copies")
         return (len(sent) if self.verify else 0), details
+
+    def _push_adapter(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
+        """A LoRA adapter push (module docstring): one directory, one load, every worker read back."""
+        import torch
+
+        phases = dict.fromkeys(PUSH_PHASES, 0.0)
+        t = time.perf_counter()
+        dtype = getattr(torch, target.dtype)
+        # refused before anything is written: an unknown name, another shape, a partial push
+        tensors = {n: v.detach().to("cpu", dtype).contiguous() for n, v in target.adapter_manifest.checked(weights)}
+        phases["copy"] += time.perf_counter() - t
+        t = time.perf_counter()
+        expected = expected_checksums(tensors, target.adapter_scaling) if self.verify else None
+        phases["sender_checksum"] = time.perf_counter() - t
+        t = time.perf_counter()
+        path = target.adapter_store.write(version, tensors)
+        lora_id = None
+        try:
+            lora_id = target.load_adapter(version, path)
+            phases["copy"] += time.perf_counter() - t
+            t = time.perf_counter()
+            held = check_held({n: tuple(v.shape) for n, v in tensors.items()}, expected, target.dtype,
+                              target.adapter_report(lora_id))
+            phases["receiver_checksum"] = time.perf_counter() - t
+        except BaseException:
+            target.discard_adapter(lora_id, path)
+            raise
+        t = time.perf_counter()
+        target.commit_adapter(version, lora_id)  # served from the next request; the older adapter leaves vLLM
+        phases["commit"] = time.perf_counter() - t
+        stats.update(bytes=sum(v.numel() * v.element_size() for v in tensors.values()), tensors=len(tensors),
+                     buckets=1)
+        details = {"checks": held["checks"], "phases": phases, "adapter_dir": str(path), "lora_id": lora_id,
+                   "lora_dtype": target.dtype, "lora_scaling": target.adapter_scaling,
+                   "compared": (f"vLLM's registered adapter and its slot of the stacked LoRA buffers, against the "
+                                f"trainer's tensors cast to {target.dtype}, lora_B times the scaling "
+                                f"{target.adapter_scaling:g} (vLLM folds it into lora_B)"),
+                   "slot_read": held["slot_read"], "slot_unreadable": held["slot_unreadable"]}
+        return (len(tensors) if self.verify else 0), details
 
     def _push_mapped(self, weights, target, version: int, stats: dict[str, int]) -> tuple[int, dict[str, Any]]:
         """``vllm.transport: mapped``: a loader push that learns the direct copies until the worker

@@ -35,6 +35,9 @@ With MTP speculative decoding the engine has a second model, the draft
 its own layerwise reload (:mod:`rlcore_vllm.worker_draft`), its coverage is checked at finish, it
 is guarded like the target while an update is active, and the worker reports its weight version.
 
+LoRA adapter pushes (:mod:`rlcore_vllm.adapters`) are loaded by vLLM itself (``add_lora``);
+``rlcore_adapter_report`` reads back what a worker holds of an adapter for their verification.
+
 This module is imported in the worker processes; it imports vLLM at module level on purpose.
 """
 
@@ -529,6 +532,17 @@ class RLCoreWorkerExtension:
             self._rlcore_guard(True, f"is partial or failed: {reason}")
         coverage: ParameterCoverage | None = state["coverage"]
         return {"was_active": was_active, "loaded": len(coverage.reached) if coverage is not None else 0}
+
+    def rlcore_adapter_report(self, request: str) -> dict:
+        """What this worker holds of a LoRA adapter (``{"lora_id": id}``): its tensors as vLLM
+        registered them and in the stacked buffers' slot (:func:`rlcore_vllm.adapters.held_adapter`)."""
+        from rlcore_vllm.adapters import held_adapter
+
+        manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)
+        if manager is None:
+            raise RuntimeError("rlcore: this vLLM worker has no LoRA manager (the engine was started without "
+                               "enable_lora)")
+        return held_adapter(manager, int(json.loads(request)["lora_id"]))
 
     def rlcore_close_segments(self, request: str) -> dict:
         paths = json.loads(request)["paths"]
