@@ -192,6 +192,11 @@ class OfflineEngine:
         if in_process:
             _LIVE_INPROC_ENGINES.append(self)
 
+    def _lora(self) -> dict[str, Any]:
+        """The ``lora_request`` argument of a request, only when there is one (an engine without LoRA
+        gets the call it always got)."""
+        return {} if self.lora_request is None else {"lora_request": self.lora_request}
+
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self.watch.dead:
             raise RolloutError(self.watch.dead)
@@ -215,7 +220,7 @@ class OfflineEngine:
             params = [SamplingParams(detokenize=False, **flat, **{**sp, "seed": int(seed)}) for seed in seeds]
         t0 = time.perf_counter()
         outs = self._call(self.llm.generate, [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False,
-                          lora_request=self.lora_request)
+                          **self._lora())
         t1 = time.perf_counter()
         result = []
         for out in outs:
@@ -241,7 +246,7 @@ class OfflineEngine:
             if not self._live:
                 out = self._call(self.llm.generate, [{"prompt_token_ids": ids}],
                                  SamplingParams(detokenize=False, **probe), use_tqdm=False,
-                                 lora_request=self.lora_request)[0]
+                                 **self._lora())[0]
                 return [float(entry[tok].logprob) for tok, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
         request = self.submit(ids, probe)  # partial rollouts live in the engine: step beside them
         while not self.finished(request):
@@ -260,7 +265,7 @@ class OfflineEngine:
         params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **self.flat_logprobs, **sp)
         with self.lock:
             self._call(self.llm.llm_engine.add_request, request, {"prompt_token_ids": list(prompt)}, params,
-                       lora_request=self.lora_request)
+                       **self._lora())
             self._live[request] = None
         return request
 
