@@ -43,6 +43,14 @@ def _rollout(model_dir, update="staged") -> LocalRollout:
     return b
 
 
+
+def _after_a_full_push(model_dir, trainer) -> tuple[LocalRollout, InprocSync]:
+    """A rollout holding version 1 (its first push, full) and the delta sync that pushed it."""
+    backend = _rollout(model_dir)
+    sync = InprocSync(BUCKET, delta=DeltaEncoder(full_every=0))
+    sync.push(list(trainer.items()), backend, 1)
+    return backend, sync
+
 def _step(weights: dict[str, torch.Tensor], step: int) -> None:
     """A sparse update: one row of a third of the matrices, three elements of another third, the
     rest untouched (as most of a bf16 model at an RL learning rate)."""
@@ -113,9 +121,7 @@ class _Tampering(_Wrapped):
 
 
 def test_a_corrupted_delta_fails_exact_naming_the_tensor_and_the_next_push_is_full(model_dir, trainer):
-    backend = _rollout(model_dir)
-    sync = InprocSync(BUCKET, delta=DeltaEncoder(full_every=0))
-    sync.push(list(trainer.items()), backend, 1)
+    backend, sync = _after_a_full_push(model_dir, trainer)
     _step(trainer, 2)
     wire = _Tampering(backend)
     with pytest.raises(errors.WeightSyncError, match=r"differ on the receiver") as info:
@@ -129,9 +135,7 @@ def test_a_corrupted_delta_fails_exact_naming_the_tensor_and_the_next_push_is_fu
 
 
 def test_an_index_out_of_range_is_refused_before_anything_lands(model_dir, trainer):
-    backend = _rollout(model_dir)
-    sync = InprocSync(BUCKET, delta=DeltaEncoder(full_every=0))
-    sync.push(list(trainer.items()), backend, 1)
+    backend, sync = _after_a_full_push(model_dir, trainer)
     before = backend.weight_checksums()
     _step(trainer, 2)
     wire = _Tampering(backend, part=".index")
@@ -151,9 +155,7 @@ class _DroppingIndices(_Wrapped):
 
 
 def test_a_delta_whose_indices_never_came_is_refused_at_commit(model_dir, trainer):
-    backend = _rollout(model_dir)
-    sync = InprocSync(BUCKET, delta=DeltaEncoder(full_every=0))
-    sync.push(list(trainer.items()), backend, 1)
+    backend, sync = _after_a_full_push(model_dir, trainer)
     _step(trainer, 2)
     with pytest.raises(errors.WeightSyncError, match=r"without their index or values.*model\.") as info:
         sync.push(list(trainer.items()), _DroppingIndices(backend), 2)
@@ -173,9 +175,7 @@ class _Lagging(_Wrapped):
 
 
 def test_a_lost_delta_is_refused_naming_both_versions_and_the_next_push_is_full(model_dir, trainer, tmp_path):
-    backend = _rollout(model_dir)
-    sync = InprocSync(BUCKET, delta=DeltaEncoder(full_every=0))
-    sync.push(list(trainer.items()), backend, 1)
+    backend, sync = _after_a_full_push(model_dir, trainer)
     _step(trainer, 2)
     DiskSync(tmp_path / "disk", BUCKET).push(list(trainer.items()), backend, 2)  # a push the encoder missed
     before = backend.weight_checksums()

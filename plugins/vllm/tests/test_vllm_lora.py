@@ -63,13 +63,18 @@ def max_diff_against_peft(backend: VLLMBackend, model) -> float:
     return worst
 
 
+def _started(base, lora, *, multiprocessing: bool, dtype: str):
+    """An offline engine on ``base`` serving adapter pushes (``lora``) from version 0, and its sync."""
+    backend = VLLMBackend(VLLMSettings(multiprocessing=multiprocessing, max_model_len=256, kv_cache_gib=0.25),
+                          dtype=dtype, seed=0)
+    backend.lora = lora
+    backend.start(str(base), version=0)
+    return backend, VLLMWeightSync(1 << 20, transport="shm")
+
+
 def test_adapter_pushes_load_verify_and_serve_each_version(lora_model):
     base, model, adapters = lora_model
-    backend = VLLMBackend(VLLMSettings(multiprocessing=False, max_model_len=256, kv_cache_gib=0.25),
-                          dtype="float32", seed=0)
-    backend.lora = LORA
-    backend.start(str(base), version=0)
-    sync = VLLMWeightSync(1 << 20, transport="shm")
+    backend, sync = _started(base, LORA, multiprocessing=False, dtype="float32")
     try:
         assert Cap.RECEIVE_ADAPTERS in backend.capabilities()
         kw = backend.engine.llm.llm_engine.vllm_config.lora_config
@@ -139,11 +144,7 @@ def test_adapter_pushes_into_a_multiprocess_engine(lora_model):
     """vLLM's default engine-core and worker processes: add_lora and the worker's report cross them."""
     base, model, adapters = lora_model
     _randomize(adapters, 0)  # the start adapter saved in policy_hf/adapter
-    backend = VLLMBackend(VLLMSettings(multiprocessing=True, max_model_len=256, kv_cache_gib=0.25),
-                          dtype="float32", seed=0)
-    backend.lora = LORA
-    backend.start(str(base), version=0)
-    sync = VLLMWeightSync(1 << 20, transport="shm")
+    backend, sync = _started(base, LORA, multiprocessing=True, dtype="float32")
     try:
         assert max_diff_against_peft(backend, model) < 1e-5
         _randomize(adapters, 11)
@@ -166,11 +167,7 @@ def test_bfloat16_engine_holds_the_fp32_adapters_rounded_once(tmp_path):
     adapters = Adapters(model, settings)
     _randomize(adapters, 0)
     adapters.save(base / ADAPTER_DIR)
-    backend = VLLMBackend(VLLMSettings(multiprocessing=False, max_model_len=256, kv_cache_gib=0.25),
-                          dtype="bfloat16", seed=0)
-    backend.lora = settings
-    backend.start(str(base), version=0)
-    sync = VLLMWeightSync(1 << 20, transport="shm")
+    backend, sync = _started(base, settings, multiprocessing=False, dtype="bfloat16")
     try:
         assert backend.engine.llm.llm_engine.vllm_config.lora_config.lora_dtype == torch.bfloat16
         _randomize(adapters, 1)
